@@ -1,0 +1,1684 @@
+"""
+overlap_engine: a single-file LLM serving engine built around an overlap scheduler.
+
+While the device runs batch n, the host commits batch n-1 and plans batch n+1. A FutureMap hands
+each sampled token to the next step on the device, keyed by request-pool row; results are committed
+one step late, and snapshots (ScheduleBatch.copy), overshoot handling and stream-ordered reuse of KV
+memory keep the tokens exactly those of the plain serial loop.
+
+It is a reference to read, not a production server: one process, one device, Llama-family models,
+no tensor parallelism, no speculative decoding, no CUDA graphs. Every value has four moments:
+planned -> in-flight -> materialized (in the FutureMap, usable by the next step) -> committed
+(read by the host, appended to Req.output_ids). Most of the code is about not mixing them up.
+
+References: SGLang v0.4 "zero-overhead batch scheduler" (event_loop_overlap, FutureMap),
+NanoFlow (intra-device pipelining of host and device work).
+
+    python overlap_engine.py --model-path path/to/llama_dir --prompt "Hello"
+    python -m pytest -q test_overlap_engine.py
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import heapq
+import itertools
+import json
+import math
+import os
+import queue
+import random
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class ServerArgs:
+    """Engine arguments; names follow SGLang's server arguments (dashes on the command line)."""
+    model_path: Optional[str] = None       # HF Llama directory or a .gguf file; None -> default model
+    disable_overlap_schedule: bool = False  # True -> event_loop_normal (plan, run, wait, commit)
+    device: str = "auto"                    # auto | cpu | cuda
+    dtype: str = "auto"                     # auto | float32 | bfloat16 | float16 | float64
+    attention_backend: str = "auto"         # auto (triton on CUDA, torch on CPU) | torch | triton
+    max_total_tokens: Optional[int] = None  # KV pool slots; None -> 16384 on CPU, from free memory on CUDA
+    max_running_requests: int = 64          # request-pool rows (requests in the running batch)
+    max_prefill_tokens: int = 8192          # token budget of one prefill batch
+    chunked_prefill_size: int = 2048        # longest prefill chunk of one request; -1 disables chunking
+    disable_radix_cache: bool = False       # no prefix sharing; KV is freed at finish
+    schedule_policy: str = "lpm"            # lpm (longest prefix match first) | fcfs
+    random_seed: int = 0                    # seeds requests that give no sampling_seed
+    context_length: Optional[int] = None    # None -> the model's max_position_embeddings
+    debug_future_map: bool = False          # assert each FutureMap row is published before it is read
+    mem_fraction_static: float = 0.8        # CUDA: fraction of free memory given to weights + KV pool
+    worker_jitter_ms: float = 0.0           # tests: the CPU device worker sleeps up to this at random points
+
+    def __post_init__(self):
+        choices = {"device": ("auto", "cpu", "cuda"), "attention_backend": ("auto", "torch", "triton"),
+                   "dtype": ("auto", "float32", "bfloat16", "float16", "float64"),
+                   "schedule_policy": ("lpm", "fcfs")}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{key}={getattr(self, key)!r} is not one of {allowed}")
+        for key in ("max_running_requests", "max_prefill_tokens"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise ValueError(f"{key} must be a positive integer, got {getattr(self, key)!r}")
+        if self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be positive or -1, got {self.chunked_prefill_size!r}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 2:
+            raise ValueError(f"max_total_tokens must be at least 2, got {self.max_total_tokens!r}")
+        if os.environ.get("OVERLAP_ENGINE_DEBUG", "") not in ("", "0"):
+            self.debug_future_map = True
+
+
+@dataclass
+class ModelConfig:
+    """The Llama hyper-parameters the model needs, read from an HF config.json dict."""
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None     # {"rope_type": "llama3", "factor": ..., ...} or None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple = ()
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        rope = cfg.get("rope_parameters") or {}  # transformers 5 nests rope_theta and the scaling here
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        eos = cfg.get("eos_token_id")
+        eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        n_heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=n_heads, num_key_value_heads=cfg.get("num_key_value_heads", n_heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)), rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoint loading
+
+
+class Tokenizer:
+    """A thin wrapper over `tokenizers.Tokenizer`: encode adds no special tokens; decode keeps none."""
+
+    def __init__(self, tk, eos_token_ids=(), bos_token=None, eos_token=None, chat_template=None):
+        self.tk, self.eos_token_ids = tk, tuple(eos_token_ids)
+        self.bos_token, self.eos_token, self.chat_template = bos_token, eos_token, chat_template
+
+    def encode(self, text: str) -> list[int]:
+        return self.tk.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.tk.decode(list(ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Renders a conversation with the model's chat template (jinja2, as transformers does)."""
+        import jinja2.sandbox
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(msg):
+            raise jinja2.exceptions.TemplateError(msg)
+        env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+def load_hf_dir(path: str) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
+    """Reads config.json, (sharded) safetensors and tokenizer.json from an HF Llama directory."""
+    from safetensors.torch import load_file
+    with open(os.path.join(path, "config.json")) as f:
+        hf_cfg = json.load(f)
+    cfg = ModelConfig.from_hf(hf_cfg)
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        shards = ["model.safetensors"]
+    state = {}
+    for shard in shards:
+        state.update(load_file(os.path.join(path, shard)))
+    gen_cfg = os.path.join(path, "generation_config.json")
+    if os.path.exists(gen_cfg):  # generation_config may list more EOS ids (e.g. Llama 3's <|eot_id|>)
+        with open(gen_cfg) as f:
+            eos = json.load(f).get("eos_token_id")
+        eos = [eos] if isinstance(eos, int) else (eos or [])
+        cfg.eos_token_ids = tuple(dict.fromkeys(list(cfg.eos_token_ids) + eos))
+    return cfg, state, load_hf_tokenizer(path, cfg)
+
+
+def load_hf_tokenizer(path: str, cfg: ModelConfig) -> Optional[Tokenizer]:
+    tok_file = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(tok_file):
+        return None
+    from tokenizers import Tokenizer as HFTokenizer
+    tk_cfg, template = {}, None
+    if os.path.exists(os.path.join(path, "tokenizer_config.json")):
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            tk_cfg = json.load(f)
+        template = tk_cfg.get("chat_template")
+    if os.path.exists(os.path.join(path, "chat_template.jinja")):
+        with open(os.path.join(path, "chat_template.jinja")) as f:
+            template = f.read()
+    token_str = lambda t: t.get("content") if isinstance(t, dict) else t  # noqa: E731
+    return Tokenizer(HFTokenizer.from_file(tok_file), cfg.eos_token_ids,
+                     token_str(tk_cfg.get("bos_token")), token_str(tk_cfg.get("eos_token")), template)
+
+
+def load_checkpoint(path: str) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
+    if path.endswith(".gguf"):
+        return load_gguf_checkpoint(path)
+    if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
+        raise ValueError(f"model_path={path!r} is neither a .gguf file nor a directory with config.json")
+    return load_hf_dir(path)
+
+
+def load_gguf_checkpoint(path: str):
+    raise ValueError(f"model_path={path!r}: GGUF loading is not available yet")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model: Llama (math only; attention reads and writes the paged KV pool through the backend)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x if x.dtype == torch.float64 else x.float()  # half precision normalises in fp32, like HF
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig, dtype=torch.float64) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,), with Llama 3's wavelength-dependent scaling if configured."""
+    D = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    sc = cfg.rope_scaling
+    if sc and sc.get("rope_type", sc.get("type")) == "llama3":
+        factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+        old_len = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - lo) / (hi - lo)  # 0 at the low-frequency edge, 1 at the high one
+        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / lo) & (wavelen >= old_len / hi)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    return inv_freq.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (N, H, D); cos, sin: (N, 1, D). HF layout: rotate the two halves of the head dimension.
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.layer_id, self.H, self.Hkv, self.D = layer_id, H, Hkv, D
+        self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=False)
+        self.o_proj = nn.Linear(H * D, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, attn) -> torch.Tensor:
+        N = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(N, self.H, self.D), cos, sin)    # (N, H, D)
+        k = apply_rope(self.k_proj(x).view(N, self.Hkv, self.D), cos, sin)  # (N, Hkv, D)
+        v = self.v_proj(x).view(N, self.Hkv, self.D)                        # (N, Hkv, D)
+        o = attn.forward(q, k, v, self.layer_id)                            # (N, H, D)
+        return self.o_proj(o.reshape(N, self.H * self.D))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.self_attn, self.mlp, self.eps = LlamaAttention(cfg, layer_id), LlamaMLP(cfg), cfg.rms_norm_eps
+        self.input_layernorm = nn.Module()
+        self.input_layernorm.weight = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.post_attention_layernorm = nn.Module()
+        self.post_attention_layernorm.weight = nn.Parameter(torch.ones(cfg.hidden_size))
+
+    def forward(self, x, cos, sin, attn):
+        x = x + self.self_attn(rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin, attn)
+        return x + self.mlp(rms_norm(x, self.post_attention_layernorm.weight, self.eps))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names follow HF (model.layers.N.self_attn.q_proj.weight ...) so state dicts load as is."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.model.norm = nn.Module()
+        self.model.norm.weight = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @torch.no_grad()
+    def forward(self, input_ids, positions, attn, logit_rows) -> torch.Tensor:
+        """input_ids, positions: (N,) flat tokens of the batch; returns logits (len(logit_rows), vocab)."""
+        x = self.model.embed_tokens(input_ids)                                  # (N, hidden)
+        ang = positions[:, None].to(self.inv_freq.dtype) * self.inv_freq[None]  # (N, D/2)
+        ang = torch.cat((ang, ang), dim=-1)[:, None, :]                         # (N, 1, D)
+        cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attn)
+        x = rms_norm(x[logit_rows], self.model.norm.weight, self.cfg.rms_norm_eps)
+        return self.lm_head(x)
+
+
+def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    state = dict(state)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in state:
+        raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+    missing = set(model.state_dict()) - set(state)
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if k in model.state_dict()}
+    model.load_state_dict(state, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(cfg, torch.float64 if dtype == torch.float64 else torch.float32).to(device)
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------------------------------
+# KV memory: request rows, KV slots, and the attention backends that read them
+
+
+class ReqToTokenPool:
+    """One row per running request: position -> KV slot.
+
+    `req_to_token` lives on the device and is written only by steps on the device stream, so a row
+    freed at commit time can be handed to a new request at once: any step that still reads the old
+    contents was launched earlier and runs first (stream order). The host keeps its own mirror,
+    `req_to_token_host`, which it reads and writes while planning.
+    """
+
+    def __init__(self, size: int, max_context_len: int, device: str):
+        self.size = size
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)  # (rows, ctx)
+        self.req_to_token_host = torch.zeros((size, max_context_len), dtype=torch.int64)          # (rows, ctx)
+        self.free_slots = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self) -> Optional[int]:
+        return self.free_slots.pop(0) if self.free_slots else None
+
+    def free(self, row: int):
+        assert row not in self.free_slots, f"double free of request row {row}"
+        self.free_slots.append(row)
+
+
+class TokenToKVPool:
+    """Per-layer K and V buffers indexed by slot, and a free list of slots. Slot 0 is a dummy."""
+
+    def __init__(self, size: int, cfg: ModelConfig, dtype: torch.dtype, device: str):
+        self.size = size
+        shape = (size + 1, cfg.num_key_value_heads, cfg.head_dim)  # (num_slots, n_kv_heads, head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.free_slots = torch.arange(1, size + 1, dtype=torch.int64)  # host tensor: slicing is O(1)
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, n: int) -> Optional[torch.Tensor]:
+        if n > len(self.free_slots):
+            return None
+        out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        return out
+
+    def free(self, slots: torch.Tensor):
+        if slots.numel():
+            self.free_slots = torch.cat((self.free_slots, slots))
+
+
+@dataclass
+class ForwardMetadata:
+    """What attention needs for one step, already on the device (built inside the step)."""
+    mode: str                       # "extend" | "decode"
+    req_pool_indices: torch.Tensor  # (B,)
+    seq_lens: torch.Tensor          # (B,) lengths after this step
+    out_cache_loc: torch.Tensor     # (N,) slots this step writes
+    seq_lens_cpu: list              # host copies: known at plan time, so reading them costs no sync
+    prefix_lens_cpu: list
+    extend_lens_cpu: list
+
+
+class TorchAttnBackend:
+    """Plain-torch paged attention: decode is batched (padded gather); extend loops over requests."""
+
+    def __init__(self, kv_pool: TokenToKVPool, req_to_token_pool: ReqToTokenPool):
+        self.kv, self.rtp, self.meta = kv_pool, req_to_token_pool, None
+
+    def init_forward_metadata(self, meta: ForwardMetadata):
+        self.meta = meta
+        if meta.mode == "decode":
+            L = max(meta.seq_lens_cpu)
+            rt = self.rtp.req_to_token[meta.req_pool_indices, :L].long()    # (B, L) slots
+            self.decode_slots = rt
+            self.decode_mask = torch.arange(L, device=rt.device)[None] < meta.seq_lens[:, None]  # (B, L)
+
+    def forward(self, q, k, v, layer_id: int) -> torch.Tensor:
+        m = self.meta
+        self.kv.k_buffer[layer_id][m.out_cache_loc] = k
+        self.kv.v_buffer[layer_id][m.out_cache_loc] = v
+        if m.mode == "decode":
+            return self._decode(q, layer_id)
+        return self._extend(q, layer_id)
+
+    def _decode(self, q, layer_id):
+        B, H, D = q.shape
+        kc = self.kv.k_buffer[layer_id][self.decode_slots]  # (B, L, Hkv, D)
+        vc = self.kv.v_buffer[layer_id][self.decode_slots]  # (B, L, Hkv, D)
+        Hkv = kc.shape[2]
+        qg = q.view(B, Hkv, H // Hkv, D)                    # (B, Hkv, G, D): GQA groups share a KV head
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        s = torch.einsum("bhgd,blhd->bhgl", qg.to(acc), kc.to(acc)) / math.sqrt(D)
+        s = s.masked_fill(~self.decode_mask[:, None, None, :], float("-inf"))
+        o = torch.einsum("bhgl,blhd->bhgd", s.softmax(-1), vc.to(acc))
+        return o.reshape(B, H, D).to(q.dtype)
+
+    def _extend(self, q, layer_id):
+        m, out, start = self.meta, torch.empty_like(q), 0
+        for i, (pre, ext) in enumerate(zip(m.prefix_lens_cpu, m.extend_lens_cpu)):
+            slots = self.rtp.req_to_token[m.req_pool_indices[i], :pre + ext].long()
+            out[start:start + ext] = causal_attention(q[start:start + ext], self.kv.k_buffer[layer_id][slots],
+                                                      self.kv.v_buffer[layer_id][slots], pre)
+            start += ext
+        return out
+
+
+def causal_attention(q, k, v, prefix_len: int) -> torch.Tensor:
+    """q: (T, H, D) new tokens at positions prefix_len..; k, v: (prefix_len + T, Hkv, D)."""
+    T, H, D = q.shape
+    S, Hkv = k.shape[0], k.shape[1]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qg = q.view(T, Hkv, H // Hkv, D).to(acc)                                  # (T, Hkv, G, D)
+    s = torch.einsum("thgd,shd->hgts", qg, k.to(acc)) / math.sqrt(D)          # (Hkv, G, T, S)
+    visible = torch.arange(S, device=q.device)[None] <= (prefix_len + torch.arange(T, device=q.device))[:, None]
+    s = s.masked_fill(~visible, float("-inf"))
+    o = torch.einsum("hgts,shd->thgd", s.softmax(-1), v.to(acc))              # (T, Hkv, G, D)
+    return o.reshape(T, H, D).to(q.dtype)
+
+
+class TritonAttnBackend(TorchAttnBackend):
+    """Attention through kernels.py (split-K decode, extend over the cached prefix, KV store)."""
+
+    def __init__(self, kv_pool, req_to_token_pool):
+        super().__init__(kv_pool, req_to_token_pool)
+        import kernels  # imported late: triton is only needed by this backend
+        self.kernels = kernels
+
+    def init_forward_metadata(self, meta: ForwardMetadata):
+        self.meta = meta
+        if meta.mode == "extend":
+            dev = meta.seq_lens.device
+            self.prefix_lens = torch.tensor(meta.prefix_lens_cpu, dtype=torch.int32, device=dev)  # (B,)
+            self.extend_lens = torch.tensor(meta.extend_lens_cpu, dtype=torch.int32, device=dev)  # (B,)
+
+    def forward(self, q, k, v, layer_id: int) -> torch.Tensor:
+        m, kb, vb = self.meta, self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id]
+        self.kernels.store_kv(kb, vb, m.out_cache_loc, k, v)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        if m.mode == "decode":
+            return self.kernels.decode_attention(q, kb, vb, self.rtp.req_to_token, m.req_pool_indices,
+                                                 m.seq_lens, scale)
+        return self.kernels.extend_attention(q, kb, vb, self.rtp.req_to_token, m.req_pool_indices,
+                                             self.prefix_lens, self.extend_lens, scale)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Radix cache: a token-level prefix tree over KV slots
+
+
+class TreeNode:
+    _counter = itertools.count()
+
+    def __init__(self, parent=None, key=(), value=None):
+        self.parent, self.key, self.value = parent, list(key), value  # value: (len(key),) host slots
+        self.children: dict[int, TreeNode] = {}                       # first token of the child's key -> child
+        self.lock_ref, self.last_access = 0, next(TreeNode._counter)  # a logical clock: deterministic LRU
+
+
+def common_prefix_len(a, b) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class RadixCache:
+    """Maps token prefixes to the KV slots that hold them, so requests that share a prefix share KV.
+
+    A node locked by a running request (lock_ref > 0, counted up to the root) is protected; unlocked
+    leaves are evictable, least recently used first. Slots in the tree belong to the tree, not to a request.
+    """
+
+    def __init__(self, kv_pool: TokenToKVPool, disable: bool = False):
+        self.kv_pool, self.disable = kv_pool, disable
+        self.root = TreeNode(key=(), value=torch.empty(0, dtype=torch.int64))
+        self.root.lock_ref = 1  # the root is never evicted
+        self.evictable_size_, self.protected_size_ = 0, 0
+
+    def match_prefix(self, key: list) -> tuple[torch.Tensor, TreeNode]:
+        """Longest cached prefix of key: (its slots, the node where it ends). Splits a node on a partial match."""
+        node, values, key = self.root, [], list(key)
+        if self.disable:
+            return torch.empty(0, dtype=torch.int64), node
+        while key and key[0] in node.children:
+            child = node.children[key[0]]
+            child.last_access = next(TreeNode._counter)
+            n = common_prefix_len(child.key, key)
+            if n < len(child.key):
+                child = self._split(child, n)
+            values.append(child.value)
+            node, key = child, key[n:]
+        return (torch.cat(values) if values else torch.empty(0, dtype=torch.int64)), node
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """child.key[:n] becomes a new parent of child; returns the new node."""
+        mid = TreeNode(child.parent, child.key[:n], child.value[:n])
+        mid.lock_ref, mid.last_access = child.lock_ref, child.last_access
+        mid.children = {child.key[n]: child}
+        child.parent.children[child.key[0]] = mid
+        child.parent, child.key, child.value = mid, child.key[n:], child.value[n:]
+        return mid
+
+    def insert(self, key: list, value: torch.Tensor) -> int:
+        """Inserts key -> value; returns how many leading tokens were already cached (their slots are not taken)."""
+        if self.disable:
+            return 0
+        node, key, done = self.root, list(key), 0
+        while key:
+            child = node.children.get(key[0])
+            if child is None:
+                new = TreeNode(node, key, value[done:].clone())
+                node.children[key[0]] = new
+                self.evictable_size_ += len(key)
+                return done
+            child.last_access = next(TreeNode._counter)
+            n = common_prefix_len(child.key, key)
+            if n < len(child.key):
+                child = self._split(child, n)
+            node, key, done = child, key[n:], done + n
+        return done
+
+    def inc_lock_ref(self, node: TreeNode):
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_size_ -= len(node.key)
+                self.protected_size_ += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode):
+        while node is not self.root:
+            assert node.lock_ref > 0, "lock_ref underflow"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.evictable_size_ += len(node.key)
+                self.protected_size_ -= len(node.key)
+            node = node.parent
+
+    def evict(self, num_tokens: int) -> int:
+        """Frees at least num_tokens slots from unlocked leaves, least recently used first (if it can)."""
+        leaves = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(leaves)
+        freed = 0
+        while freed < num_tokens and leaves:
+            _, _, node = heapq.heappop(leaves)
+            self.kv_pool.free(node.value)
+            freed += len(node.key)
+            self.evictable_size_ -= len(node.key)
+            parent = node.parent
+            del parent.children[node.key[0]]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+        return freed
+
+    def _nodes(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if node is not self.root:
+                yield node
+            stack.extend(node.children.values())
+
+    def evictable_size(self) -> int:
+        return self.evictable_size_
+
+    def protected_size(self) -> int:
+        return self.protected_size_
+
+    def total_size(self) -> int:
+        return sum(len(n.key) for n in self._nodes())
+
+    def all_slots(self) -> torch.Tensor:
+        vals = [n.value for n in self._nodes()]
+        return torch.cat(vals) if vals else torch.empty(0, dtype=torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Requests and batches: SamplingParams, Req, ScheduleBatch, PrefillAdder
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0       # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1                # -1 disables; 0 is refused
+    min_p: float = 0.0
+    stop: list = field(default_factory=list)            # stop strings, cut from the text
+    stop_token_ids: list = field(default_factory=list)
+    ignore_eos: bool = False
+    sampling_seed: Optional[int] = None  # the noise depends only on (seed, output position)
+
+    @classmethod
+    def from_dict(cls, d: Optional[dict], vocab_size: int) -> "SamplingParams":
+        """Validates a user dict: unknown keys, wrong types and bad values raise ValueError naming the key."""
+        d = {} if d is None else d
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling_params must be a dict, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key in d:
+            if key not in names:
+                raise ValueError(f"unknown sampling parameter {key!r}; known: {sorted(names)}")
+        sp = cls(**d)
+        if isinstance(sp.stop, str):
+            sp.stop = [sp.stop]
+        sp.stop, sp.stop_token_ids = list(sp.stop or []), list(sp.stop_token_ids or [])
+        sp.validate(vocab_size)
+        return sp
+
+    def validate(self, vocab_size: int):
+        def bad(key, why):
+            raise ValueError(f"sampling parameter {key}={getattr(self, key)!r}: {why}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+            bad("max_new_tokens", "must be a non-negative integer")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a finite number >= 0")
+        if not _is_real(self.top_p) or not (0 < self.top_p <= 1):
+            bad("top_p", "must be a number in (0, 1]")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
+            bad("top_k", "must be -1 (disabled) or an integer >= 1")
+        if not _is_real(self.min_p) or not (0 <= self.min_p <= 1):
+            bad("min_p", "must be a number in [0, 1]")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if not all(_is_int(t) and 0 <= t < vocab_size for t in self.stop_token_ids):
+            bad("stop_token_ids", f"must be a list of token ids in [0, {vocab_size})")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "must be a bool")
+        if self.sampling_seed is not None and not _is_int(self.sampling_seed):
+            bad("sampling_seed", "must be an integer or None")
+
+
+class Req:
+    """One request. `output_ids` holds committed tokens only; kv_allocated_len runs up to a step ahead."""
+
+    def __init__(self, rid: str, input_ids: list, sp: SamplingParams, seed: int, eos_ids: tuple):
+        self.rid, self.origin_input_ids, self.sampling_params, self.seed = rid, input_ids, sp, seed
+        self.eos_ids = () if sp.ignore_eos else tuple(eos_ids)
+        self.output_ids: list[int] = []        # committed
+        self.finished_reason: Optional[dict] = None
+        self.req_pool_idx: Optional[int] = None
+        self.prefix_indices = torch.empty(0, dtype=torch.int64)  # slots matched in the radix cache
+        self.last_node: Optional[TreeNode] = None                 # locked end of the matched prefix
+        self.cache_protected_len = 0   # leading positions whose slots the radix tree owns (locked)
+        self.kv_allocated_len = 0      # planned: slots allocated, including an in-flight step
+        self.kv_committed_len = 0      # committed: positions whose KV was written by committed steps
+        self.extend_input_len = 0      # tokens this prefill chunk feeds
+        self.is_chunked = False        # in the middle of a chunked prefill
+        self.epoch = 0                 # bumped on retraction: results of older in-flight steps are stale
+        self.cached_tokens = 0
+        self.text, self.prefix_offset, self.read_offset = "", 0, 0   # incremental detokenizer state
+        self.streamed_text_len, self.streamed_ids_len = 0, 0
+        self.to_abort = False
+
+    @property
+    def fill_ids(self) -> list:
+        return self.origin_input_ids + self.output_ids
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def planned_outputs(self) -> int:
+        """Outputs sampled by steps planned so far (valid once the final prefill chunk is planned)."""
+        return self.kv_allocated_len - len(self.origin_input_ids) + 1
+
+    def update_finish_state(self, tokenizer: Optional[Tokenizer]):
+        """Called at commit, after a token was appended: length, EOS, stop ids, stop strings (in that order)."""
+        sp, tok = self.sampling_params, self.output_ids[-1]
+        if tokenizer is not None:
+            self.detokenize(tokenizer)
+        if len(self.output_ids) >= sp.max_new_tokens:
+            self.finished_reason = {"type": "length", "length": sp.max_new_tokens}
+        elif tok in self.eos_ids or tok in sp.stop_token_ids:
+            self.finished_reason = {"type": "stop", "matched": tok}
+        elif sp.stop:
+            window = len(self.text) - max(map(len, sp.stop)) - 8  # only the new tail can hold a new match
+            hits = [(self.text.find(s, max(0, window)), s) for s in sp.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                i, s = min(hits)
+                self.text, self.finished_reason = self.text[:i], {"type": "stop", "matched": s}
+        if self.finished() and tokenizer is not None and self.finished_reason.get("matched") not in sp.stop:
+            self.detokenize(tokenizer, final=True)
+
+    def detokenize(self, tokenizer: Tokenizer, final: bool = False):
+        """Incremental detokenizer: text grows only by complete characters (no dangling UTF-8 bytes)."""
+        ids = self.output_ids
+        prev = tokenizer.decode(ids[self.prefix_offset:self.read_offset])
+        new = tokenizer.decode(ids[self.prefix_offset:])
+        if len(new) > len(prev) and (final or not new.endswith("\ufffd")):
+            self.text += new[len(prev):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+
+    def output(self) -> dict:
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": {
+            "id": self.rid, "finish_reason": self.finished_reason, "prompt_tokens": len(self.origin_input_ids),
+            "completion_tokens": len(self.output_ids), "cached_tokens": self.cached_tokens}}
+
+
+@dataclass
+class ForwardBatch:
+    """The host-side plan of one step, handed to the device: host tensors only, read once by the step."""
+    mode: str                       # "extend" | "decode"
+    input_ids: Optional[torch.Tensor]  # (N,); None: decode inputs come from the FutureMap on the device
+    positions: torch.Tensor         # (N,)
+    req_pool_indices: torch.Tensor  # (B,)
+    seq_lens: list                  # (B,) lengths after this step
+    prefix_lens: list               # extend: cached/already-computed tokens per request
+    extend_lens: list               # extend: tokens fed per request
+    out_cache_loc: torch.Tensor     # (N,) slots written by this step
+    rt_rows: torch.Tensor           # req_to_token[rt_rows, rt_cols] = rt_slots, done on the device stream
+    rt_cols: torch.Tensor
+    rt_slots: torch.Tensor
+    logit_rows: torch.Tensor        # (B,) index of each request's last token in the flat batch
+    publish: torch.Tensor           # (B,) bool: publish the sampled token to the FutureMap
+    sampling: dict                  # per-request tensors: temperature, top_p, top_k, min_p, seed, out_pos
+
+
+@dataclass
+class BatchSnapshot:
+    """What committing a result reads, frozen at launch: the live batch is filtered and merged meanwhile."""
+    forward_mode: str
+    reqs: list                # same order as the result rows
+    epochs: list              # a req whose epoch moved on (retracted) skips this result
+    seq_lens: list            # KV length each request reaches with this step
+    is_last_chunk: list       # extend: False for a chunk that is not the end of the prompt
+
+
+class ScheduleBatch:
+    """The requests of one step. The running (decode) batch lives on: filter, merge, prepare_for_decode."""
+
+    def __init__(self, reqs: list, forward_mode: str, sched: "Scheduler"):
+        self.reqs, self.forward_mode, self.sched = reqs, forward_mode, sched
+        self.fb: Optional[ForwardBatch] = None
+        self.merged = False  # an extend batch joins the running batch once
+        self.seq_lens: list = []
+        self.is_last_chunk: list = []
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    def filter(self, keep: Callable[[Req], bool]):
+        self.reqs = [r for r in self.reqs if keep(r)]
+
+    def merge(self, other: "ScheduleBatch"):
+        self.reqs = self.reqs + other.reqs
+
+    def copy(self) -> BatchSnapshot:
+        return BatchSnapshot(self.forward_mode, list(self.reqs), [r.epoch for r in self.reqs],
+                             list(self.seq_lens), list(self.is_last_chunk))
+
+    def prepare_for_extend(self):
+        """Allocates rows and slots for each request's chunk; the requests' prefixes are already locked."""
+        s, rtp, ids, rows, cols, slots, out_loc, positions = self.sched, self.sched.req_to_token_pool, [], [], [], [], [], []
+        prefix_lens, extend_lens = [], []
+        for r in self.reqs:
+            if r.req_pool_idx is None:  # first chunk: take a row and copy the matched prefix into it
+                r.req_pool_idx = rtp.alloc()
+                assert r.req_pool_idx is not None, "PrefillAdder admitted a request without a free row"
+                rtp.req_to_token_host[r.req_pool_idx, :len(r.prefix_indices)] = r.prefix_indices
+                r.kv_allocated_len = r.kv_committed_len = r.cache_protected_len = len(r.prefix_indices)
+            pre, ext = r.kv_allocated_len, r.extend_input_len
+            loc = s.alloc_token_slots(ext)
+            rtp.req_to_token_host[r.req_pool_idx, pre:pre + ext] = loc
+            r.kv_allocated_len = pre + ext
+            ids.extend(r.fill_ids[pre:pre + ext])
+            rows.append(torch.full((pre + ext,), r.req_pool_idx, dtype=torch.int64))
+            cols.append(torch.arange(pre + ext))
+            slots.append(rtp.req_to_token_host[r.req_pool_idx, :pre + ext])
+            out_loc.append(loc)
+            positions.append(torch.arange(pre, pre + ext))
+            prefix_lens.append(pre)
+            extend_lens.append(ext)
+        self.seq_lens = [r.kv_allocated_len for r in self.reqs]
+        self.is_last_chunk = [r.kv_allocated_len == len(r.fill_ids) for r in self.reqs]
+        ends = torch.tensor(extend_lens).cumsum(0) - 1
+        self.fb = self._forward_batch(torch.tensor(ids, dtype=torch.int64), torch.cat(positions), torch.cat(rows),
+                                      torch.cat(cols), torch.cat(slots), torch.cat(out_loc), ends,
+                                      prefix_lens, extend_lens)
+
+    def prepare_for_decode(self, use_future_map: bool):
+        """One new slot per request. In overlap mode the input token is still in flight: leave input_ids
+        None and let the step gather it from the FutureMap on the device."""
+        rtp, B = self.sched.req_to_token_pool, len(self.reqs)
+        rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)           # (B,)
+        pos = torch.tensor([r.kv_allocated_len for r in self.reqs], dtype=torch.int64)        # (B,)
+        loc = self.sched.alloc_token_slots(B)
+        rtp.req_to_token_host[rows, pos] = loc
+        for r in self.reqs:
+            r.kv_allocated_len += 1
+        self.seq_lens = (pos + 1).tolist()
+        self.is_last_chunk = [True] * B
+        ids = None if use_future_map else torch.tensor([r.output_ids[-1] for r in self.reqs], dtype=torch.int64)
+        self.fb = self._forward_batch(ids, pos, rows, pos, loc, loc, torch.arange(B), [], [1] * B)
+
+    def _forward_batch(self, ids, positions, rt_rows, rt_cols, rt_slots, out_loc, logit_rows, prefix_lens, extend_lens):
+        reqs = self.reqs
+        sampling = {
+            "temperature": torch.tensor([float(r.sampling_params.temperature) for r in reqs], dtype=torch.float64),
+            "top_p": torch.tensor([float(r.sampling_params.top_p) for r in reqs], dtype=torch.float64),
+            "top_k": torch.tensor([r.sampling_params.top_k for r in reqs], dtype=torch.int64),
+            "min_p": torch.tensor([float(r.sampling_params.min_p) for r in reqs], dtype=torch.float64),
+            "seed": torch.tensor([r.seed for r in reqs], dtype=torch.int64),
+            # the output index each request samples: the noise is a function of (seed, out_pos) only
+            "out_pos": torch.tensor([n - len(r.origin_input_ids) for n, r in zip(self.seq_lens, reqs)]),
+            "all_greedy": all(r.sampling_params.temperature == 0 for r in reqs),
+            "need_filter": any(r.sampling_params.top_k != -1 or r.sampling_params.top_p < 1
+                               or r.sampling_params.min_p > 0 for r in reqs),
+            "use_future_map": self.sched.enable_overlap,  # publish sampled tokens for the next step
+        }
+        return ForwardBatch(self.forward_mode, ids, positions,
+                            torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64),
+                            self.seq_lens, prefix_lens, extend_lens, out_loc, rt_rows, rt_cols, rt_slots,
+                            logit_rows, torch.tensor(self.is_last_chunk), sampling)
+
+
+class PrefillAdder:
+    """Admits waiting requests into one prefill batch under the token budgets.
+
+    rem_total_tokens: free + evictable KV minus the headroom reserved for the running requests' decode;
+    rem_input_tokens: max_prefill_tokens; rem_chunk_tokens: chunked_prefill_size (one chunked request).
+    """
+
+    def __init__(self, sched: "Scheduler", running: list):
+        self.sched, a = sched, sched.server_args
+        self.rem_total_tokens = (sched.kv_pool.available_size() + sched.tree_cache.evictable_size()
+                                 - sum(self.decode_reserve(r) for r in running))
+        self.rem_input_tokens = a.max_prefill_tokens
+        self.rem_chunk_tokens = a.chunked_prefill_size if a.chunked_prefill_size > 0 else None
+        self.rem_rows = min(sched.req_to_token_pool.available_size(), a.max_running_requests - len(running))
+        self.can_run_list: list[Req] = []
+        self.new_chunked_req: Optional[Req] = None
+
+    def decode_reserve(self, r: Req) -> int:
+        """KV that a request will still need for decoding, scaled by the scheduler's new_token_ratio."""
+        left = r.sampling_params.max_new_tokens - max(len(r.output_ids), r.planned_outputs() if r.kv_allocated_len else 0)
+        return math.ceil(max(left, 0) * self.sched.new_token_ratio)
+
+    def add_chunked_req(self, r: Req) -> bool:
+        """The next chunk of a request that is in the middle of its prefill."""
+        left = len(r.fill_ids) - r.kv_allocated_len
+        n = min(left, self.rem_chunk_tokens or left, self.rem_input_tokens)
+        if n > self.rem_total_tokens or n < 1:
+            return False
+        r.extend_input_len, r.is_chunked = n, n < left
+        self._take(r, n)
+        return True
+
+    def add_one_req(self, r: Req) -> bool:
+        """Locks r's matched prefix and admits its (first chunk of) prompt; False: stop adding."""
+        if self.rem_rows <= 0 or self.new_chunked_req is not None:
+            return False
+        ext = len(r.fill_ids) - len(r.prefix_indices)
+        s = self.sched
+        before = s.tree_cache.evictable_size()
+        s.tree_cache.inc_lock_ref(r.last_node)
+        locked = before - s.tree_cache.evictable_size()  # matched slots that just stopped being evictable
+        n = min(ext, self.rem_chunk_tokens or ext)
+        need = n + locked + (self.decode_reserve(r) if n == ext else 0)
+        if need > self.rem_total_tokens or (self.can_run_list and n > self.rem_input_tokens):
+            s.tree_cache.dec_lock_ref(r.last_node)
+            return False
+        self.rem_total_tokens -= locked
+        r.extend_input_len, r.is_chunked = n, n < ext
+        self.rem_rows -= 1
+        self._take(r, n)
+        return True
+
+    def _take(self, r: Req, n: int):
+        self.rem_total_tokens -= n
+        self.rem_input_tokens -= n
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= n
+        if r.is_chunked:
+            self.new_chunked_req = r
+        self.can_run_list.append(r)
+
+
+# ----------------------------------------------------------------------------------------------------
+# FutureMap, sampling, and the device streams
+
+
+class FutureMap:
+    """A device tensor indexed by request-pool row: step n scatters its sampled tokens into its requests'
+    rows (materialized), step n+1 gathers its decode inputs from the same rows when it starts on the
+    device. The host never reads it on the hot path. Rows hold -1 (poison) when nothing is pending.
+
+    A row is stable for a request's life, unlike its position in a batch that is filtered and merged.
+    With debug on, a gather asserts every value was published and a publish asserts the row was empty.
+    """
+
+    def __init__(self, num_rows: int, device: str, debug: bool = False):
+        self.output_tokens_buf = torch.full((num_rows,), -1, dtype=torch.int64, device=device)  # (rows,)
+        self.debug = debug
+
+    def publish(self, rows: torch.Tensor, tokens: torch.Tensor):
+        if self.debug:  # sync point (debug only)
+            assert bool((self.output_tokens_buf[rows] == -1).all()), f"FutureMap: publish over an unread token, rows {rows.tolist()}"
+        self.output_tokens_buf[rows] = tokens
+
+    def resolve(self, rows: torch.Tensor) -> torch.Tensor:
+        ids = self.output_tokens_buf[rows]  # (B,)
+        if self.debug:  # sync point (debug only)
+            assert bool((ids >= 0).all()), f"FutureMap: read of an unpublished token, rows {rows[ids < 0].tolist()}"
+        self.output_tokens_buf[rows] = -1   # consume once
+        return ids
+
+    def poison(self, rows: torch.Tensor):
+        self.output_tokens_buf[rows] = -1
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix on int64 tensors (values stay below 2^60, so no overflow)."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    return (x >> 16) ^ x
+
+
+def sampling_noise(seed: torch.Tensor, out_pos: torch.Tensor, V: int) -> torch.Tensor:
+    """Exponential(1) noise of shape (B, V) that depends only on (seed, output position, token id)."""
+    M = 0xFFFFFFFF
+    base = _hash32(_hash32((seed ^ (seed >> 32)) & M) ^ (out_pos & M))                 # (B,)
+    h = _hash32((base[:, None] * 65599 + torch.arange(V, device=seed.device)[None]) & M)  # (B, V)
+    return -torch.log((h.double() + 0.5) / 2.0**32)
+
+
+def sample(logits: torch.Tensor, s: dict) -> torch.Tensor:
+    """Greedy where temperature == 0; else argmax(p / E), E ~ Exp(1), which draws from p exactly
+    (the exponential race), with p filtered by top_k, top_p and min_p."""
+    greedy = logits.argmax(-1)
+    if s["all_greedy"]:
+        return greedy
+    t = s["temperature"]
+    probs = torch.softmax(logits.double() / torch.where(t > 0, t, 1.0)[:, None], dim=-1)  # (B, V)
+    if s["need_filter"]:
+        p, idx = probs.sort(-1, descending=True, stable=True)                               # (B, V)
+        rank = torch.arange(p.shape[1], device=p.device)[None]
+        keep = rank < torch.where(s["top_k"] > 0, s["top_k"], p.shape[1])[:, None]
+        keep &= (p.cumsum(-1) - p) < s["top_p"][:, None]          # the smallest set with mass >= top_p
+        keep &= p >= s["min_p"][:, None] * p[:, :1]
+        keep[:, 0] = True
+        probs = torch.zeros_like(probs).scatter_(1, idx, p * keep)
+    drawn = (probs / sampling_noise(s["seed"], s["out_pos"], probs.shape[1])).argmax(-1)
+    return torch.where(t == 0, greedy, drawn)
+
+
+class StepHandle:
+    """A launched step: its result becomes readable on the host once `wait()` returns (copy_done)."""
+
+    def __init__(self):
+        self.done, self.value, self.error = threading.Event(), None, None
+        self.t_launch = time.perf_counter()
+        self.t_start = self.t_end = None   # device-side start and end (host clock), CPU device only
+        self.device_time = 0.0
+        self.copy_done = None              # CUDA: event recorded on the copy stream
+
+    def wait(self):
+        if self.copy_done is not None:
+            self.copy_done.synchronize()
+            self.device_time = self.ev_start.elapsed_time(self.ev_end) / 1e3
+        else:
+            self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class CpuDeviceStream:
+    """Plays a device stream on the CPU: a worker thread runs launched work strictly in order, so a
+    launch returns before its forward finishes and the overlap path really runs asynchronously."""
+
+    def __init__(self, jitter_ms: float = 0.0, seed: int = 0):
+        self.queue: queue.Queue = queue.Queue()
+        self.jitter, self.rng = jitter_ms / 1e3, random.Random(seed)
+        self.error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._run, name="overlap-engine-device", daemon=True)
+        self.thread.start()
+
+    def launch(self, fn: Callable) -> StepHandle:
+        if self.error is not None:
+            raise RuntimeError("an earlier device operation failed") from self.error
+        h = StepHandle()
+        self.queue.put((fn, h))
+        return h
+
+    def _run(self):
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            fn, h = item
+            self._sleep()
+            h.t_start = time.perf_counter()
+            try:
+                h.value = fn()
+            except BaseException as e:  # surfaces on the host at wait()
+                h.error = self.error = e
+            h.t_end = time.perf_counter()
+            h.device_time = h.t_end - h.t_start
+            self._sleep()
+            h.done.set()
+
+    def _sleep(self):
+        if self.jitter:
+            time.sleep(self.rng.random() * self.jitter)
+
+    def synchronize(self):
+        self.launch(lambda: None).wait()
+
+    def shutdown(self):
+        if self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join()
+
+
+class CudaDeviceStream:
+    """A forward stream for the steps and a copy stream for the non-blocking D2H of sampled tokens."""
+
+    def __init__(self):
+        self.forward_stream, self.copy_stream = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def launch(self, fn: Callable) -> StepHandle:
+        h = StepHandle()
+        h.ev_start, h.ev_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.forward_stream.wait_stream(torch.cuda.current_stream())  # the host's H2D copies come first
+        with torch.cuda.stream(self.forward_stream):
+            h.ev_start.record()
+            out = fn()
+            h.ev_end.record()
+        if out is None:
+            return h
+        self.copy_stream.wait_stream(self.forward_stream)  # the next forward need not wait for this copy
+        with torch.cuda.stream(self.copy_stream):
+            h.value = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            h.value.copy_(out, non_blocking=True)
+            out.record_stream(self.copy_stream)
+            h.copy_done = torch.cuda.Event()
+            h.copy_done.record()
+        return h
+
+    def synchronize(self):
+        torch.cuda.synchronize()
+
+    def shutdown(self):
+        torch.cuda.synchronize()
+
+
+class ModelWorker:
+    """Runs steps on the device stream: resolve inputs, write req_to_token, forward, sample, publish."""
+
+    def __init__(self, model, kv_pool, req_to_token_pool, future_map, attn_backend, stream, device):
+        self.model, self.kv_pool, self.rtp, self.future_map = model, kv_pool, req_to_token_pool, future_map
+        self.attn, self.stream, self.device = attn_backend, stream, device
+
+    def launch(self, fb: ForwardBatch) -> StepHandle:
+        return self.stream.launch(lambda: self.forward_step(fb))
+
+    def forward_step(self, fb: ForwardBatch) -> torch.Tensor:
+        """Runs on the device stream; everything it touches on the device is ordered after earlier steps."""
+        dev = self.device
+        to = lambda t: t.to(dev, non_blocking=True)  # noqa: E731
+        rows = to(fb.req_pool_indices)
+        # the decode input of overlap mode: the previous step's token, materialized in the FutureMap
+        input_ids = self.future_map.resolve(rows) if fb.input_ids is None else to(fb.input_ids)
+        self.rtp.req_to_token[to(fb.rt_rows), to(fb.rt_cols)] = to(fb.rt_slots).to(torch.int32)
+        seq_lens = torch.tensor(fb.seq_lens, device=dev)
+        self.attn.init_forward_metadata(ForwardMetadata(fb.mode, rows, seq_lens, to(fb.out_cache_loc),
+                                                        fb.seq_lens, fb.prefix_lens, fb.extend_lens))
+        logits = self.model(input_ids, to(fb.positions), self.attn, to(fb.logit_rows))  # (B, vocab)
+        s = {k: (to(v) if isinstance(v, torch.Tensor) else v) for k, v in fb.sampling.items()}
+        next_ids = sample(logits, s)                                                     # (B,)
+        publish = to(fb.publish)
+        if fb.sampling["use_future_map"]:
+            self.future_map.publish(rows[publish], next_ids[publish])
+        return next_ids
+
+    def write_row(self, row: int, slots: torch.Tensor):
+        """req_to_token[row, :len(slots)] = slots, ordered on the device stream after in-flight steps."""
+        def op():
+            self.rtp.req_to_token[row, :len(slots)] = slots.to(self.device, torch.int32)
+        self.stream.launch(op)
+
+    def poison_row(self, row: int):
+        """Empties a released row, after any in-flight step that still publishes into it (an overshoot)."""
+        def op():
+            self.future_map.poison(torch.tensor([row], device=self.device))
+        self.stream.launch(op)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Scheduler and the two loops
+
+
+class Scheduler:
+    """Owns the request state (waiting, running_batch, chunked_req), plans steps, and commits results."""
+
+    def __init__(self, args: ServerArgs, cfg: ModelConfig, tokenizer, worker: ModelWorker,
+                 req_to_token_pool: ReqToTokenPool, kv_pool: TokenToKVPool, context_len: int):
+        self.server_args, self.model_config, self.tokenizer, self.worker = args, cfg, tokenizer, worker
+        self.req_to_token_pool, self.kv_pool, self.context_len = req_to_token_pool, kv_pool, context_len
+        self.tree_cache = RadixCache(kv_pool, disable=args.disable_radix_cache)
+        self.enable_overlap = not args.disable_overlap_schedule
+        self.waiting: list[Req] = []
+        self.running_batch = ScheduleBatch([], "decode", self)
+        self.chunked_req: Optional[Req] = None
+        self.last_batch: Optional[ScheduleBatch] = None
+        self.result_queue: deque = deque()   # (BatchSnapshot, StepHandle) launched, not yet committed
+        self.finished_outputs: list[dict] = []
+        # new_token_ratio: the share of max_new_tokens reserved for running requests when admitting
+        # new ones; it decays while decode goes well and jumps back up after a retraction (as in SGLang)
+        self.init_new_token_ratio, self.min_new_token_ratio, self.new_token_ratio_decay = 0.7, 0.1, 0.001
+        self.new_token_ratio = self.init_new_token_ratio
+        self.stats = {"overshoot_tokens": 0, "stale_results": 0, "retractions": 0, "steps": []}
+        self.forward_ct = 0
+
+    # -- planning ------------------------------------------------------------------------------------
+
+    def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
+        """Plans the next step from committed state plus what is in flight (last_batch)."""
+        last = self.last_batch
+        if last is not None and last.forward_mode == "extend" and not last.merged:
+            # the prompts that just finished prefilling join the running batch (not a chunk in the middle)
+            done = [r for r, is_last in zip(last.reqs, last.is_last_chunk)
+                    if is_last and not r.finished() and r.req_pool_idx is not None]
+            self.running_batch.merge(ScheduleBatch(done, "extend", self))
+            last.merged = True
+        batch = self.get_new_batch_prefill()
+        if batch is None:
+            batch = self.update_running_batch()
+        if batch is None and self.result_queue and (self.waiting or self.chunked_req):
+            self.sync_pending_results()  # sync point: committing may free the memory the next plan needs
+            return self.get_next_batch_to_run()
+        if batch is None and not self.result_queue and self.running_batch.is_empty():
+            stuck = self.chunked_req or (self.waiting[0] if self.waiting else None)
+            if stuck is not None:  # nothing runs and nothing will free memory: never spin forever
+                self.abort_req(stuck, "the KV pool is too small to make progress on this request")
+        return batch
+
+    def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        adder = PrefillAdder(self, self.running_batch.reqs)
+        if self.chunked_req is not None and not adder.add_chunked_req(self.chunked_req):
+            return None
+        if self.server_args.schedule_policy == "lpm":
+            for r in self.waiting:
+                r.prefix_indices, r.last_node = self.tree_cache.match_prefix(r.fill_ids[:-1])
+            self.waiting.sort(key=lambda r: -len(r.prefix_indices))  # stable: FCFS among equals
+        admitted = 0
+        for r in self.waiting:
+            if self.server_args.schedule_policy == "fcfs":
+                r.prefix_indices, r.last_node = self.tree_cache.match_prefix(r.fill_ids[:-1])
+            if not adder.add_one_req(r):
+                break
+            r.cached_tokens = len(r.prefix_indices)
+            admitted += 1
+        self.waiting = self.waiting[admitted:]
+        if not adder.can_run_list:
+            return None
+        self.chunked_req = adder.new_chunked_req
+        batch = ScheduleBatch(adder.can_run_list, "extend", self)
+        batch.prepare_for_extend()
+        return batch
+
+    def update_running_batch(self) -> Optional[ScheduleBatch]:
+        """The next decode batch: drop finished requests and those whose last token is already in flight
+        (they finish by length, so they never overshoot), make room, allocate one slot each."""
+        rb = self.running_batch
+        keep = lambda r: not r.finished() and r.planned_outputs() < r.sampling_params.max_new_tokens  # noqa: E731
+        rb.filter(keep)
+        if rb.is_empty():
+            return None
+        if self.kv_pool.available_size() + self.tree_cache.evictable_size() < len(rb.reqs) and self.result_queue:
+            self.sync_pending_results()  # sync point: finished requests may give back enough KV
+            rb.filter(keep)
+            if rb.is_empty():
+                return None
+        while self.kv_pool.available_size() + self.tree_cache.evictable_size() < len(rb.reqs):
+            if len(rb.reqs) == 1:
+                self.abort_req(rb.reqs[0], "the KV pool is too small for this request")
+                rb.filter(keep)
+                return None
+            self.retract(rb.reqs.pop())
+        rb.prepare_for_decode(use_future_map=self.enable_overlap)
+        self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - self.new_token_ratio_decay)
+        return rb
+
+    def retract(self, r: Req):
+        """Preempts a running request: frees its KV now (stream order keeps in-flight readers safe) and
+        queues it to be recomputed from its committed tokens; its in-flight result becomes stale."""
+        self.release_kv_cache(r, insert=False)
+        r.epoch += 1
+        r.prefix_indices, r.kv_allocated_len, r.kv_committed_len = torch.empty(0, dtype=torch.int64), 0, 0
+        self.waiting.insert(0, r)
+        self.stats["retractions"] += 1
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
+
+    def alloc_token_slots(self, n: int) -> torch.Tensor:
+        if self.kv_pool.available_size() < n:
+            self.tree_cache.evict(n - self.kv_pool.available_size())
+        loc = self.kv_pool.alloc(n)
+        assert loc is not None, f"out of KV slots: need {n}, have {self.kv_pool.available_size()}"
+        return loc
+
+    # -- running and committing ------------------------------------------------------------------------
+
+    def run_batch(self, batch: ScheduleBatch) -> StepHandle:
+        """Launches the step on the device stream; returns before the forward finishes."""
+        self.forward_ct += 1
+        return self.worker.launch(batch.fb)
+
+    def sync_pending_results(self):
+        while self.result_queue:
+            self.process_batch_result(*self.result_queue.popleft())
+
+    def process_batch_result(self, batch: BatchSnapshot, result: StepHandle):
+        """The commit point: read the tokens (copy_done), append, check stop conditions, settle KV."""
+        t0 = time.perf_counter()
+        next_ids = result.wait().tolist()  # sync point: waits for this step's copy_done
+        self.wait_time += time.perf_counter() - t0
+        self.stats["steps"].append({"mode": batch.forward_mode, "bs": len(batch.reqs),
+                                    "device_time": result.device_time, "t_launch": result.t_launch,
+                                    "t_start": result.t_start, "t_end": result.t_end})
+        for i, r in enumerate(batch.reqs):
+            if r.finished() or r.epoch != batch.epochs[i]:
+                # overshoot (finished at the previous commit but already in this step), retracted or aborted
+                key = "overshoot_tokens" if r.finished() and r.finished_reason["type"] != "abort" else "stale_results"
+                self.stats[key] += 1
+                continue
+            r.kv_committed_len = batch.seq_lens[i]
+            if not batch.is_last_chunk[i]:
+                continue  # a prompt chunk in the middle: its sample is meaningless
+            r.output_ids.append(next_ids[i])
+            r.update_finish_state(self.tokenizer)
+            if r.finished():
+                self.release_kv_cache(r, insert=True)
+                self.finished_outputs.append(r.output())
+            elif batch.forward_mode == "extend":
+                self.cache_unfinished_req(r)
+
+    def release_kv_cache(self, r: Req, insert: bool):
+        """Gives back a request's KV by allocated length (overshoot and tail included) and its row.
+
+        With insert, the committed tokens go into the radix cache: KV written by committed steps only."""
+        row = r.req_pool_idx
+        kv = self.req_to_token_pool.req_to_token_host[row, :r.kv_allocated_len].clone()
+        if insert and not self.tree_cache.disable:
+            k = r.kv_committed_len
+            cached = self.tree_cache.insert(r.fill_ids[:k], kv[:k])
+            assert cached >= r.cache_protected_len, "the request's locked prefix vanished from the tree"
+            self.kv_pool.free(kv[r.cache_protected_len:cached])  # our copies of tokens the tree already had
+            self.kv_pool.free(kv[k:])                            # overshoot and over-allocated tail
+        else:
+            self.kv_pool.free(kv[r.cache_protected_len:])
+        if r.last_node is not None:
+            self.tree_cache.dec_lock_ref(r.last_node)
+        self.req_to_token_pool.free(row)
+        self.worker.poison_row(row)
+        r.req_pool_idx, r.last_node, r.cache_protected_len = None, None, 0
+
+    def cache_unfinished_req(self, r: Req):
+        """After a prompt is prefilled (and committed), publish its KV to the radix cache so later
+        requests share it; the request then holds the tree's slots, locked, instead of private ones."""
+        if self.tree_cache.disable:
+            return
+        k, row = r.kv_committed_len, r.req_pool_idx
+        kv = self.req_to_token_pool.req_to_token_host[row, :k].clone()
+        cached = self.tree_cache.insert(r.fill_ids[:k], kv)
+        self.kv_pool.free(kv[r.cache_protected_len:cached])
+        slots, node = self.tree_cache.match_prefix(r.fill_ids[:k])
+        assert len(slots) == k, "a just-inserted prefix must match in full"
+        self.tree_cache.inc_lock_ref(node)
+        self.tree_cache.dec_lock_ref(r.last_node)
+        self.req_to_token_pool.req_to_token_host[row, :k] = slots
+        self.worker.write_row(row, slots)  # ordered after the in-flight step that may still read the old slots
+        r.last_node, r.cache_protected_len, r.prefix_indices = node, k, slots
+
+    def abort_req(self, r: Req, message: str = "aborted"):
+        """Finishes a request with reason abort; frees what it holds at once (stream order keeps
+        any in-flight step that reads it safe) and its in-flight results are skipped at commit."""
+        if r.finished():
+            return
+        if r in self.waiting:
+            self.waiting.remove(r)
+        if self.chunked_req is r:
+            self.chunked_req = None
+        if r.req_pool_idx is not None:
+            self.release_kv_cache(r, insert=False)
+        elif r.last_node is not None:
+            r.last_node = None
+        r.finished_reason = {"type": "abort", "message": message}
+        self.finished_outputs.append(r.output())
+
+    def is_idle(self) -> bool:
+        return not (self.waiting or self.chunked_req or self.result_queue
+                    or any(not r.finished() for r in self.running_batch.reqs)
+                    or (self.last_batch is not None and any(not r.finished() for r in self.last_batch.reqs)))
+
+    # -- the two loops ---------------------------------------------------------------------------------
+
+    def event_loop_normal(self) -> Iterator[None]:
+        """Serial: plan, run, wait, commit. The device idles while the host commits and plans."""
+        while True:
+            t0, self.wait_time = time.perf_counter(), 0.0
+            batch = self.get_next_batch_to_run()
+            if batch is not None:
+                result = self.run_batch(batch)
+                self.process_batch_result(batch.copy(), result)
+            self.last_batch = batch
+            self._record_host_time(t0)
+            yield
+
+    def event_loop_overlap(self) -> Iterator[None]:
+        """Overlap: plan n+1, launch n+1, then commit n while the device runs n+1."""
+        while True:
+            t0, self.wait_time = time.perf_counter(), 0.0
+            batch = self.get_next_batch_to_run()              # plan n+1 from committed state + last_batch
+            if batch is not None:
+                result = self.run_batch(batch)                # launch n+1: returns at once
+                self.result_queue.append((batch.copy(), result))
+            # the device now runs n+1 (or still n); meanwhile the host commits n
+            if len(self.result_queue) > (1 if batch is not None else 0):
+                self.process_batch_result(*self.result_queue.popleft())
+            self.last_batch = batch
+            self._record_host_time(t0)
+            yield
+
+    def _record_host_time(self, t0: float):
+        host = time.perf_counter() - t0 - self.wait_time
+        self.stats.setdefault("host_times", []).append(host)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Engine API
+
+
+class Engine:
+    """The user-facing engine: `generate` for text, `add_request` + `step` for servers and tests.
+
+        engine = Engine(model_path="path/to/llama", max_total_tokens=4096)
+        engine.generate(prompt="Hello", sampling_params={"max_new_tokens": 16, "temperature": 0})
+    """
+
+    def __init__(self, **kwargs):
+        names = {f.name for f in dataclasses.fields(ServerArgs)}
+        for key in kwargs:
+            if key not in names:
+                raise ValueError(f"unknown engine argument {key!r}")
+        self.server_args = args = ServerArgs(**kwargs)
+        if args.device == "auto":
+            args.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA device")
+        if args.attention_backend == "auto":
+            args.attention_backend = "triton" if args.device == "cuda" else "torch"
+        if args.dtype == "auto":
+            args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+        dtype = getattr(torch, args.dtype)
+        path = args.model_path or default_model_path()
+        cfg, state, self.tokenizer = load_checkpoint(path)
+        self.model_config = cfg
+        self.model = build_model(cfg, state, dtype, args.device)
+        del state
+        self.context_len = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        pool_size = args.max_total_tokens or self._profile_max_total_tokens(cfg, dtype)
+        self.max_total_tokens = pool_size
+        rtp = ReqToTokenPool(args.max_running_requests, self.context_len + 1, args.device)
+        kv_pool = TokenToKVPool(pool_size, cfg, dtype, args.device)
+        backend = (TritonAttnBackend if args.attention_backend == "triton" else TorchAttnBackend)(kv_pool, rtp)
+        stream = (CudaDeviceStream() if args.device == "cuda"
+                  else CpuDeviceStream(args.worker_jitter_ms, args.random_seed))
+        self.future_map = FutureMap(args.max_running_requests, args.device, args.debug_future_map)
+        worker = ModelWorker(self.model, kv_pool, rtp, self.future_map, backend, stream, args.device)
+        self.scheduler = Scheduler(args, cfg, self.tokenizer, worker, rtp, kv_pool, self.context_len)
+        self._loop = self._new_loop()
+        self._rng = random.Random(args.random_seed)
+        self._reqs: dict[str, Req] = {}
+        self._backlog: list[dict] = []  # outputs finished while generate() drove the loop for others
+        self._closed = False
+
+    def _new_loop(self):
+        s = self.scheduler
+        return s.event_loop_normal() if self.server_args.disable_overlap_schedule else s.event_loop_overlap()
+
+    def _profile_max_total_tokens(self, cfg: ModelConfig, dtype) -> int:
+        if self.server_args.device == "cpu":
+            return 16384
+        free, total = torch.cuda.mem_get_info()
+        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+        budget = free - total * (1 - self.server_args.mem_fraction_static)
+        return max(int(budget // per_token), 2)
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    def _make_req(self, input_ids, sampling_params, rid=None) -> Req:
+        """Validates one request completely before anything is allocated."""
+        V = self.model_config.vocab_size
+        if not isinstance(input_ids, (list, tuple)) or len(input_ids) == 0:
+            raise ValueError(f"input_ids must be a non-empty list of token ids, got {input_ids!r:.80}")
+        for t in input_ids:
+            if not _is_int(t):
+                raise ValueError(f"input_ids contains {t!r} ({type(t).__name__}); token ids must be int")
+            if not 0 <= t < V:
+                raise ValueError(f"input_ids contains token id {t}, outside the vocabulary [0, {V})")
+        L = len(input_ids)
+        if L >= self.context_len:
+            raise ValueError(f"input_ids has {L} tokens; the context length is {self.context_len}")
+        if L >= self.max_total_tokens:
+            raise ValueError(f"input_ids has {L} tokens; the KV pool holds {self.max_total_tokens}")
+        sp = SamplingParams.from_dict(sampling_params, V)
+        for s in sp.stop:
+            if self.tokenizer is None:
+                raise ValueError(f"stop={s!r} needs a tokenizer, and this checkpoint has none")
+        # a request must fit alone: max_new_tokens is capped to the context and the pool (SGLang caps to the context)
+        sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - L, self.max_total_tokens - L)
+        if rid is not None and (not isinstance(rid, str) or rid in self._reqs):
+            raise ValueError(f"rid={rid!r} must be a new string")
+        seed = sp.sampling_seed if sp.sampling_seed is not None else self._rng.getrandbits(63)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model_config.eos_token_ids
+        return Req(rid or os.urandom(16).hex(), list(input_ids), sp, seed, eos or self.model_config.eos_token_ids)
+
+    def _submit(self, r: Req) -> str:
+        self._reqs[r.rid] = r
+        if r.sampling_params.max_new_tokens == 0:  # nothing to generate: finished without touching the device
+            r.finished_reason = {"type": "length", "length": 0}
+            self.scheduler.finished_outputs.append(r.output())
+        else:
+            self.scheduler.waiting.append(r)
+        return r.rid
+
+    def add_request(self, input_ids=None, sampling_params=None, prompt=None, rid=None) -> str:
+        """Queues one request; returns its id (later meta_info['id'])."""
+        return self._submit(self._make_req(self._to_ids(prompt, input_ids), sampling_params, rid))
+
+    def _to_ids(self, prompt, input_ids):
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt and input_ids")
+        if input_ids is not None:
+            return input_ids
+        if not isinstance(prompt, str) or prompt == "":
+            raise ValueError(f"prompt must be a non-empty string, got {prompt!r:.80}")
+        if self.tokenizer is None:
+            raise ValueError("prompt needs a tokenizer and this checkpoint has none; pass input_ids")
+        return self.tokenizer.encode(prompt)
+
+    def step(self) -> list[dict]:
+        """One scheduler iteration; returns the outputs that finished in it (aborted ones included)."""
+        if self._closed:
+            raise RuntimeError("the engine was shut down")
+        try:
+            next(self._loop)
+        except BaseException:
+            self._loop = self._new_loop()  # a generator that raised is finished; the next step starts a fresh one
+            raise
+        out, self.scheduler.finished_outputs = self.scheduler.finished_outputs, []
+        for o in out:
+            self._reqs.pop(o["meta_info"]["id"], None)
+        out, self._backlog = self._backlog + out, []
+        return out
+
+    def abort(self, rid: str):
+        """Aborts a queued or running request; its output (finish_reason abort) comes from a later step()."""
+        r = self._reqs.get(rid)
+        if r is not None:
+            self.scheduler.abort_req(r)
+
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False):
+        """One prompt (str or ids) in, one dict out; a list in, a list out; stream=True yields chunks."""
+        batched = isinstance(prompt, list) or (isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list))
+        prompts = (prompt if prompt is not None else input_ids) if batched else [prompt if prompt is not None else input_ids]
+        n = len(prompts)
+        if batched and n == 0:
+            raise ValueError("an empty list of prompts")
+        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
+        if len(sps) != n:
+            raise ValueError(f"sampling_params has {len(sps)} entries for {n} prompts")
+        use_prompt = prompt is not None
+        reqs = [self._make_req(self._to_ids(p if use_prompt else None, None if use_prompt else p), sp)
+                for p, sp in zip(prompts, sps)]  # all validated before any is queued
+        for r in reqs:
+            self._submit(r)
+        it = self._drive(reqs, batched)
+        if stream:
+            return it
+        finals = {}
+        for chunk in it:
+            if chunk["meta_info"]["finish_reason"] is not None:
+                finals[chunk.get("index", 0)] = chunk["final"]
+        outs = [finals[i] for i in range(n)]
+        return outs if batched else outs[0]
+
+    def _drive(self, reqs: list, batched: bool):
+        """Steps the loop until these requests finish, yielding text as it is committed."""
+        mine, pending = {r.rid: i for i, r in enumerate(reqs)}, set(r.rid for r in reqs)
+        try:
+            while pending:
+                for o in self.step():
+                    if o["meta_info"]["id"] not in mine:
+                        self._backlog.append(o)
+                for r in reqs:
+                    if r.rid in pending:
+                        chunk = self._stream_chunk(r)
+                        if chunk is not None:
+                            if r.finished():
+                                pending.discard(r.rid)
+                                chunk["final"] = r.output()
+                            if batched:
+                                chunk["index"] = mine[r.rid]
+                            yield chunk
+        finally:  # a consumer that stops early aborts what it started
+            for rid in pending:
+                self.abort(rid)
+
+    def _stream_chunk(self, r: Req) -> Optional[dict]:
+        hold = 0 if r.finished() else max(map(len, r.sampling_params.stop), default=1) - 1
+        text_end = max(r.streamed_text_len, len(r.text) - hold)
+        if text_end == r.streamed_text_len and len(r.output_ids) == r.streamed_ids_len and not r.finished():
+            return None
+        chunk = {"text": r.text[r.streamed_text_len:text_end], "output_ids": r.output_ids[r.streamed_ids_len:],
+                 "meta_info": {**r.output()["meta_info"]}}
+        r.streamed_text_len, r.streamed_ids_len = text_end, len(r.output_ids)
+        return chunk
+
+    # -- checks and shutdown -------------------------------------------------------------------------
+
+    def check_invariants(self):
+        """At idle: every KV slot is free or owned by the radix cache, every row is free, no lock is
+        held, and the FutureMap is fully poisoned."""
+        s = self.scheduler
+        assert s.is_idle(), "check_invariants() needs an idle engine"
+        s.worker.stream.synchronize()
+        kv, tree, rtp = s.kv_pool, s.tree_cache, s.req_to_token_pool
+        owned = torch.cat((kv.free_slots, tree.all_slots())).sort().values
+        assert len(owned) == kv.size, f"KV slots leaked or duplicated: {len(owned)} accounted of {kv.size}"
+        assert torch.equal(owned, torch.arange(1, kv.size + 1)), "KV slots duplicated (double free)"
+        assert tree.protected_size() == 0 and all(n.lock_ref == 0 for n in tree._nodes()), "a radix lock is held"
+        assert tree.evictable_size() == tree.total_size(), "radix evictable size out of sync"
+        assert sorted(rtp.free_slots) == list(range(rtp.size)), "request rows leaked"
+        assert bool((self.future_map.output_tokens_buf == -1).all()), "FutureMap holds unread tokens"
+
+    def stats(self) -> dict:
+        """Per-step host time, device time and overshoot counts, for the bench."""
+        return self.scheduler.stats
+
+    def shutdown(self):
+        if not self._closed:
+            self._closed = True
+            self.scheduler.worker.stream.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+
+def default_model_path() -> str:
+    raise ValueError("no model_path given and the default model is not available yet; pass --model-path")
+
+
+# ----------------------------------------------------------------------------------------------------
+# CLI
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="overlap_engine: generate text with an overlap-scheduled engine")
+    for f in dataclasses.fields(ServerArgs):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            p.add_argument(flag, action="store_true")
+        else:
+            conv = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), str)
+            p.add_argument(flag, type=conv, default=f.default)
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable: several are batched)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    a = p.parse_args(argv)
+    kw = {f.name: getattr(a, f.name) for f in dataclasses.fields(ServerArgs)}
+    engine = Engine(**kw)
+    sp = {"max_new_tokens": a.max_new_tokens, "temperature": a.temperature}
+    try:
+        if a.prompt:
+            run_prompts(engine, a.prompt, sp, a.raw)
+        else:
+            chat(engine, sp, a.raw)
+    finally:
+        engine.shutdown()
+
+
+def format_prompt(engine: Engine, text: str, raw: bool, history: Optional[list] = None) -> str:
+    tok = engine.tokenizer
+    if raw or tok is None or not tok.chat_template:
+        return text
+    return tok.apply_chat_template((history or []) + [{"role": "user", "content": text}])
+
+
+def run_prompts(engine: Engine, prompts: list, sp: dict, raw: bool):
+    t0, first, n = time.perf_counter(), None, 0
+    texts = [format_prompt(engine, p, raw) for p in prompts]
+    for chunk in engine.generate(prompt=texts, sampling_params=sp, stream=True):
+        first = first or time.perf_counter()
+        n += len(chunk["output_ids"])
+        if len(prompts) == 1:
+            print(chunk["text"], end="", flush=True)
+        elif chunk["meta_info"]["finish_reason"] is not None:
+            print(f"[{chunk['index']}] {prompts[chunk['index']]!r} -> {chunk['final']['text']!r}")
+    dt = time.perf_counter() - t0
+    print(f"\n[{n} tokens in {dt:.2f} s, {n / dt:.1f} tok/s, first token after {(first or t0) - t0:.2f} s]")
+
+
+def chat(engine: Engine, sp: dict, raw: bool):
+    history: list = []
+    print("chat with the model; /exit to leave")
+    while True:
+        try:
+            text = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return
+        if text.strip() == "/exit":
+            return
+        if not text.strip():
+            continue
+        reply = ""
+        try:
+            for chunk in engine.generate(prompt=format_prompt(engine, text, raw, history), sampling_params=sp, stream=True):
+                reply += chunk["text"]
+                print(chunk["text"], end="", flush=True)
+        except KeyboardInterrupt:
+            print(" [interrupted]")
+        print()
+        history += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
+
+
+if __name__ == "__main__":
+    main()

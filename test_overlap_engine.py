@@ -1,0 +1,173 @@
+"""Tests for overlap_engine: overlap == serial == a plain reference, nothing leaked, bad input refused.
+
+Tiny random Llama checkpoints are written by the tests (float64, so near-ties cannot flip a token);
+the reference forward below is written independently of the engine: no KV cache, no batching.
+"""
+import json
+import math
+import os
+import random
+import threading
+
+import pytest
+import torch
+
+import overlap_engine as oe
+from overlap_engine import Engine
+
+LOOPS = [False, True]  # disable_overlap_schedule: False = overlap loop, True = normal (serial) loop
+LOOP_IDS = ["overlap", "serial"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# A tiny checkpoint and an independent reference
+
+
+def byte_tokenizer_json(path):
+    """A byte-level BPE tokenizer with no merges: one token per byte, plus <s> (256) and </s> (257)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(["<s>", "</s>"])
+    tk.save(os.path.join(path, "tokenizer.json"))
+
+
+def make_checkpoint(path, seed=0, vocab=258, hidden=32, layers=2, heads=4, kv_heads=2, inter=64,
+                    tie=False, max_pos=512, rope_in_parameters=False):
+    """Writes config.json + model.safetensors (+ tokenizer.json when vocab == 258) with random weights."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    D = hidden // heads
+    rnd = lambda *shape, s=0.3: (torch.randn(*shape, generator=g, dtype=torch.float64) * s).float()  # noqa: E731
+    state = {"model.embed_tokens.weight": rnd(vocab, hidden, s=1.0), "model.norm.weight": 1 + rnd(hidden, s=0.1)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        state.update({
+            p + "self_attn.q_proj.weight": rnd(heads * D, hidden), p + "self_attn.k_proj.weight": rnd(kv_heads * D, hidden),
+            p + "self_attn.v_proj.weight": rnd(kv_heads * D, hidden), p + "self_attn.o_proj.weight": rnd(hidden, heads * D),
+            p + "mlp.gate_proj.weight": rnd(inter, hidden), p + "mlp.up_proj.weight": rnd(inter, hidden),
+            p + "mlp.down_proj.weight": rnd(hidden, inter),
+            p + "input_layernorm.weight": 1 + rnd(hidden, s=0.1), p + "post_attention_layernorm.weight": 1 + rnd(hidden, s=0.1)})
+    if not tie:
+        state["lm_head.weight"] = rnd(vocab, hidden)
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": hidden,
+           "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+           "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5, "max_position_embeddings": max_pos,
+           "tie_word_embeddings": tie, "bos_token_id": 256, "eos_token_id": 257}
+    if rope_in_parameters:
+        cfg["rope_parameters"] = {"rope_theta": 5000.0, "rope_type": "default"}
+    else:
+        cfg["rope_theta"] = 5000.0
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    save_file(state, os.path.join(path, "model.safetensors"))
+    if vocab == 258:
+        byte_tokenizer_json(path)
+    return path
+
+
+def reference_logits(state, cfg, ids):
+    """Plain Llama forward over the whole sequence, float64, no cache: logits of the last position."""
+    W = {k: v.double() for k, v in state.items()}
+    H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    D = cfg["hidden_size"] // H
+    T = len(ids)
+    theta = cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]
+    inv = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * inv[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)  # (T, D)
+
+    def norm(x, w):
+        return w * x / torch.sqrt((x * x).mean(-1, keepdim=True) + cfg["rms_norm_eps"])
+
+    def rope(x):  # (heads, T, D)
+        half = D // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+    x = W["model.embed_tokens.weight"][torch.tensor(ids)]
+    mask = torch.full((T, T), float("-inf"), dtype=torch.float64).triu(1)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        h = norm(x, W[p + "input_layernorm.weight"])
+        q = rope((h @ W[p + "self_attn.q_proj.weight"].T).view(T, H, D).transpose(0, 1))
+        k = rope((h @ W[p + "self_attn.k_proj.weight"].T).view(T, Hkv, D).transpose(0, 1))
+        v = (h @ W[p + "self_attn.v_proj.weight"].T).view(T, Hkv, D).transpose(0, 1)
+        k, v = k.repeat_interleave(H // Hkv, 0), v.repeat_interleave(H // Hkv, 0)
+        a = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(D) + mask, -1) @ v  # (H, T, D)
+        x = x + a.transpose(0, 1).reshape(T, H * D) @ W[p + "self_attn.o_proj.weight"].T
+        h = norm(x, W[p + "post_attention_layernorm.weight"])
+        gate = h @ W[p + "mlp.gate_proj.weight"].T
+        x = x + (torch.nn.functional.silu(gate) * (h @ W[p + "mlp.up_proj.weight"].T)) @ W[p + "mlp.down_proj.weight"].T
+    x = norm(x[-1], W["model.norm.weight"])
+    head = W.get("lm_head.weight", W["model.embed_tokens.weight"])
+    return head @ x
+
+
+def reference_greedy(ckpt, ids, max_new, stop_ids=()):
+    """Greedy continuation by full recomputation; stops after a token in stop_ids (it is included)."""
+    from safetensors.torch import load_file
+    state = load_file(os.path.join(ckpt, "model.safetensors"))
+    with open(os.path.join(ckpt, "config.json")) as f:
+        cfg = json.load(f)
+    out = []
+    for _ in range(max_new):
+        out.append(int(reference_logits(state, cfg, list(ids) + out).argmax()))
+        if out[-1] in stop_ids:
+            break
+    return out
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(str(tmp_path_factory.mktemp("tiny")))
+
+
+def make_engine(path, overlap_off, **kw):
+    kw.setdefault("dtype", "float64")
+    kw.setdefault("device", "cpu")
+    kw.setdefault("debug_future_map", True)
+    kw.setdefault("max_total_tokens", 2048)
+    return Engine(model_path=path, disable_overlap_schedule=overlap_off, **kw)
+
+
+def run_workload(engine, workload, max_steps=5000):
+    """Submits (input_ids, sampling_params) pairs and steps until all finish; outputs in workload order."""
+    rids = [engine.add_request(input_ids=ids, sampling_params=sp) for ids, sp in workload]
+    done = {}
+    for _ in range(max_steps):
+        for o in engine.step():
+            done[o["meta_info"]["id"]] = o
+        if len(done) == len(rids):
+            break
+    assert len(done) == len(rids), "workload did not finish"
+    return [done[r] for r in rids]
+
+
+def random_prompts(n, seed, lo=1, hi=40, vocab=256, shared=None):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p = [rng.randrange(vocab) for _ in range(rng.randint(lo, hi))]
+        out.append((shared or []) + p)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# 1. Greedy: overlap == serial == reference
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_greedy_matches_reference(ckpt, overlap_off):
+    prompts = random_prompts(6, seed=1)
+    max_news = [1, 5, 9, 3, 12, 7]
+    wl = [(p, {"max_new_tokens": m, "temperature": 0, "ignore_eos": True}) for p, m in zip(prompts, max_news)]
+    with make_engine(ckpt, overlap_off) as e:
+        outs = run_workload(e, wl)
+        e.check_invariants()
+    for (p, sp), o in zip(wl, outs):
+        assert o["output_ids"] == reference_greedy(ckpt, p, sp["max_new_tokens"])
+        assert o["meta_info"]["finish_reason"] == {"type": "length", "length": sp["max_new_tokens"]}
