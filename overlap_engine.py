@@ -57,6 +57,7 @@ class ServerArgs:
     chunked_prefill_size: int = 2048        # longest prefill chunk of one request; -1 disables chunking
     disable_radix_cache: bool = False       # no prefix sharing; KV is freed at finish
     schedule_policy: str = "lpm"            # lpm (longest prefix match first) | fcfs
+    schedule_conservativeness: float = 1.0  # scales the decode headroom kept when admitting; 0 admits greedily
     random_seed: int = 0                    # seeds requests that give no sampling_seed
     context_length: Optional[int] = None    # None -> the model's max_position_embeddings
     debug_future_map: bool = False          # assert each FutureMap row is published before it is read
@@ -472,7 +473,8 @@ class TritonAttnBackend(TorchAttnBackend):
             return self.kernels.decode_attention(q, kb, vb, self.rtp.req_to_token, m.req_pool_indices,
                                                  m.seq_lens, scale)
         return self.kernels.extend_attention(q, kb, vb, self.rtp.req_to_token, m.req_pool_indices,
-                                             self.prefix_lens, self.extend_lens, scale)
+                                             self.prefix_lens, self.extend_lens, scale,
+                                             max_extend_len=max(m.extend_lens_cpu))  # host-known: no sync
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1149,7 +1151,9 @@ class Scheduler:
         self.finished_outputs: list[dict] = []
         # new_token_ratio: the share of max_new_tokens reserved for running requests when admitting
         # new ones; it decays while decode goes well and jumps back up after a retraction (as in SGLang)
-        self.init_new_token_ratio, self.min_new_token_ratio, self.new_token_ratio_decay = 0.7, 0.1, 0.001
+        c = args.schedule_conservativeness
+        self.init_new_token_ratio, self.min_new_token_ratio = min(0.7 * c, 1.0), min(0.1 * c, 1.0)
+        self.new_token_ratio_decay = 0.001
         self.new_token_ratio = self.init_new_token_ratio
         self.stats = {"overshoot_tokens": 0, "stale_results": 0, "retractions": 0, "steps": []}
         self.forward_ct = 0

@@ -171,3 +171,95 @@ def test_greedy_matches_reference(ckpt, overlap_off):
     for (p, sp), o in zip(wl, outs):
         assert o["output_ids"] == reference_greedy(ckpt, p, sp["max_new_tokens"])
         assert o["meta_info"]["finish_reason"] == {"type": "length", "length": sp["max_new_tokens"]}
+
+
+def greedy_workload(prompts, max_news, stop_ids=None):
+    return [(p, {"max_new_tokens": m, "temperature": 0, "ignore_eos": True,
+                 **({"stop_token_ids": [stop_ids[i]]} if stop_ids and stop_ids[i] is not None else {})})
+            for i, (p, m) in enumerate(zip(prompts, max_news))]
+
+
+def expected_greedy(ckpt, wl):
+    return [reference_greedy(ckpt, p, sp["max_new_tokens"], sp.get("stop_token_ids", ())) for p, sp in wl]
+
+
+@pytest.fixture(scope="module")
+def mixed_workload(ckpt):
+    """Shared prefixes, varied lengths, max_new_tokens 1, and stop tokens hit at varied steps.
+
+    The stop token of request i is the reference's own token at step i % 6, so the expected output is
+    the reference run cut at the first occurrence of that token."""
+    rng = random.Random(7)
+    system = [rng.randrange(256) for _ in range(30)]
+    prompts = random_prompts(4, seed=2, lo=1, hi=60) + random_prompts(6, seed=3, lo=1, hi=12, shared=system)
+    max_news = [1, 16, 8, 20, 1, 12, 16, 5, 20, 9]
+    free_run = [reference_greedy(ckpt, p, 8) for p in prompts]
+    stops = [None if i % 3 == 0 else free_run[i][i % 6 if i % 6 < len(free_run[i]) else 0] for i in range(len(prompts))]
+    wl = greedy_workload(prompts, max_news, stops)
+    return wl, expected_greedy(ckpt, wl)
+
+
+CONFIGS = {
+    "default": {},
+    "chunked": {"chunked_prefill_size": 7, "max_prefill_tokens": 40},
+    "no_radix": {"disable_radix_cache": True},
+    "fcfs": {"schedule_policy": "fcfs", "max_running_requests": 3},
+    "squeezed": {"max_total_tokens": 96, "chunked_prefill_size": 16, "schedule_conservativeness": 0.0},
+}
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_greedy_workload_exact(ckpt, mixed_workload, overlap_off, config):
+    wl, expected = mixed_workload
+    with make_engine(ckpt, overlap_off, **CONFIGS[config]) as e:
+        outs = run_workload(e, wl)
+        e.check_invariants()
+        stats = e.stats()
+    assert [o["output_ids"] for o in outs] == expected
+    for (p, sp), o, exp in zip(wl, outs, expected):
+        stop = sp.get("stop_token_ids")
+        if stop and exp[-1] == stop[0] and len(exp) <= sp["max_new_tokens"] and (len(exp) < sp["max_new_tokens"]):
+            assert o["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop[0]}
+        assert o["meta_info"]["prompt_tokens"] == len(p)
+        assert o["meta_info"]["completion_tokens"] == len(exp)
+
+
+def test_overlap_equals_serial_on_longer_outputs(ckpt):
+    """Many steps and a pool that forces eviction: the two loops give identical tokens."""
+    prompts = random_prompts(8, seed=11, lo=5, hi=50)
+    wl = greedy_workload(prompts, [30] * 8)
+    outs = {}
+    for off in LOOPS:
+        with make_engine(ckpt, off, max_total_tokens=160) as e:
+            outs[off] = [o["output_ids"] for o in run_workload(e, wl)]
+            e.check_invariants()
+    assert outs[False] == outs[True]
+    assert outs[False][0] == reference_greedy(ckpt, prompts[0], 30)
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_radix_hits_give_same_tokens(ckpt, overlap_off):
+    """A second wave behind the same system prompt reuses its KV (cached_tokens) and gets the same tokens."""
+    rng = random.Random(5)
+    system = [rng.randrange(256) for _ in range(40)]
+    first = greedy_workload([system + [1, 2, 3]], [6])
+    wave = greedy_workload(random_prompts(4, seed=6, lo=1, hi=10, shared=system), [6] * 4)
+    with make_engine(ckpt, overlap_off) as e:
+        run_workload(e, first)
+        outs = run_workload(e, wave)
+        e.check_invariants()
+    assert [o["output_ids"] for o in outs] == expected_greedy(ckpt, wave)
+    assert all(o["meta_info"]["cached_tokens"] >= 40 for o in outs)
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_retraction_recomputes_same_tokens(ckpt, overlap_off):
+    """A pool too small for all running requests forces retraction; recomputed requests give the same tokens."""
+    prompts = random_prompts(6, seed=21, lo=18, hi=22)
+    wl = greedy_workload(prompts, [24] * 6)
+    with make_engine(ckpt, overlap_off, max_total_tokens=96, schedule_conservativeness=0.0) as e:
+        outs = run_workload(e, wl)
+        e.check_invariants()
+        assert e.stats()["retractions"] > 0, "the squeezed pool should force retraction"
+    assert [o["output_ids"] for o in outs] == expected_greedy(ckpt, wl)
