@@ -976,7 +976,7 @@ def sample(logits: torch.Tensor, s: dict) -> torch.Tensor:
     t = s["temperature"]
     probs = torch.softmax(logits.double() / torch.where(t > 0, t, 1.0)[:, None], dim=-1)  # (B, V)
     if s["need_filter"]:
-        p, idx = probs.sort(-1, descending=True, stable=True)                               # (B, V)
+        p, idx = probs.sort(dim=-1, descending=True, stable=True)                               # (B, V)
         rank = torch.arange(p.shape[1], device=p.device)[None]
         keep = rank < torch.where(s["top_k"] > 0, s["top_k"], p.shape[1])[:, None]
         keep &= (p.cumsum(-1) - p) < s["top_p"][:, None]          # the smallest set with mass >= top_p
@@ -1572,6 +1572,8 @@ class Engine:
         """At idle: every KV slot is free or owned by the radix cache, every row is free, no lock is
         held, and the FutureMap is fully poisoned."""
         s = self.scheduler
+        if all(r.finished() for snap, _ in s.result_queue for r in snap.reqs):
+            s.sync_pending_results()  # only overshoot steps of finished requests are still in flight
         assert s.is_idle(), "check_invariants() needs an idle engine"
         s.worker.stream.synchronize()
         kv, tree, rtp = s.kv_pool, s.tree_cache, s.req_to_token_pool

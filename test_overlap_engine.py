@@ -263,3 +263,178 @@ def test_retraction_recomputes_same_tokens(ckpt, overlap_off):
         e.check_invariants()
         assert e.stats()["retractions"] > 0, "the squeezed pool should force retraction"
     assert [o["output_ids"] for o in outs] == expected_greedy(ckpt, wl)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2. Seeded sampling
+
+
+SAMPLING_VARIANTS = [
+    {"temperature": 0.8},
+    {"temperature": 1.0, "top_k": 5},
+    {"temperature": 1.3, "top_p": 0.7},
+    {"temperature": 0.9, "min_p": 0.05, "top_k": 20, "top_p": 0.9},
+]
+
+
+def sampling_workload(n=8, seed=31, with_seed=True):
+    prompts = random_prompts(n, seed=seed, lo=2, hi=30)
+    return [(p, {"max_new_tokens": 10, "ignore_eos": True, **SAMPLING_VARIANTS[i % 4],
+                 **({"sampling_seed": 1000 + i} if with_seed else {})}) for i, p in enumerate(prompts)]
+
+
+def test_seeded_sampling_overlap_equals_serial_and_is_batch_independent(ckpt):
+    wl = sampling_workload()
+    runs = {}
+    for off in LOOPS:
+        with make_engine(ckpt, off, max_total_tokens=200) as e:
+            runs[off] = [o["output_ids"] for o in run_workload(e, wl)]
+            e.check_invariants()
+    assert runs[False] == runs[True]
+    # each request alone, in a different engine configuration: same tokens (noise = f(seed, position))
+    with make_engine(ckpt, False, chunked_prefill_size=5) as e:
+        alone = [run_workload(e, [w])[0]["output_ids"] for w in wl[:4]]
+        e.check_invariants()
+    assert alone == runs[False][:4]
+    # and the draws really are random: different seeds give different text
+    with make_engine(ckpt, False) as e:
+        other = [o["output_ids"] for o in run_workload(e, [(p, {**sp, "sampling_seed": 7}) for p, sp in wl])]
+    assert other != runs[False]
+
+
+def test_unseeded_sampling_follows_random_seed(ckpt):
+    wl = sampling_workload(n=4, with_seed=False)
+    outs = []
+    for off in (False, True, False):
+        with make_engine(ckpt, off, random_seed=3) as e:
+            outs.append([o["output_ids"] for o in run_workload(e, wl)])
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_sampler_draws_from_the_filtered_distribution():
+    """Empirical frequencies over many seeds match softmax(logits / T), restricted by top_k / top_p / min_p."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0], dtype=torch.float64)
+    n = 20000
+
+    def freqs(**kw):
+        s = {"temperature": torch.full((n,), kw.get("t", 1.0), dtype=torch.float64),
+             "top_k": torch.full((n,), kw.get("top_k", -1)), "top_p": torch.full((n,), kw.get("top_p", 1.0), dtype=torch.float64),
+             "min_p": torch.full((n,), kw.get("min_p", 0.0), dtype=torch.float64),
+             "seed": torch.arange(n), "out_pos": torch.zeros(n, dtype=torch.int64),
+             "all_greedy": False, "need_filter": any(k in kw for k in ("top_k", "top_p", "min_p"))}
+        ids = oe.sample(logits.expand(n, 5), s)
+        return torch.bincount(ids, minlength=5).double() / n
+
+    p = torch.softmax(logits / 0.7, -1)
+    assert torch.allclose(freqs(t=0.7), p, atol=0.015)
+    p2 = torch.softmax(logits[:2], -1)
+    assert torch.allclose(freqs(top_k=2)[:2], p2, atol=0.015) and freqs(top_k=2)[2:].sum() == 0
+    # top_p=0.6: mass of sorted probs [0.43, 0.26, 0.16, ...]; the first two reach 0.6
+    assert freqs(top_p=0.6)[2:].sum() == 0 and freqs(top_p=0.6)[1] > 0.3
+    # min_p=0.5: keep tokens with p >= 0.5 * p_max, i.e. logits within log 2 of the max: tokens 0 and 1
+    assert freqs(min_p=0.5)[2:].sum() == 0
+    assert freqs(top_k=1)[0] == 1.0
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3-6. Overshoot, FutureMap poison, the asynchronous worker, jitter
+
+
+def test_overshoot_counted_skipped_and_returned(ckpt):
+    """In overlap mode a stop-token finish is already in the next step: that token is skipped, its KV freed.
+    Requests that end by length are left out of the next decode batch and never overshoot."""
+    prompts = random_prompts(4, seed=41, lo=5, hi=20)
+    free_run = [reference_greedy(ckpt, p, 6) for p in prompts]
+    stop_wl = greedy_workload(prompts, [12] * 4, [r[3] for r in free_run])
+    length_wl = greedy_workload(prompts, [6] * 4)
+    for off in LOOPS:
+        with make_engine(ckpt, off) as e:
+            outs = run_workload(e, stop_wl)
+            e.check_invariants()
+            assert [o["output_ids"] for o in outs] == expected_greedy(ckpt, stop_wl)
+            overshoot = e.stats()["overshoot_tokens"]
+            assert overshoot == (0 if off else 4), f"overshoot {overshoot} with disable_overlap_schedule={off}"
+        with make_engine(ckpt, off) as e:
+            run_workload(e, length_wl)
+            e.check_invariants()
+            assert e.stats()["overshoot_tokens"] == 0
+
+
+def test_future_map_catches_a_missing_publish(ckpt, monkeypatch):
+    """Drop the publish of one row: the next decode step's gather must fail loudly, not read garbage."""
+    real = oe.FutureMap.publish
+    calls = []
+
+    def lossy_publish(self, rows, tokens):
+        calls.append(1)
+        if len(calls) == 2:
+            return  # skip the second publish
+        real(self, rows, tokens)
+    monkeypatch.setattr(oe.FutureMap, "publish", lossy_publish)
+    with make_engine(ckpt, False) as e:
+        e.add_request(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 8, "temperature": 0})
+        with pytest.raises(AssertionError, match="unpublished"):
+            for _ in range(20):
+                e.step()
+
+
+def test_future_map_unit():
+    fm = oe.FutureMap(4, "cpu", debug=True)
+    rows = torch.tensor([1, 3])
+    fm.publish(rows, torch.tensor([7, 9]))
+    with pytest.raises(AssertionError, match="unread"):
+        fm.publish(rows, torch.tensor([7, 9]))
+    assert fm.resolve(rows).tolist() == [7, 9]
+    assert fm.output_tokens_buf.tolist() == [-1, -1, -1, -1]  # consumed once, poisoned again
+    with pytest.raises(AssertionError, match="unpublished"):
+        fm.resolve(rows)
+
+
+def slow_forward(monkeypatch, seconds):
+    real = oe.ModelWorker.forward_step
+
+    def slow(self, fb):
+        out = real(self, fb)
+        oe.time.sleep(seconds)
+        return out
+    monkeypatch.setattr(oe.ModelWorker, "forward_step", slow)
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_host_plans_next_step_before_device_finishes(ckpt, monkeypatch, overlap_off):
+    """Overlap: step n+1 is launched (planned on the host) before step n's forward ends on the worker.
+    Serial: every launch comes after the previous step ended."""
+    slow_forward(monkeypatch, 0.02)
+    with make_engine(ckpt, overlap_off) as e:
+        run_workload(e, greedy_workload(random_prompts(3, seed=51), [8] * 3))
+        e.check_invariants()
+        steps = e.stats()["steps"]
+    ahead = [nxt["t_launch"] < cur["t_end"] for cur, nxt in zip(steps, steps[1:])]
+    if overlap_off:
+        assert not any(ahead)
+    else:
+        assert sum(ahead) >= len(ahead) - 1, f"only {sum(ahead)} of {len(ahead)} launches overlapped"
+
+
+def test_random_worker_delays_do_not_change_tokens(ckpt, mixed_workload):
+    wl, expected = mixed_workload
+    for jitter_seed in (0, 1):
+        with make_engine(ckpt, False, worker_jitter_ms=3.0, random_seed=jitter_seed, chunked_prefill_size=9,
+                         max_total_tokens=120) as e:
+            outs = run_workload(e, wl)
+            e.check_invariants()
+        assert [o["output_ids"] for o in outs] == expected
+
+
+def test_row_and_slots_reused_while_overshoot_in_flight(ckpt, monkeypatch):
+    """One row only: a request that stops by token is still in the in-flight step (overshoot) when the
+    next request gets its row and possibly its slots. Stream order must keep both exact."""
+    slow_forward(monkeypatch, 0.005)
+    prompts = random_prompts(4, seed=61, lo=3, hi=9)
+    free_run = [reference_greedy(ckpt, p, 4) for p in prompts]
+    wl = greedy_workload(prompts, [10] * 4, [r[2] for r in free_run])
+    with make_engine(ckpt, False, max_running_requests=1, max_total_tokens=24, worker_jitter_ms=2.0) as e:
+        outs = run_workload(e, wl)
+        e.check_invariants()
+        assert e.stats()["overshoot_tokens"] == 4
+    assert [o["output_ids"] for o in outs] == expected_greedy(ckpt, wl)
