@@ -312,11 +312,11 @@ def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str) 
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     state = dict(state)
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+    if cfg.tie_word_embeddings:  # one tensor under both names; re-tied after loading
+        state["lm_head.weight"] = state.get("model.embed_tokens.weight")
     elif "lm_head.weight" not in state:
         raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
-    missing = set(model.state_dict()) - set(state)
+    missing = {k for k in model.state_dict() if state.get(k) is None}
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if k in model.state_dict()}

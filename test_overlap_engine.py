@@ -438,3 +438,229 @@ def test_row_and_slots_reused_while_overshoot_in_flight(ckpt, monkeypatch):
         e.check_invariants()
         assert e.stats()["overshoot_tokens"] == 4
     assert [o["output_ids"] for o in outs] == expected_greedy(ckpt, wl)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 7. RadixCache and allocator, textbook cases
+
+
+def test_allocator_alloc_free():
+    cfg = oe.ModelConfig(num_hidden_layers=1)
+    pool = oe.TokenToKVPool(8, cfg, torch.float32, "cpu")
+    a = pool.alloc(5)
+    assert a.tolist() == [1, 2, 3, 4, 5] and pool.available_size() == 3  # slot 0 is the dummy
+    assert pool.alloc(4) is None and pool.available_size() == 3          # all or nothing
+    pool.free(a[:2])
+    assert pool.available_size() == 5 and sorted(pool.free_slots.tolist()) == [1, 2, 6, 7, 8]
+    rows = oe.ReqToTokenPool(2, 16, "cpu")
+    r0, r1 = rows.alloc(), rows.alloc()
+    assert (r0, r1, rows.alloc()) == (0, 1, None)
+    rows.free(r0)
+    with pytest.raises(AssertionError, match="double free"):
+        rows.free(r0)
+
+
+def make_tree(size=32):
+    pool = oe.TokenToKVPool(size, oe.ModelConfig(num_hidden_layers=1), torch.float32, "cpu")
+    return oe.RadixCache(pool), pool
+
+
+def test_radix_match_insert_split():
+    """insert abc -> [1,2,3]; match abd = ab (splits abc into ab + c); insert abd -> 2 cached, d new."""
+    tree, pool = make_tree()
+    a, b, c, d = 10, 11, 12, 13
+    assert tree.insert([a, b, c], pool.alloc(3)) == 0
+    slots, node = tree.match_prefix([a, b, d])
+    assert slots.tolist() == [1, 2] and node.key == [a, b]
+    assert tree.insert([a, b, d], torch.tensor([7, 8, 9])) == 2  # 7, 8 stay the caller's to free
+    assert tree.match_prefix([a, b, d])[0].tolist() == [1, 2, 9]
+    assert tree.match_prefix([a, b, c, d])[0].tolist() == [1, 2, 3]
+    assert tree.match_prefix([d])[0].tolist() == []
+    assert tree.total_size() == 4 and tree.evictable_size() == 4  # ab, c, d
+
+
+def test_radix_lock_and_lru_eviction():
+    """Three leaves x, y, z under root, used in order x, y, z, then x again. Evicting 2 tokens takes
+    the least recently used unlocked leaf: y (x was touched last); a locked z is never evicted."""
+    tree, pool = make_tree()
+    for key in ([1, 1], [2, 2], [3, 3]):
+        tree.insert(key, pool.alloc(2))
+    tree.match_prefix([1, 1])
+    _, z = tree.match_prefix([3, 3])
+    tree.inc_lock_ref(z)
+    assert tree.protected_size() == 2 and tree.evictable_size() == 4
+    free_before = pool.available_size()
+    assert tree.evict(2) == 2
+    assert pool.available_size() == free_before + 2
+    assert tree.match_prefix([2, 2])[0].numel() == 0 and tree.match_prefix([1, 1])[0].numel() == 2
+    assert tree.evict(10) == 2  # only x is left to evict
+    assert tree.match_prefix([3, 3])[0].numel() == 2
+    tree.dec_lock_ref(z)
+    assert tree.protected_size() == 0 and tree.evict(10) == 2 and tree.total_size() == 0
+
+
+def test_radix_evicts_inner_node_after_its_children():
+    """abc and abd share ab: evicting everything removes c, d, then ab (it becomes a leaf)."""
+    tree, pool = make_tree()
+    tree.insert([1, 2, 3], pool.alloc(3))
+    tree.insert([1, 2, 4], torch.cat((tree.match_prefix([1, 2])[0], pool.alloc(1))))
+    assert tree.total_size() == 4
+    assert tree.evict(100) == 4 and pool.available_size() == 32
+
+
+# ----------------------------------------------------------------------------------------------------
+# Engine API: streaming, stop strings, abort, checkpoint variants
+
+
+def test_generate_text_stream_and_batch(ckpt):
+    with make_engine(ckpt, False) as e:
+        sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+        single = e.generate(prompt="hello world", sampling_params=sp)
+        ids = e.tokenizer.encode("hello world")
+        assert single["output_ids"] == reference_greedy(ckpt, ids, 12)
+        assert single["text"] == e.tokenizer.decode(single["output_ids"])
+        chunks = list(e.generate(prompt="hello world", sampling_params=sp, stream=True))
+        assert "".join(c["text"] for c in chunks) == single["text"]
+        assert sum((c["output_ids"] for c in chunks), []) == single["output_ids"]
+        assert len(chunks) > 1 and chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+        batch = e.generate(input_ids=[ids, [5, 6, 7]], sampling_params=[sp, {**sp, "max_new_tokens": 3}])
+        assert batch[0]["output_ids"] == single["output_ids"] and len(batch[1]["output_ids"]) == 3
+        e.check_invariants()
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_stop_string_is_cut(ckpt, overlap_off):
+    """The stop string is the character of an ASCII token that the reference emits at step 4 or later."""
+    tok_ids = list(range(40, 60))
+    ref = reference_greedy(ckpt, tok_ids, 30)
+    with make_engine(ckpt, overlap_off) as e:
+        chars = [e.tokenizer.decode([t]) for t in ref]
+        k = next(i for i, c in enumerate(chars) if i >= 3 and c.isascii() and c.isalnum())
+        stop = chars[k]
+        k = chars.index(stop)  # the first occurrence ends generation
+        out = e.generate(input_ids=tok_ids, sampling_params={"max_new_tokens": 30, "temperature": 0, "stop": stop})
+        full = e.tokenizer.decode(ref[:k + 1])
+        e.check_invariants()
+    assert out["output_ids"] == ref[:k + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == full[:full.index(stop)] and stop not in out["text"]
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_abort_queued_running_and_finished(ckpt, overlap_off):
+    prompts = random_prompts(4, seed=71, lo=4, hi=12)
+    wl = greedy_workload(prompts, [20, 20, 6, 20])
+    with make_engine(ckpt, overlap_off, max_running_requests=3) as e:
+        rids = [e.add_request(input_ids=p, sampling_params=sp) for p, sp in wl]
+        done = {}
+        e.abort(rids[3])  # still queued (only 3 rows)
+        for _ in range(5):
+            done.update({o["meta_info"]["id"]: o for o in e.step()})
+        e.abort(rids[0])  # running, likely with a step in flight
+        while len(done) < 4:
+            done.update({o["meta_info"]["id"]: o for o in e.step()})
+        e.abort(rids[2])  # finished already: no effect
+        e.check_invariants()
+    assert done[rids[3]]["meta_info"]["finish_reason"]["type"] == "abort" and done[rids[3]]["output_ids"] == []
+    assert done[rids[0]]["meta_info"]["finish_reason"]["type"] == "abort"
+    exp = expected_greedy(ckpt, wl)
+    assert done[rids[0]]["output_ids"] == exp[0][:len(done[rids[0]]["output_ids"])]
+    assert done[rids[1]]["output_ids"] == exp[1] and done[rids[2]]["output_ids"] == exp[2]
+
+
+@pytest.mark.parametrize("variant", ["tied", "rope_parameters", "mha", "sharded"])
+def test_checkpoint_variants(tmp_path, variant):
+    kw = {"tied": {"tie": True}, "rope_parameters": {"rope_in_parameters": True},
+          "mha": {"kv_heads": 4}, "sharded": {}}[variant]
+    path = make_checkpoint(str(tmp_path / variant), seed=3, **kw)
+    if variant == "sharded":  # split the weights over two files with an index, as hub checkpoints do
+        from safetensors.torch import load_file, save_file
+        state = load_file(os.path.join(path, "model.safetensors"))
+        os.remove(os.path.join(path, "model.safetensors"))
+        keys = sorted(state)
+        halves = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+        for name, ks in halves.items():
+            save_file({k: state[k] for k in ks}, os.path.join(path, name))
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"weight_map": {k: n for n, ks in halves.items() for k in ks}}, f)
+        save_file(state, str(tmp_path / "ref.safetensors"))  # the reference reads one file
+        os.symlink(str(tmp_path / "ref.safetensors"), os.path.join(path, "model.safetensors"))
+    wl = greedy_workload(random_prompts(2, seed=81), [6, 6])
+    with make_engine(path, False) as e:
+        outs = run_workload(e, wl)
+        e.check_invariants()
+    assert [o["output_ids"] for o in outs] == expected_greedy(path, wl)
+
+
+def test_llama3_rope_scaling_changes_only_low_frequencies():
+    cfg = oe.ModelConfig(head_dim=64, rope_theta=500000.0)
+    base = oe.rope_inv_freq(cfg)
+    cfg.rope_scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 8192}
+    scaled = oe.rope_inv_freq(cfg)
+    wavelen = 2 * math.pi / base
+    assert torch.equal(scaled[wavelen < 8192 / 4], base[wavelen < 8192 / 4])          # high frequencies kept
+    assert torch.allclose(scaled[wavelen > 8192], base[wavelen > 8192] / 8.0)          # low ones divided by factor
+    mid = (wavelen >= 8192 / 4) & (wavelen <= 8192)
+    assert ((scaled[mid] < base[mid]) & (scaled[mid] > base[mid] / 8.0)).all()         # smooth in between
+
+
+# ----------------------------------------------------------------------------------------------------
+# 10. Bad input
+
+
+BAD_SAMPLING = [
+    ({"max_new_tokens": -1}, "max_new_tokens"), ({"max_new_tokens": 2.5}, "max_new_tokens"),
+    ({"max_new_tokens": "8"}, "max_new_tokens"), ({"max_new_tokens": True}, "max_new_tokens"),
+    ({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"), ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": 0}, "top_k"), ({"top_k": 2.0}, "top_k"),
+    ({"min_p": -0.1}, "min_p"), ({"stop": [1, 2]}, "stop"), ({"stop": ""}, "stop"),
+    ({"stop_token_ids": [999999]}, "stop_token_ids"), ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"sampling_seed": 1.5}, "sampling_seed"), ({"max_tokens": 5}, "max_tokens"), ({"temprature": 1}, "temprature"),
+]
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_bad_input_is_refused_and_engine_keeps_serving(ckpt, overlap_off):
+    with make_engine(ckpt, overlap_off, max_total_tokens=64) as e:
+        good = e.add_request(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4, "temperature": 0})
+        for sp, key in BAD_SAMPLING:
+            with pytest.raises(ValueError, match=key):
+                e.add_request(input_ids=[1, 2], sampling_params=sp)
+        bad_ids = [([], "non-empty"), ([1, -1], "-1"), ([1, 258], "258"), ([1.0, 2], "1.0"), (["a"], "'a'"),
+                   ([1] * 100, "KV pool"), ("12", "list")]
+        for ids, msg in bad_ids:
+            with pytest.raises(ValueError, match=msg):
+                e.add_request(input_ids=ids, sampling_params={})
+        with pytest.raises(ValueError, match="prompt"):
+            e.generate(prompt="", sampling_params={})
+        with pytest.raises(ValueError, match="sampling_params"):
+            e.generate(prompt="hi", sampling_params=[{}, {}])
+        with pytest.raises(ValueError, match="top_p"):  # one bad request in a list: none is queued
+            e.generate(input_ids=[[1, 2], [3, 4]], sampling_params=[{}, {"top_p": 2}])
+        assert len(e.scheduler.waiting) == 1
+        done = []
+        while not done:
+            done = e.step()
+        assert done[0]["meta_info"]["id"] == good and len(done[0]["output_ids"]) == 4
+        e.check_invariants()
+
+
+def test_bad_engine_arguments(ckpt):
+    with pytest.raises(ValueError, match="max_total_tokns"):
+        Engine(model_path=ckpt, max_total_tokns=10)
+    with pytest.raises(ValueError, match="dtype"):
+        Engine(model_path=ckpt, dtype="float8")
+    with pytest.raises(ValueError, match="model_path"):
+        Engine(model_path=os.path.dirname(ckpt) + "/nope")
+
+
+def test_prompt_longer_than_context(tmp_path):
+    path = make_checkpoint(str(tmp_path / "short"), max_pos=32)
+    with make_engine(path, False) as e:
+        with pytest.raises(ValueError, match="context length is 32"):
+            e.add_request(input_ids=list(range(32)), sampling_params={})
+        out = e.generate(input_ids=list(range(30)), sampling_params={"max_new_tokens": 10, "temperature": 0, "ignore_eos": True})
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 2}  # capped to the context
+        e.check_invariants()
