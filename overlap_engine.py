@@ -882,7 +882,7 @@ class PrefillAdder:
     def add_chunked_req(self, r: Req) -> bool:
         """The next chunk of a request that is in the middle of its prefill."""
         left = len(r.fill_ids) - r.kv_allocated_len
-        n = min(left, self.rem_chunk_tokens or left, self.rem_input_tokens)
+        n = min(left, self.rem_input_tokens, left if self.rem_chunk_tokens is None else self.rem_chunk_tokens)
         if n > self.rem_total_tokens or n < 1:
             return False
         r.extend_input_len, r.is_chunked = n, n < left
@@ -891,14 +891,14 @@ class PrefillAdder:
 
     def add_one_req(self, r: Req) -> bool:
         """Locks r's matched prefix and admits its (first chunk of) prompt; False: stop adding."""
-        if self.rem_rows <= 0 or self.new_chunked_req is not None:
+        if self.rem_rows <= 0 or self.new_chunked_req is not None or self.rem_chunk_tokens == 0:
             return False
         ext = len(r.fill_ids) - len(r.prefix_indices)
         s = self.sched
         before = s.tree_cache.evictable_size()
         s.tree_cache.inc_lock_ref(r.last_node)
         locked = before - s.tree_cache.evictable_size()  # matched slots that just stopped being evictable
-        n = min(ext, self.rem_chunk_tokens or ext)
+        n = ext if self.rem_chunk_tokens is None else min(ext, self.rem_chunk_tokens)
         need = n + locked + (self.decode_reserve(r) if n == ext else 0)
         if need > self.rem_total_tokens or (self.can_run_list and n > self.rem_input_tokens):
             s.tree_cache.dec_lock_ref(r.last_node)

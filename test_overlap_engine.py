@@ -12,7 +12,10 @@ import threading
 import pytest
 import torch
 
-import overlap_engine as oe
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU tensors, before triton is imported
+import kernels  # noqa: E402
+import overlap_engine as oe  # noqa: E402
 from overlap_engine import Engine
 
 LOOPS = [False, True]  # disable_overlap_schedule: False = overlap loop, True = normal (serial) loop
@@ -664,3 +667,165 @@ def test_prompt_longer_than_context(tmp_path):
         out = e.generate(input_ids=list(range(30)), sampling_params={"max_new_tokens": 10, "temperature": 0, "ignore_eos": True})
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 2}  # capped to the context
         e.check_invariants()
+
+
+# ----------------------------------------------------------------------------------------------------
+# 8. Triton kernels vs their torch references (TRITON_INTERPRET=1 on CPU: small shapes)
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# fp32 and fp64 run everywhere; 16-bit dtypes need a GPU (the interpreter's numpy has no bf16 dot)
+KERNEL_DTYPES = [
+    torch.float32,
+    torch.float64,
+    pytest.param(torch.float16, marks=pytest.mark.skipif(DEVICE != "cuda", reason="fp16 kernels need CUDA")),
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(DEVICE != "cuda", reason="bf16 kernels need CUDA")),
+]
+TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def make_pool(num_slots, Hkv, D, dtype, seed=0):
+    """Random K and V pools (num_slots, Hkv, D); slot 0 is the reserved dummy."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_slots, Hkv, D, generator=g).to(DEVICE, dtype)
+    v = torch.randn(num_slots, Hkv, D, generator=g).to(DEVICE, dtype)
+    return k, v
+
+
+def make_req_to_token(seq_lens, num_rows, max_len, num_slots, index_dtype, seed=0):
+    """Give each request a random pool row and random, non-contiguous slots (never slot 0).
+    Returns (req_to_token, req_pool_indices); unused entries point at the dummy slot 0."""
+    g = torch.Generator().manual_seed(seed)
+    assert sum(seq_lens) <= num_slots - 1 and len(seq_lens) <= num_rows
+    slots = torch.randperm(num_slots - 1, generator=g) + 1  # a shuffled free list
+    rows = torch.randperm(num_rows, generator=g)[: len(seq_lens)]
+    req_to_token = torch.zeros(num_rows, max_len, dtype=index_dtype)
+    start = 0
+    for row, L in zip(rows.tolist(), seq_lens):
+        req_to_token[row, :L] = slots[start : start + L].to(index_dtype)
+        start += L
+    return req_to_token.to(DEVICE), rows.to(DEVICE, index_dtype)
+
+
+def assert_close(out, ref, dtype):
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_kernel_store_kv_matches_ref(index_dtype):
+    k_cache, v_cache = make_pool(64, 3, 16, torch.float32)
+    g = torch.Generator().manual_seed(1)
+    loc = (torch.randperm(63, generator=g)[:11] + 1).to(DEVICE, index_dtype)  # scattered slots
+    k = torch.randn(11, 3, 16, generator=g).to(DEVICE)
+    v = torch.randn(11, 3, 16, generator=g).to(DEVICE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    kernels.store_kv_ref(k_ref, v_ref, loc, k, v)
+    kernels.store_kv(k_cache, v_cache, loc, k, v)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert torch.equal(k_cache[loc.long()], k)  # and the ref really wrote them
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("G", [1, 3, 4])
+def test_kernel_decode_attention_matches_ref(G, dtype):
+    """Lengths 1 and 3 are shorter than the 8 splits (empty splits); 33 and 150 are not powers of two."""
+    Hkv, D = 2, 32
+    seq_lens = [1, 33, 3, 150]
+    k_cache, v_cache = make_pool(400, Hkv, D, dtype)
+    req_to_token, rows = make_req_to_token(seq_lens, 6, 160, 400, torch.int32)
+    q = torch.randn(len(seq_lens), Hkv * G, D, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = kernels.decode_attention(q, k_cache, v_cache, req_to_token, rows, lens, D**-0.5)
+    ref = kernels.decode_attention_ref(q, k_cache, v_cache, req_to_token, rows, lens, D**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 3, 16])
+def test_kernel_decode_attention_splits_and_int64_indices(num_kv_splits):
+    """Any split count (a non-power of two too) gives the same answer; int64 index tensors work."""
+    Hkv, G, D = 1, 4, 16
+    seq_lens = [5, 70, 1]
+    k_cache, v_cache = make_pool(100, Hkv, D, torch.float32, seed=3)
+    req_to_token, rows = make_req_to_token(seq_lens, 4, 80, 100, torch.int64, seed=3)
+    q = torch.randn(3, Hkv * G, D).to(DEVICE)
+    lens = torch.tensor(seq_lens, device=DEVICE)  # int64
+    out = kernels.decode_attention(q, k_cache, v_cache, req_to_token, rows, lens, 0.3, num_kv_splits=num_kv_splits)
+    ref = kernels.decode_attention_ref(q, k_cache, v_cache, req_to_token, rows, lens, 0.3)
+    assert_close(out, ref, torch.float32)
+
+
+def test_kernel_decode_attention_strided_q_and_odd_head_dim():
+    """q as a view into a fused qkv buffer (row stride != Hq * D), and a head_dim of 24 (masked to 32)."""
+    Hkv, G, D = 2, 2, 24
+    seq_lens = [9, 40]
+    k_cache, v_cache = make_pool(64, Hkv, D, torch.float32, seed=4)
+    req_to_token, rows = make_req_to_token(seq_lens, 2, 48, 64, torch.int32, seed=4)
+    qkv = torch.randn(2, (Hkv * G + 2 * Hkv) * D).to(DEVICE)
+    q = qkv[:, : Hkv * G * D].view(2, Hkv * G, D)  # (B, Hq, D), not contiguous in B
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = kernels.decode_attention(q, k_cache, v_cache, req_to_token, rows, lens, 0.2)
+    ref = kernels.decode_attention_ref(q, k_cache, v_cache, req_to_token, rows, lens, 0.2)
+    assert_close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("G", [1, 3, 4])
+def test_kernel_extend_attention_matches_ref(G, dtype):
+    """Prefixes 0 (plain prefill) and 70 (long cached prefix); extends of 1, 37 and 66 (two query blocks)."""
+    Hkv, D = 2, 32
+    prefix_lens, extend_lens = [0, 70, 5, 0], [37, 1, 66, 1]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    k_cache, v_cache = make_pool(256, Hkv, D, dtype, seed=5)
+    req_to_token, rows = make_req_to_token(seq_lens, 5, 80, 256, torch.int64, seed=5)
+    q = torch.randn(sum(extend_lens), Hkv * G, D, generator=torch.Generator().manual_seed(6)).to(DEVICE, dtype)
+    P = torch.tensor(prefix_lens, device=DEVICE)
+    E = torch.tensor(extend_lens, device=DEVICE)
+    out = kernels.extend_attention(q, k_cache, v_cache, req_to_token, rows, P, E, D**-0.5)
+    ref = kernels.extend_attention_ref(q, k_cache, v_cache, req_to_token, rows, P, E, D**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert_close(out, ref, dtype)
+
+
+def test_kernel_extend_attention_int32_lengths_and_host_max():
+    """int32 index tensors, and the caller passing max_extend_len so the launcher needs no sync."""
+    Hkv, G, D = 1, 3, 16
+    prefix_lens, extend_lens = [3, 0], [20, 9]
+    k_cache, v_cache = make_pool(64, Hkv, D, torch.float32, seed=7)
+    req_to_token, rows = make_req_to_token([23, 9], 3, 32, 64, torch.int32, seed=7)
+    q = torch.randn(29, Hkv * G, D).to(DEVICE)
+    P = torch.tensor(prefix_lens, dtype=torch.int32, device=DEVICE)
+    E = torch.tensor(extend_lens, dtype=torch.int32, device=DEVICE)
+    out = kernels.extend_attention(q, k_cache, v_cache, req_to_token, rows, P, E, 0.25, max_extend_len=20)
+    ref = kernels.extend_attention_ref(q, k_cache, v_cache, req_to_token, rows, P, E, 0.25)
+    assert_close(out, ref, torch.float32)
+
+
+def test_kernel_extend_then_decode_equals_one_longer_extend():
+    """Write K/V with store_kv, prefill 12 tokens, then decode token 13: the same as extending 13."""
+    Hkv, G, D = 2, 2, 16
+    k_cache, v_cache = make_pool(32, Hkv, D, torch.float32, seed=8)
+    g = torch.Generator().manual_seed(8)
+    loc = (torch.randperm(31, generator=g)[:13] + 1).to(DEVICE)  # the 13 positions' slots
+    kernels.store_kv(k_cache, v_cache, loc, torch.randn(13, Hkv, D, generator=g).to(DEVICE),
+                     torch.randn(13, Hkv, D, generator=g).to(DEVICE))
+    req_to_token = loc[None, :].clone()  # (1, 13): one request in row 0
+    row = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    q = torch.randn(13, Hkv * G, D, generator=g).to(DEVICE)
+    full = kernels.extend_attention(q, k_cache, v_cache, req_to_token, row,
+                                    torch.tensor([0], device=DEVICE), torch.tensor([13], device=DEVICE), 0.25)
+    last = kernels.decode_attention(q[12:], k_cache, v_cache, req_to_token, row,
+                                    torch.tensor([13], device=DEVICE), 0.25)
+    assert_close(last, full[12:], torch.float32)
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_triton_backend_matches_torch_backend(ckpt, overlap_off):
+    """The engine end to end with attention_backend=triton: same tokens as the torch backend."""
+    wl = greedy_workload(random_prompts(3, seed=91, lo=3, hi=14, shared=[9, 8, 7, 6, 5, 4, 3, 2]), [4, 3, 5])
+    outs = {}
+    for backend in ("torch", "triton"):
+        with make_engine(ckpt, overlap_off, attention_backend=backend, chunked_prefill_size=6) as e:
+            outs[backend] = [o["output_ids"] for o in run_workload(e, wl)]
+            e.check_invariants()
+    assert outs["triton"] == outs["torch"] == expected_greedy(ckpt, wl)

@@ -1,0 +1,359 @@
+"""
+Triton kernels for overlap_engine: paged KV store, decode attention and extend (prefill) attention.
+
+Every op comes in three parts: `<op>_ref()`, plain torch and the spec; `_<op>_kernel`, the Triton
+kernel; `<op>()`, the launcher that checks shapes, allocates the output and builds the grid.
+The KV pool is token-paged (page size 1), as in SGLang: per layer `k_cache` and `v_cache` of shape
+(num_slots, n_kv_heads, head_dim), slot 0 a reserved dummy, and `req_to_token[row, pos]` the slot
+holding position `pos` of the request that owns pool row `row`. Attention reads K/V through it.
+
+What this is not: a tuned library. One launch config per kernel (explained at the launcher), no
+autotune, no paging larger than one token, no sliding window, soft-cap or custom masks.
+References: Triton tutorial 06 (fused attention), Flash-Decoding (Dao et al. 2023), SGLang's
+`decode_attention.py` / `extend_attention.py` (same ideas, written from scratch here).
+
+Without CUDA the kernels run on CPU tensors under TRITON_INTERPRET=1 (slow; set below, before any
+kernel is decorated). Run the tests with `python -m pytest test_overlap_engine.py -k kernel`
+(CPU: fp32 and fp64 only, the interpreter has no 16-bit dot).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # the interpreter runs kernels with numpy on CPU tensors; triton reads this at decoration time
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+# ----------------------------------------------------------------------------------------------
+# shared helpers
+
+
+# Numerics of every kernel: accumulate in fp32 (fp64 for fp64 data, the engine's exact-equality tests);
+# tl.dot(..., input_precision="ieee") keeps fp32 products exact instead of tf32 (16-bit inputs ignore it).
+def _acc_dtype(dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _check_pool(k_cache, v_cache, head_dim):
+    assert k_cache.shape == v_cache.shape, f"k/v cache shapes differ: {k_cache.shape} vs {v_cache.shape}"
+    assert k_cache.dim() == 3 and k_cache.shape[2] == head_dim, \
+        f"cache must be (num_slots, n_kv_heads, {head_dim}), got {tuple(k_cache.shape)}"
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache rows must be contiguous in head_dim"
+
+
+# ----------------------------------------------------------------------------------------------
+# store_kv: write one step's K and V into the pool at its slots
+
+
+def store_kv_ref(k_cache, v_cache, loc, k, v):
+    """k_cache[loc] = k; v_cache[loc] = v (in place). loc (N,) slots, k and v (N, n_kv_heads, head_dim)."""
+    k_cache[loc] = k
+    v_cache[loc] = v
+
+
+@triton.jit
+def _store_kv_kernel(
+    K_cache, V_cache, loc, K, V,
+    stride_kcn, stride_kch, stride_vcn, stride_vch,
+    stride_kn, stride_kh, stride_vn, stride_vh,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # one program copies all heads of one token
+    i = tl.program_id(0)
+    slot = tl.load(loc + i).to(tl.int64)  # int64: slot * stride can pass 2**31 in a big pool
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
+    # -- k --
+    k = tl.load(K + i * stride_kn + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    tl.store(K_cache + slot * stride_kcn + offs_h[:, None] * stride_kch + offs_d[None, :], k, mask=mask)
+    # -- v --
+    v = tl.load(V + i * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    tl.store(V_cache + slot * stride_vcn + offs_h[:, None] * stride_vch + offs_d[None, :], v, mask=mask)
+
+
+def store_kv(k_cache, v_cache, loc, k, v):
+    """Triton version of store_kv_ref. No host sync; loc may be int32 or int64."""
+    N, H, D = k.shape
+    _check_pool(k_cache, v_cache, D)
+    assert v.shape == k.shape and loc.shape == (N,), f"k {tuple(k.shape)}, v {tuple(v.shape)}, loc {tuple(loc.shape)}"
+    assert k.dtype == k_cache.dtype and v.dtype == v_cache.dtype, "k/v dtype must match the cache dtype"
+    assert k.stride(-1) == 1 and v.stride(-1) == 1, "k and v must be contiguous in head_dim"
+    if N == 0:
+        return
+    # a (heads x head_dim) tile per token: at most a few thousand elements, one warp group is plenty
+    _store_kv_kernel[(N,)](
+        k_cache, v_cache, loc, k, v,
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        H=H, D=D, BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D),
+        num_warps=4,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# decode_attention: one query token per request over its whole context (flash-decoding, split-K)
+
+
+def decode_attention_ref(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale):
+    """o[b] = softmax(q[b] K_b^T * sm_scale) V_b, with K_b, V_b the first seq_lens[b] slots of row
+    req_pool_indices[b] of req_to_token. q (B, Hq, D) -> o (B, Hq, D); query head h reads kv head h // G."""
+    B, Hq, _ = q.shape
+    G = Hq // k_cache.shape[1]  # query heads per kv head
+    acc = torch.promote_types(q.dtype, torch.float32)  # compute in fp32 (fp64 stays fp64)
+    o = torch.empty_like(q)
+    for b in range(B):
+        slots = req_to_token[req_pool_indices[b], : seq_lens[b]].long()  # (S,)
+        k = k_cache[slots].to(acc).repeat_interleave(G, dim=1)  # (S, Hq, D)
+        v = v_cache[slots].to(acc).repeat_interleave(G, dim=1)  # (S, Hq, D)
+        s = torch.einsum("hd,shd->hs", q[b].to(acc), k) * sm_scale  # (Hq, S)
+        o[b] = torch.einsum("hs,shd->hd", s.softmax(dim=-1), v).to(q.dtype)
+    return o
+
+
+@triton.jit
+def _decode_attention_stage1_kernel(
+    Q, K, V, req_to_token, req_pool_indices, seq_lens, Mid_O, Mid_LSE, sm_scale,
+    stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rr,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # one program = (request b, kv head, split): the G query heads of that kv head over one chunk
+    b = tl.program_id(0)
+    kv_h = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(req_pool_indices + b)
+    seq_len = tl.load(seq_lens + b)
+    # the context is cut into NUM_SPLITS chunks of split_len positions; trailing chunks may be empty
+    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    n_start = split * split_len
+    n_end = tl.minimum(n_start + split_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_H)  # query heads of this kv head, padded to BLOCK_H >= 16 for tl.dot
+    offs_h = kv_h * G + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_h = offs_g < G
+    mask_d = offs_d < D
+
+    if n_end > n_start:  # subtle: an empty split writes nothing; stage 2 skips it the same way
+        q = tl.load(Q + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_H, BLOCK_D)
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=ACC)  # running max of the scores
+        l_i = tl.zeros([BLOCK_H], dtype=ACC)  # running softmax denominator
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=ACC)  # running unnormalised output
+        for n0 in range(n_start, n_end, BLOCK_N):
+            # -- gather this block's slots through req_to_token --
+            n = n0 + offs_n
+            mask_n = n < n_end
+            slot = tl.load(req_to_token + row * stride_rr + n, mask=mask_n, other=0).to(tl.int64)
+            mask_kv = mask_n[:, None] & mask_d[None, :]
+            # -- compute qk --
+            k = tl.load(K + slot[:, None] * stride_kn + kv_h * stride_kh + offs_d[None, :], mask=mask_kv, other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee").to(ACC) * sm_scale  # (BLOCK_H, BLOCK_N)
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            # -- online softmax: rescale what we have so far to the new max --
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            # -- accumulate p v --
+            v = tl.load(V + slot[:, None] * stride_vn + kv_h * stride_vh + offs_d[None, :], mask=mask_kv, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee").to(ACC)
+            m_i = m_new
+        # -- store this split's normalised output and log-sum-exp --
+        mid = b * stride_ob + offs_h[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+        tl.store(Mid_O + mid, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
+        tl.store(Mid_LSE + b * stride_lb + offs_h * stride_lh + split, m_i + tl.log(l_i), mask=mask_h)
+
+
+@triton.jit
+def _decode_attention_stage2_kernel(
+    Mid_O, Mid_LSE, O, seq_lens,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_Ob, stride_Oh,
+    D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # one program = (request b, query head h): merge the splits, weighting each by exp(lse)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens + b)
+    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    # same rule as stage 1: split s holds positions [s * split_len, ...) and is empty past seq_len
+    mask_s = (offs_s < NUM_SPLITS) & (offs_s * split_len < seq_len)
+    mask_d = offs_d < D
+    # -- softmax over the splits' log-sum-exps --
+    lse = tl.load(Mid_LSE + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, 0))  # (BLOCK_S,), 0 on empty splits
+    # -- weighted sum of the partial outputs --
+    o_s = tl.load(Mid_O + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :],
+                  mask=mask_s[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_S, BLOCK_D)
+    o = tl.sum(w[:, None] * o_s, 0) / tl.sum(w, 0)
+    tl.store(O + b * stride_Ob + h * stride_Oh + offs_d, o.to(O.dtype.element_ty), mask=mask_d)
+
+
+def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale, num_kv_splits=8):
+    """Triton version of decode_attention_ref, two launches, no host sync. seq_lens >= 1 (0 gives NaN).
+    Index tensors (req_to_token, req_pool_indices, seq_lens) may be int32 or int64, on q's device."""
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    _check_pool(k_cache, v_cache, D)
+    assert Hq % Hkv == 0, f"{Hq} query heads do not group onto {Hkv} kv heads"
+    assert q.stride(-1) == 1 and req_to_token.stride(-1) == 1, "q and req_to_token must be contiguous in the last dim"
+    assert req_pool_indices.shape == (B,) and seq_lens.shape == (B,), "one pool row and one length per request"
+    G = Hq // Hkv
+    acc = torch.promote_types(q.dtype, torch.float32)
+    # split outputs are kept normalised, in the accumulation dtype, with their log-sum-exp
+    mid_o = torch.empty(B, Hq, num_kv_splits, D, dtype=acc, device=q.device)  # (B, Hq, S, D)
+    mid_lse = torch.empty(B, Hq, num_kv_splits, dtype=acc, device=q.device)  # (B, Hq, S)
+    o = torch.empty_like(q)
+    if B == 0:
+        return o
+    # Launch config. Stage 1: B * Hkv * num_kv_splits programs (4096 at B=64, Hkv=8, 8 splits,
+    # enough to fill a GPU even at small batch). Each holds a 16-row query tile (the G heads padded
+    # to the tensor-core minimum) and streams 64 positions of K and V per step: with D=128 in fp16
+    # that is 2 x 16 KiB per step, double-buffered (num_stages=2) by 4 warps.
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    _decode_attention_stage1_kernel[(B, Hkv, num_kv_splits)](
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, sm_scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        G=G, D=D, NUM_SPLITS=num_kv_splits, ACC=_acc_dtype(q.dtype),
+        BLOCK_H=max(16, triton.next_power_of_2(G)), BLOCK_N=64, BLOCK_D=BLOCK_D,
+        num_warps=4, num_stages=2,
+    )
+    # Stage 2: one small program per (request, query head) reads num_kv_splits x D partials.
+    _decode_attention_stage2_kernel[(B, Hq)](
+        mid_o, mid_lse, o, seq_lens,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        o.stride(0), o.stride(1),
+        D=D, NUM_SPLITS=num_kv_splits, BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_D=BLOCK_D,
+        num_warps=4,
+    )
+    return o
+
+
+# ----------------------------------------------------------------------------------------------
+# extend_attention: the new tokens of each request attend to its cached prefix and causally to themselves
+
+
+def extend_attention_ref(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale):
+    """Prefill with a cached prefix. q (N_total, Hq, D) holds the new tokens of all requests in batch
+    order; their K/V are already in the pool at positions prefix_lens[b] .. prefix_lens[b] + extend_lens[b] - 1.
+    New token i of request b (position prefix_lens[b] + i) attends to positions 0 .. prefix_lens[b] + i."""
+    Hq = q.shape[1]
+    G = Hq // k_cache.shape[1]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    o = torch.empty_like(q)
+    start = 0
+    for b in range(len(extend_lens)):
+        P, E = int(prefix_lens[b]), int(extend_lens[b])
+        slots = req_to_token[req_pool_indices[b], : P + E].long()  # (P + E,)
+        k = k_cache[slots].to(acc).repeat_interleave(G, dim=1)  # (P + E, Hq, D)
+        v = v_cache[slots].to(acc).repeat_interleave(G, dim=1)
+        s = torch.einsum("ihd,jhd->hij", q[start : start + E].to(acc), k) * sm_scale  # (Hq, E, P + E)
+        # key j is visible to new token i iff j <= P + i
+        visible = torch.arange(P + E, device=q.device)[None, :] <= P + torch.arange(E, device=q.device)[:, None]
+        s = s.masked_fill(~visible, float("-inf"))
+        o[start : start + E] = torch.einsum("hij,jhd->ihd", s.softmax(dim=-1), v).to(q.dtype)
+        start += E
+    return o
+
+
+@triton.jit
+def _extend_attention_kernel(
+    Q, K, V, O, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start, sm_scale,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_on, stride_oh, stride_rr,
+    G: tl.constexpr, D: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # one program = (request b, query head h, block of BLOCK_M new tokens)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    m0 = tl.program_id(2) * BLOCK_M
+    E = tl.load(extend_lens + b)
+    if m0 < E:  # the grid is sized for the longest request; shorter ones leave blocks idle
+        row = tl.load(req_pool_indices + b)
+        P = tl.load(prefix_lens + b)
+        q_start = tl.load(extend_start + b)
+        kv_h = h // G  # GQA: the G heads of a group re-read the same K/V tiles (from L2)
+
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_m = offs_m < E
+        mask_d = offs_d < D
+        q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
+                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+        q_pos = P + offs_m  # position of each new token in its sequence
+        # causal: no key past the last token of this block is visible to any row of it
+        n_end = P + tl.minimum(m0 + BLOCK_M, E)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
+        l_i = tl.zeros([BLOCK_M], dtype=ACC)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
+        # subtle: key 0 is visible to every row, so after the first block every m_i is finite
+        for n0 in range(0, n_end, BLOCK_N):
+            # -- gather this block's slots (prefix and new tokens alike) through req_to_token --
+            n = n0 + offs_n
+            mask_n = n < n_end
+            slot = tl.load(req_to_token + row * stride_rr + n, mask=mask_n, other=0).to(tl.int64)
+            mask_kv = mask_n[:, None] & mask_d[None, :]
+            # -- compute qk with the causal mask --
+            k = tl.load(K + slot[:, None] * stride_kn + kv_h * stride_kh + offs_d[None, :], mask=mask_kv, other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee").to(ACC) * sm_scale  # (BLOCK_M, BLOCK_N)
+            qk = tl.where(mask_n[None, :] & (n[None, :] <= q_pos[:, None]), qk, float("-inf"))
+            # -- online softmax --
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            # -- accumulate p v --
+            v = tl.load(V + slot[:, None] * stride_vn + kv_h * stride_vh + offs_d[None, :], mask=mask_kv, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee").to(ACC)
+            m_i = m_new
+        # -- normalise and store --
+        o = acc / l_i[:, None]
+        tl.store(O + (q_start + offs_m)[:, None] * stride_on + h * stride_oh + offs_d[None, :],
+                 o.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale,
+                     max_extend_len=None):
+    """Triton version of extend_attention_ref. The grid needs the longest extend length on the host:
+    pass it as `max_extend_len` (the scheduler knows it) or the launcher reads it with a host sync."""
+    N, Hq, D = q.shape
+    B = extend_lens.shape[0]
+    Hkv = k_cache.shape[1]
+    _check_pool(k_cache, v_cache, D)
+    assert Hq % Hkv == 0, f"{Hq} query heads do not group onto {Hkv} kv heads"
+    assert q.stride(-1) == 1 and req_to_token.stride(-1) == 1, "q and req_to_token must be contiguous in the last dim"
+    assert req_pool_indices.shape == (B,) and prefix_lens.shape == (B,), "one pool row and one prefix per request"
+    o = torch.empty_like(q)
+    if N == 0:
+        return o
+    # where each request's tokens start in q: exclusive cumsum, computed on the device
+    extend_start = torch.cumsum(extend_lens, 0) - extend_lens  # (B,)
+    if max_extend_len is None:
+        max_extend_len = int(extend_lens.max())  # sync point: waits for the device to reach this step
+    # Launch config: 64 x 64 tiles of (new tokens x keys), the shape of Triton tutorial 06 that fits
+    # registers and shared memory with 4 warps up to D=128; halve the key tile above that.
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    BLOCK_M = 64
+    BLOCK_N = 64 if BLOCK_D <= 128 else 32
+    _extend_attention_kernel[(B, Hq, triton.cdiv(max_extend_len, BLOCK_M))](
+        q, k_cache, v_cache, o, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start, sm_scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        o.stride(0), o.stride(1), req_to_token.stride(0),
+        G=Hq // Hkv, D=D, ACC=_acc_dtype(q.dtype),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        num_warps=4, num_stages=2,
+    )
+    return o
