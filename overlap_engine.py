@@ -1873,42 +1873,66 @@ def format_prompt(engine: Engine, text: str, raw: bool, history: Optional[list] 
     return tok.apply_chat_template((history or []) + [{"role": "user", "content": text}])
 
 
+class Meter:
+    """Counts streamed tokens for the one-line summary: tokens, tok/s, time to first token."""
+
+    def __init__(self):
+        self.tokens, self.busy, self.ttfts = 0, 0.0, []
+
+    def stream(self, chunks):
+        t0, first = time.perf_counter(), None
+        try:
+            for chunk in chunks:
+                if first is None:
+                    first = time.perf_counter()
+                    self.ttfts.append(first - t0)
+                self.tokens += len(chunk["output_ids"])
+                yield chunk
+        finally:
+            self.busy += time.perf_counter() - t0
+
+    def summary(self) -> str:
+        ttft = sum(self.ttfts) / max(len(self.ttfts), 1)
+        return (f"[{self.tokens} tokens in {self.busy:.2f} s, {self.tokens / max(self.busy, 1e-9):.1f} tok/s, "
+                f"time to first token {ttft:.2f} s]")
+
+
 def run_prompts(engine: Engine, prompts: list, sp: dict, raw: bool):
-    t0, first, n = time.perf_counter(), None, 0
+    meter = Meter()
     texts = [format_prompt(engine, p, raw) for p in prompts]
-    for chunk in engine.generate(prompt=texts, sampling_params=sp, stream=True):
-        first = first or time.perf_counter()
-        n += len(chunk["output_ids"])
+    for chunk in meter.stream(engine.generate(prompt=texts, sampling_params=sp, stream=True)):
         if len(prompts) == 1:
             print(chunk["text"], end="", flush=True)
         elif chunk["meta_info"]["finish_reason"] is not None:
             print(f"[{chunk['index']}] {prompts[chunk['index']]!r} -> {chunk['final']['text']!r}")
-    dt = time.perf_counter() - t0
-    print(f"\n[{n} tokens in {dt:.2f} s, {n / dt:.1f} tok/s, first token after {(first or t0) - t0:.2f} s]")
+    print("\n" + meter.summary())
 
 
 def chat(engine: Engine, sp: dict, raw: bool):
-    history: list = []
+    """Interactive chat: tokens print as they are committed; /exit or Ctrl-D leaves, Ctrl-C stops a reply."""
+    history, meter = [], Meter()
     print("chat with the model; /exit to leave")
     while True:
         try:
             text = input("> ")
         except (EOFError, KeyboardInterrupt):
             print()
-            return
+            break
         if text.strip() == "/exit":
-            return
+            break
         if not text.strip():
             continue
         reply = ""
         try:
-            for chunk in engine.generate(prompt=format_prompt(engine, text, raw, history), sampling_params=sp, stream=True):
+            chunks = engine.generate(prompt=format_prompt(engine, text, raw, history), sampling_params=sp, stream=True)
+            for chunk in meter.stream(chunks):
                 reply += chunk["text"]
                 print(chunk["text"], end="", flush=True)
-        except KeyboardInterrupt:
-            print(" [interrupted]")
+        except KeyboardInterrupt:  # the generator's cleanup aborts the request; the engine stays usable
+            print(" [interrupted]", end="")
         print()
         history += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
+    print(meter.summary())
 
 
 if __name__ == "__main__":

