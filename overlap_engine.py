@@ -1249,8 +1249,8 @@ class CpuDeviceStream:
         self.thread.start()
 
     def launch(self, fn: Callable) -> StepHandle:
-        if self.error is not None:
-            raise RuntimeError("an earlier device operation failed") from self.error
+        if self.error is not None:  # the device stream is broken: every later launch re-raises its error
+            raise self.error
         h = StepHandle()
         self.queue.put((fn, h))
         return h
