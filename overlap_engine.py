@@ -71,6 +71,7 @@ class ServerArgs:
     random_seed: int = 0                    # seeds requests that give no sampling_seed
     context_length: Optional[int] = None    # None -> the model's max_position_embeddings
     debug_future_map: bool = False          # assert each FutureMap row is published before it is read
+    debug_ledger: bool = False              # check the KV/row/lock ledger after every iteration (slow)
     mem_fraction_static: float = 0.8        # CUDA: fraction of free memory given to weights + KV pool
     worker_jitter_ms: float = 0.0           # tests: the CPU device worker sleeps up to this at random points
 
@@ -89,7 +90,7 @@ class ServerArgs:
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError(f"max_total_tokens must be at least 2, got {self.max_total_tokens!r}")
         if os.environ.get("OVERLAP_ENGINE_DEBUG", "") not in ("", "0"):
-            self.debug_future_map = True
+            self.debug_future_map = self.debug_ledger = True
 
 
 @dataclass
@@ -1029,6 +1030,7 @@ class ScheduleBatch:
             if r.req_pool_idx is None:  # first chunk: take a row and copy the matched prefix into it
                 r.req_pool_idx = rtp.alloc()
                 assert r.req_pool_idx is not None, "PrefillAdder admitted a request without a free row"
+                s.row_owner[r.req_pool_idx] = r
                 rtp.req_to_token_host[r.req_pool_idx, :len(r.prefix_indices)] = r.prefix_indices
                 r.kv_allocated_len = r.kv_committed_len = r.cache_protected_len = len(r.prefix_indices)
             pre, ext = r.kv_allocated_len, r.extend_input_len
@@ -1378,6 +1380,7 @@ class Scheduler:
         self.last_batch: Optional[ScheduleBatch] = None
         self.result_queue: deque = deque()   # (BatchSnapshot, StepHandle) launched, not yet committed
         self.finished_outputs: list[dict] = []
+        self.row_owner: dict[int, Req] = {}  # request row -> the request holding it
         # new_token_ratio: the share of max_new_tokens reserved for running requests when admitting
         # new ones; it decays while decode goes well and jumps back up after a retraction (as in SGLang)
         c = args.schedule_conservativeness
@@ -1529,6 +1532,7 @@ class Scheduler:
         if r.last_node is not None:
             self.tree_cache.dec_lock_ref(r.last_node)
         self.req_to_token_pool.free(row)
+        del self.row_owner[row]
         self.worker.poison_row(row)
         r.req_pool_idx, r.last_node, r.cache_protected_len = None, None, 0
 
@@ -1602,6 +1606,28 @@ class Scheduler:
     def _record_host_time(self, t0: float):
         host = time.perf_counter() - t0 - self.wait_time
         self.stats.setdefault("host_times", []).append(host)
+        if self.server_args.debug_ledger:
+            self.check_ledger()
+
+    def check_ledger(self):
+        """Every KV slot is exactly one of: free, owned by the radix tree, or private to a live request
+        (its positions cache_protected_len..kv_allocated_len); rows likewise; lock refs match holders."""
+        rtp, tree = self.req_to_token_pool, self.tree_cache
+        private = [rtp.req_to_token_host[row, r.cache_protected_len:r.kv_allocated_len] for row, r in self.row_owner.items()]
+        slots = torch.cat([self.kv_pool.free_slots, tree.all_slots()] + private).sort().values
+        assert torch.equal(slots, torch.arange(1, self.kv_pool.size + 1)), \
+            f"KV ledger: {len(slots)} slots accounted of {self.kv_pool.size} (leak or double owner)"
+        assert len(rtp.free_slots) + len(self.row_owner) == rtp.size and not set(rtp.free_slots) & set(self.row_owner), "row ledger"
+        holders: dict[int, int] = {}
+        for r in self.row_owner.values():
+            node = r.last_node
+            while node is not None and node is not tree.root:
+                holders[id(node)] = holders.get(id(node), 0) + 1
+                node = node.parent
+        for node in tree._nodes():
+            assert node.lock_ref == holders.get(id(node), 0), "lock_ref does not match the requests holding the node"
+        assert tree.protected_size() == sum(len(n.key) for n in tree._nodes() if n.lock_ref > 0), "protected size"
+        assert tree.evictable_size() == tree.total_size() - tree.protected_size(), "evictable size"
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -140,6 +140,7 @@ def make_engine(path, overlap_off, **kw):
     kw.setdefault("dtype", "float64")
     kw.setdefault("device", "cpu")
     kw.setdefault("debug_future_map", True)
+    kw.setdefault("debug_ledger", True)
     kw.setdefault("max_total_tokens", 2048)
     return Engine(model_path=path, disable_overlap_schedule=overlap_off, **kw)
 
@@ -1190,3 +1191,43 @@ def test_cli_interactive_chat(smollm):
                        timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout and "time to first token" in r.stdout
+
+
+def test_hf_dir_half_precision_weights_and_chat_template(tmp_path):
+    """bf16 safetensors load into the chosen dtype; chat_template.jinja beats tokenizer_config.json."""
+    from safetensors.torch import load_file, save_file
+    path = make_checkpoint(str(tmp_path / "bf16"), seed=4)
+    f = os.path.join(path, "model.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(f).items()}, f)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as fh:
+        json.dump({"chat_template": "old", "eos_token": "</s>"}, fh)
+    with open(os.path.join(path, "chat_template.jinja"), "w") as fh:
+        fh.write("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                 "{% if add_generation_prompt %}[assistant]{% endif %}")
+    wl = greedy_workload(random_prompts(2, seed=5), [5, 5])
+    with make_engine(path, False) as e:
+        assert e.model.lm_head.weight.dtype == torch.float64
+        assert e.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "[user]hi</s>[assistant]"
+        outs = run_workload(e, wl)
+        e.check_invariants()
+    assert [o["output_ids"] for o in outs] == expected_greedy(path, wl)  # the reference reads the bf16 file too
+
+
+# ----------------------------------------------------------------------------------------------------
+# 11. CUDA (runs when a GPU is present)
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cuda_overlap_equals_serial(ckpt, backend):
+    """Forward and copy streams, pinned D2H, copy_done: the two loops give the same tokens on the GPU."""
+    wl = greedy_workload(random_prompts(6, seed=101, lo=3, hi=40), [16] * 6)
+    outs = {}
+    for off in LOOPS:
+        with make_engine(ckpt, off, device="cuda", dtype="float32", attention_backend=backend,
+                         max_total_tokens=300, chunked_prefill_size=16) as e:
+            outs[off] = [o["output_ids"] for o in run_workload(e, wl)]
+            e.check_invariants()
+    assert outs[False] == outs[True]
