@@ -1231,3 +1231,97 @@ def test_cuda_overlap_equals_serial(ckpt, backend):
             outs[off] = [o["output_ids"] for o in run_workload(e, wl)]
             e.check_invariants()
     assert outs[False] == outs[True]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reliability: random workloads with arrivals, aborts, retraction and jitter (hypothesis)
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+settings.register_profile("ci", max_examples=30, deadline=None, derandomize=True, database=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+settings.register_profile("dev", parent=settings.get_profile("ci"), max_examples=400, derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))  # HYPOTHESIS_PROFILE=dev hunts longer
+
+SYSTEMS = [[(7 * i + 3) % 256 for i in range(24)], [(11 * i + 5) % 256 for i in range(9)]]
+
+
+@st.composite
+def workloads(draw):
+    n = draw(st.integers(1, 7))
+    reqs = []
+    for i in range(n):
+        prefix = draw(st.sampled_from([[], SYSTEMS[0], SYSTEMS[1]]))
+        tail = draw(st.lists(st.integers(0, 255), min_size=1, max_size=14))
+        sp = {"max_new_tokens": draw(st.integers(1, 12)), "ignore_eos": True}
+        if draw(st.booleans()):
+            sp.update(temperature=0.9, top_k=draw(st.sampled_from([-1, 8])), sampling_seed=draw(st.integers(0, 99)))
+        else:
+            sp["temperature"] = 0
+        if draw(st.booleans()):
+            sp["stop_token_ids"] = [draw(st.integers(0, 255))]
+        arrive = draw(st.integers(0, 8))
+        abort_at = draw(st.one_of(st.none(), st.integers(0, 14)))
+        reqs.append((prefix + tail, sp, arrive, abort_at))
+    config = {
+        "disable_overlap_schedule": draw(st.booleans()),
+        "max_total_tokens": draw(st.sampled_from([40, 64, 400])),
+        "max_running_requests": draw(st.integers(1, 5)),
+        "chunked_prefill_size": draw(st.sampled_from([-1, 3, 8, 32])),
+        "max_prefill_tokens": draw(st.sampled_from([16, 64, 8192])),
+        "disable_radix_cache": draw(st.booleans()),
+        "schedule_policy": draw(st.sampled_from(["lpm", "fcfs"])),
+        "schedule_conservativeness": draw(st.sampled_from([0.0, 1.0])),
+        "worker_jitter_ms": draw(st.sampled_from([0.0, 0.0, 1.0])),
+    }
+    return reqs, config
+
+
+@given(workloads())
+def test_random_workloads_match_an_unconstrained_serial_run(ckpt, wl):
+    """Arrivals over time, aborts at random moments (queued, mid-chunk, in flight, just finished), tight
+    pools and both loops: every request that was not aborted gets exactly the tokens of an unconstrained
+    serial run, an aborted one a prefix of them; the ledger holds after every iteration."""
+    reqs, config = wl
+    off = config.pop("disable_overlap_schedule")
+    with make_engine(ckpt, True, max_total_tokens=4096) as ref_engine:
+        expected = [o["output_ids"] for o in run_workload(ref_engine, [(p, sp) for p, sp, _, _ in reqs])]
+    with make_engine(ckpt, off, **config) as e:
+        rids, done, it = [None] * len(reqs), {}, 0
+        while len(done) < len(reqs):
+            for i, (p, sp, arrive, abort_at) in enumerate(reqs):
+                if arrive == it:
+                    rids[i] = e.add_request(input_ids=p, sampling_params=sp)
+                if abort_at is not None and rids[i] is not None and arrive + abort_at == it:
+                    e.abort(rids[i])
+            done.update({o["meta_info"]["id"]: o for o in e.step()})
+            it += 1
+            assert it < 3000, "the engine stopped making progress"
+        e.check_invariants()
+    for i, (p, sp, arrive, abort_at) in enumerate(reqs):
+        out = done[rids[i]]
+        if out["meta_info"]["finish_reason"]["type"] == "abort":
+            assert abort_at is not None or "KV pool" in out["meta_info"]["finish_reason"].get("message", "")
+            assert out["output_ids"] == expected[i][:len(out["output_ids"])]
+        else:  # max_new_tokens is capped so the request fits the pool alone (the documented rule)
+            assert out["output_ids"] == expected[i][:config["max_total_tokens"] - len(p)]
+
+
+def test_failure_inside_a_step_surfaces_and_shutdown_joins(ckpt, monkeypatch):
+    real, calls = oe.ModelWorker.forward_step, []
+
+    def failing(self, fb):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected device failure")
+        return real(self, fb)
+    monkeypatch.setattr(oe.ModelWorker, "forward_step", failing)
+    for off in LOOPS:
+        calls.clear()
+        e = make_engine(ckpt, off)
+        with pytest.raises(RuntimeError, match="injected"):
+            e.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 10, "temperature": 0})
+        thread = e.scheduler.worker.stream.thread
+        e.shutdown()
+        assert not thread.is_alive()
