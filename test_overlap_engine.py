@@ -1325,3 +1325,31 @@ def test_failure_inside_a_step_surfaces_and_shutdown_joins(ckpt, monkeypatch):
         thread = e.scheduler.worker.stream.thread
         e.shutdown()
         assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_radix_holds_exactly_the_committed_tokens_at_finish(ckpt, overlap_off):
+    """After a stop-token finish (an overshoot step in flight in overlap mode) the tree holds the prompt
+    and every output token but the last (whose KV was never committed), and nothing more."""
+    prompt = random_prompts(1, seed=111, lo=12, hi=12)[0]
+    stop = reference_greedy(ckpt, prompt, 6)[4]
+    with make_engine(ckpt, overlap_off) as e:
+        out = e.generate(input_ids=prompt, sampling_params={"max_new_tokens": 20, "temperature": 0, "stop_token_ids": [stop]})
+        e.check_invariants()
+        tree = e.scheduler.tree_cache
+        committed = prompt + out["output_ids"][:-1]
+        assert tree.total_size() == len(committed)
+        assert len(tree.match_prefix(prompt + out["output_ids"])[0]) == len(committed)
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_abort_right_after_finish_is_a_no_op(ckpt, overlap_off):
+    with make_engine(ckpt, overlap_off) as e:
+        rid = e.add_request(input_ids=[4, 5, 6], sampling_params={"max_new_tokens": 3, "temperature": 0})
+        outs = []
+        while not outs:
+            outs = e.step()
+        e.abort(rid)  # finished in the step that just ran (its overshoot may still be in flight)
+        assert all(e.step() == [] for _ in range(3))
+        e.check_invariants()
+    assert outs[0]["meta_info"]["finish_reason"]["type"] == "length" and len(outs[0]["output_ids"]) == 3
