@@ -40,7 +40,7 @@ import zipfile
 from collections import deque
 from datetime import datetime
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import jinja2.ext
 import jinja2.sandbox
@@ -923,7 +923,6 @@ class Req:
         self.cached_tokens = 0
         self.text, self.prefix_offset, self.read_offset = "", 0, 0   # incremental detokenizer state
         self.streamed_text_len, self.streamed_ids_len = 0, 0
-        self.to_abort = False
 
     @property
     def fill_ids(self) -> list:

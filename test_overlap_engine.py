@@ -226,11 +226,10 @@ def test_greedy_workload_exact(ckpt, mixed_workload, overlap_off, config):
     with make_engine(ckpt, overlap_off, **CONFIGS[config]) as e:
         outs = run_workload(e, wl)
         e.check_invariants()
-        stats = e.stats()
     assert [o["output_ids"] for o in outs] == expected
     for (p, sp), o, exp in zip(wl, outs, expected):
         stop = sp.get("stop_token_ids")
-        if stop and exp[-1] == stop[0] and len(exp) <= sp["max_new_tokens"] and (len(exp) < sp["max_new_tokens"]):
+        if stop and exp[-1] == stop[0] and len(exp) < sp["max_new_tokens"]:  # length is checked first
             assert o["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop[0]}
         assert o["meta_info"]["prompt_tokens"] == len(p)
         assert o["meta_info"]["completion_tokens"] == len(exp)
