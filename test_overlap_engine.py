@@ -1352,3 +1352,46 @@ def test_abort_right_after_finish_is_a_no_op(ckpt, overlap_off):
         assert all(e.step() == [] for _ in range(3))
         e.check_invariants()
     assert outs[0]["meta_info"]["finish_reason"]["type"] == "length" and len(outs[0]["output_ids"]) == 3
+
+
+def test_several_chunks_of_one_prompt_in_flight(ckpt, monkeypatch):
+    """Overlap: chunk k+1 of a prompt is planned and launched while chunk k still runs; same tokens."""
+    slow_forward(monkeypatch, 0.01)
+    prompt = random_prompts(1, seed=121, lo=30, hi=30)[0]
+    with make_engine(ckpt, False, chunked_prefill_size=4) as e:
+        out = e.generate(input_ids=prompt, sampling_params={"max_new_tokens": 5, "temperature": 0, "ignore_eos": True})
+        e.check_invariants()
+        steps = [s for s in e.stats()["steps"] if s["mode"] == "extend"]
+    assert len(steps) == 8  # ceil(30 / 4) chunks
+    assert sum(nxt["t_launch"] < cur["t_end"] for cur, nxt in zip(steps, steps[1:])) >= 6
+    assert out["output_ids"] == reference_greedy(ckpt, prompt, 5)
+
+
+def test_a_pool_that_cannot_progress_never_spins(ckpt):
+    """Steal most of the pool: the request can never be admitted; it ends with an error reason instead
+    of the loop spinning, and the engine serves again once the memory is back."""
+    with make_engine(ckpt, False, max_total_tokens=64) as e:
+        stolen = e.scheduler.kv_pool.alloc(60)
+        e.server_args.debug_ledger = False  # the stolen slots are outside the ledger on purpose
+        rid = e.add_request(input_ids=list(range(10)), sampling_params={"max_new_tokens": 4})
+        out = e.step()
+        assert out[0]["meta_info"]["id"] == rid and out[0]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert "too small" in out[0]["meta_info"]["finish_reason"]["message"]
+        e.scheduler.kv_pool.free(stolen)
+        e.server_args.debug_ledger = True
+        ok = e.generate(input_ids=list(range(10)), sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert len(ok["output_ids"]) == 4
+        e.check_invariants()
+
+
+def test_ctrl_c_in_the_cli_exits_cleanly(ckpt):
+    import signal
+    p = subprocess.Popen([sys.executable, "overlap_engine.py", "--model-path", ckpt, "--dtype", "float32"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert p.stdout.readline().startswith("chat with the model")
+    oe.time.sleep(0.5)  # the prompt is waiting for input
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert "tokens in" in out and "Traceback" not in err
