@@ -1260,6 +1260,8 @@ def workloads(draw):
             sp["temperature"] = 0
         if draw(st.booleans()):
             sp["stop_token_ids"] = [draw(st.integers(0, 255))]
+        if draw(st.booleans()):
+            sp["stop"] = draw(st.sampled_from(["a", "e", "x1", "Q", " "]))
         arrive = draw(st.integers(0, 8))
         abort_at = draw(st.one_of(st.none(), st.integers(0, 14)))
         reqs.append((prefix + tail, sp, arrive, abort_at))
