@@ -912,9 +912,8 @@ class Req:
         self.output_ids: list[int] = []        # committed
         self.finished_reason: Optional[dict] = None
         self.req_pool_idx: Optional[int] = None
-        self.prefix_indices = torch.empty(0, dtype=torch.int64)  # slots matched in the radix cache
+        self.prefix_indices = torch.empty(0, dtype=torch.int64)  # leading slots owned by the radix tree (locked)
         self.last_node: Optional[TreeNode] = None                 # locked end of the matched prefix
-        self.cache_protected_len = 0   # leading positions whose slots the radix tree owns (locked)
         self.kv_allocated_len = 0      # planned: slots allocated, including an in-flight step
         self.kv_committed_len = 0      # committed: positions whose KV was written by committed steps
         self.extend_input_len = 0      # tokens this prefill chunk feeds
@@ -923,6 +922,11 @@ class Req:
         self.cached_tokens = 0
         self.text, self.prefix_offset, self.read_offset = "", 0, 0   # incremental detokenizer state
         self.streamed_text_len, self.streamed_ids_len = 0, 0
+
+    @property
+    def cache_protected_len(self) -> int:
+        """Positions [0, cache_protected_len) use the tree's slots; the rest up to kv_allocated_len are private."""
+        return len(self.prefix_indices)
 
     @property
     def fill_ids(self) -> list:
@@ -963,10 +967,12 @@ class Req:
             self.text += new[len(prev):]
             self.prefix_offset, self.read_offset = self.read_offset, len(ids)
 
+    def meta_info(self) -> dict:
+        return {"id": self.rid, "finish_reason": self.finished_reason, "prompt_tokens": len(self.origin_input_ids),
+                "completion_tokens": len(self.output_ids), "cached_tokens": self.cached_tokens}
+
     def output(self) -> dict:
-        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": {
-            "id": self.rid, "finish_reason": self.finished_reason, "prompt_tokens": len(self.origin_input_ids),
-            "completion_tokens": len(self.output_ids), "cached_tokens": self.cached_tokens}}
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
 
 
 @dataclass
@@ -1031,7 +1037,7 @@ class ScheduleBatch:
                 assert r.req_pool_idx is not None, "PrefillAdder admitted a request without a free row"
                 s.row_owner[r.req_pool_idx] = r
                 rtp.req_to_token_host[r.req_pool_idx, :len(r.prefix_indices)] = r.prefix_indices
-                r.kv_allocated_len = r.kv_committed_len = r.cache_protected_len = len(r.prefix_indices)
+                r.kv_allocated_len = r.kv_committed_len = len(r.prefix_indices)
             pre, ext = r.kv_allocated_len, r.extend_input_len
             loc = s.alloc_token_slots(ext)
             rtp.req_to_token_host[r.req_pool_idx, pre:pre + ext] = loc
@@ -1386,7 +1392,9 @@ class Scheduler:
         self.init_new_token_ratio, self.min_new_token_ratio = min(0.7 * c, 1.0), min(0.1 * c, 1.0)
         self.new_token_ratio_decay = 0.001
         self.new_token_ratio = self.init_new_token_ratio
-        self.stats = {"overshoot_tokens": 0, "stale_results": 0, "retractions": 0, "steps": []}
+        # counters, plus per-step records for the bench (bounded: a long-lived engine must not grow)
+        self.stats = {"overshoot_tokens": 0, "stale_results": 0, "retractions": 0,
+                      "steps": deque(maxlen=100_000), "host_times": deque(maxlen=100_000)}
         self.forward_ct = 0
 
     # -- planning ------------------------------------------------------------------------------------
@@ -1466,7 +1474,7 @@ class Scheduler:
         queues it to be recomputed from its committed tokens; its in-flight result becomes stale."""
         self.release_kv_cache(r, insert=False)
         r.epoch += 1
-        r.prefix_indices, r.kv_allocated_len, r.kv_committed_len = torch.empty(0, dtype=torch.int64), 0, 0
+        r.kv_allocated_len, r.kv_committed_len = 0, 0
         self.waiting.insert(0, r)
         self.stats["retractions"] += 1
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
@@ -1533,7 +1541,7 @@ class Scheduler:
         self.req_to_token_pool.free(row)
         del self.row_owner[row]
         self.worker.poison_row(row)
-        r.req_pool_idx, r.last_node, r.cache_protected_len = None, None, 0
+        r.req_pool_idx, r.last_node, r.prefix_indices = None, None, torch.empty(0, dtype=torch.int64)
 
     def cache_unfinished_req(self, r: Req):
         """After a prompt is prefilled (and committed), publish its KV to the radix cache so later
@@ -1550,7 +1558,7 @@ class Scheduler:
         self.tree_cache.dec_lock_ref(r.last_node)
         self.req_to_token_pool.req_to_token_host[row, :k] = slots
         self.worker.write_row(row, slots)  # ordered after the in-flight step that may still read the old slots
-        r.last_node, r.cache_protected_len, r.prefix_indices = node, k, slots
+        r.last_node, r.prefix_indices = node, slots
 
     def abort_req(self, r: Req, message: str = "aborted"):
         """Finishes a request with reason abort; frees what it holds at once (stream order keeps
@@ -1604,7 +1612,7 @@ class Scheduler:
 
     def _record_host_time(self, t0: float):
         host = time.perf_counter() - t0 - self.wait_time
-        self.stats.setdefault("host_times", []).append(host)
+        self.stats["host_times"].append(host)
         if self.server_args.debug_ledger:
             self.check_ledger()
 
@@ -1816,7 +1824,7 @@ class Engine:
         if text_end == r.streamed_text_len and len(r.output_ids) == r.streamed_ids_len and not r.finished():
             return None
         chunk = {"text": r.text[r.streamed_text_len:text_end], "output_ids": r.output_ids[r.streamed_ids_len:],
-                 "meta_info": {**r.output()["meta_info"]}}
+                 "meta_info": r.meta_info()}
         r.streamed_text_len, r.streamed_ids_len = text_end, len(r.output_ids)
         return chunk
 
@@ -1840,8 +1848,8 @@ class Engine:
         assert bool((self.future_map.output_tokens_buf == -1).all()), "FutureMap holds unread tokens"
 
     def stats(self) -> dict:
-        """Per-step host time, device time and overshoot counts, for the bench."""
-        return self.scheduler.stats
+        """Per-step host time, device time and overshoot counts, for the bench (a snapshot)."""
+        return {k: list(v) if isinstance(v, deque) else v for k, v in self.scheduler.stats.items()}
 
     def shutdown(self):
         if not self._closed:

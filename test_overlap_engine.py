@@ -158,6 +158,16 @@ def run_workload(engine, workload, max_steps=5000):
     return [done[r] for r in rids]
 
 
+def run_both_loops(ckpt, wl, **kw):
+    """{disable_overlap_schedule: output ids} for the workload in each loop; invariants checked after each."""
+    outs = {}
+    for off in LOOPS:
+        with make_engine(ckpt, off, **kw) as e:
+            outs[off] = [o["output_ids"] for o in run_workload(e, wl)]
+            e.check_invariants()
+    return outs
+
+
 def random_prompts(n, seed, lo=1, hi=40, vocab=256, shared=None):
     rng = random.Random(seed)
     out = []
@@ -239,11 +249,7 @@ def test_overlap_equals_serial_on_longer_outputs(ckpt):
     """Many steps and a pool that forces eviction: the two loops give identical tokens."""
     prompts = random_prompts(8, seed=11, lo=5, hi=50)
     wl = greedy_workload(prompts, [30] * 8)
-    outs = {}
-    for off in LOOPS:
-        with make_engine(ckpt, off, max_total_tokens=160) as e:
-            outs[off] = [o["output_ids"] for o in run_workload(e, wl)]
-            e.check_invariants()
+    outs = run_both_loops(ckpt, wl, max_total_tokens=160)
     assert outs[False] == outs[True]
     assert outs[False][0] == reference_greedy(ckpt, prompts[0], 30)
 
@@ -295,11 +301,7 @@ def sampling_workload(n=8, seed=31, with_seed=True):
 
 def test_seeded_sampling_overlap_equals_serial_and_is_batch_independent(ckpt):
     wl = sampling_workload()
-    runs = {}
-    for off in LOOPS:
-        with make_engine(ckpt, off, max_total_tokens=200) as e:
-            runs[off] = [o["output_ids"] for o in run_workload(e, wl)]
-            e.check_invariants()
+    runs = run_both_loops(ckpt, wl, max_total_tokens=200)
     assert runs[False] == runs[True]
     # each request alone, in a different engine configuration: same tokens (noise = f(seed, position))
     with make_engine(ckpt, False, chunked_prefill_size=5) as e:
@@ -1223,12 +1225,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 def test_cuda_overlap_equals_serial(ckpt, backend):
     """Forward and copy streams, pinned D2H, copy_done: the two loops give the same tokens on the GPU."""
     wl = greedy_workload(random_prompts(6, seed=101, lo=3, hi=40), [16] * 6)
-    outs = {}
-    for off in LOOPS:
-        with make_engine(ckpt, off, device="cuda", dtype="float32", attention_backend=backend,
-                         max_total_tokens=300, chunked_prefill_size=16) as e:
-            outs[off] = [o["output_ids"] for o in run_workload(e, wl)]
-            e.check_invariants()
+    outs = run_both_loops(ckpt, wl, device="cuda", dtype="float32", attention_backend=backend,
+                          max_total_tokens=300, chunked_prefill_size=16)
     assert outs[False] == outs[True]
 
 
