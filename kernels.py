@@ -46,6 +46,26 @@ def _check_pool(k_cache, v_cache, head_dim):
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache rows must be contiguous in head_dim"
 
 
+@triton.jit
+def _online_softmax_block(q, K, V, slot, kv_h, offs_d, mask_kv, visible, m_i, l_i, acc, sm_scale,
+                          stride_kn, stride_kh, stride_vn, stride_vh, ACC: tl.constexpr):
+    """One KV block of flash attention for a tile of query rows: returns the updated (m_i, l_i, acc).
+    slot: (BLOCK_N,) KV slots; visible: (rows, BLOCK_N) which scores count (padding, causality)."""
+    # -- compute qk --
+    k = tl.load(K + slot[:, None] * stride_kn + kv_h * stride_kh + offs_d[None, :], mask=mask_kv, other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision="ieee").to(ACC) * sm_scale  # (rows, BLOCK_N)
+    qk = tl.where(visible, qk, float("-inf"))
+    # -- online softmax: rescale what we have so far to the new max --
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # -- accumulate p v --
+    v = tl.load(V + slot[:, None] * stride_vn + kv_h * stride_vh + offs_d[None, :], mask=mask_kv, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee").to(ACC)
+    return m_new, l_i, acc
+
+
 # ----------------------------------------------------------------------------------------------
 # store_kv: write one step's K and V into the pool at its slots
 
@@ -153,20 +173,10 @@ def _decode_attention_stage1_kernel(
             n = n0 + offs_n
             mask_n = n < n_end
             slot = tl.load(req_to_token + row * stride_rr + n, mask=mask_n, other=0).to(tl.int64)
-            mask_kv = mask_n[:, None] & mask_d[None, :]
-            # -- compute qk --
-            k = tl.load(K + slot[:, None] * stride_kn + kv_h * stride_kh + offs_d[None, :], mask=mask_kv, other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee").to(ACC) * sm_scale  # (BLOCK_H, BLOCK_N)
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
-            # -- online softmax: rescale what we have so far to the new max --
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            # -- accumulate p v --
-            v = tl.load(V + slot[:, None] * stride_vn + kv_h * stride_vh + offs_d[None, :], mask=mask_kv, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee").to(ACC)
-            m_i = m_new
+            # -- scores of the G heads against this block, then the online-softmax update --
+            m_i, l_i, acc = _online_softmax_block(q, K, V, slot, kv_h, offs_d, mask_n[:, None] & mask_d[None, :],
+                                                  mask_n[None, :], m_i, l_i, acc, sm_scale,
+                                                  stride_kn, stride_kh, stride_vn, stride_vh, ACC)
         # -- store this split's normalised output and log-sum-exp --
         mid = b * stride_ob + offs_h[:, None] * stride_oh + split * stride_os + offs_d[None, :]
         tl.store(Mid_O + mid, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
@@ -305,20 +315,11 @@ def _extend_attention_kernel(
             n = n0 + offs_n
             mask_n = n < n_end
             slot = tl.load(req_to_token + row * stride_rr + n, mask=mask_n, other=0).to(tl.int64)
-            mask_kv = mask_n[:, None] & mask_d[None, :]
-            # -- compute qk with the causal mask --
-            k = tl.load(K + slot[:, None] * stride_kn + kv_h * stride_kh + offs_d[None, :], mask=mask_kv, other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee").to(ACC) * sm_scale  # (BLOCK_M, BLOCK_N)
-            qk = tl.where(mask_n[None, :] & (n[None, :] <= q_pos[:, None]), qk, float("-inf"))
-            # -- online softmax --
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            # -- accumulate p v --
-            v = tl.load(V + slot[:, None] * stride_vn + kv_h * stride_vh + offs_d[None, :], mask=mask_kv, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee").to(ACC)
-            m_i = m_new
+            # -- causal scores against this block, then the online-softmax update --
+            causal = mask_n[None, :] & (n[None, :] <= q_pos[:, None])
+            m_i, l_i, acc = _online_softmax_block(q, K, V, slot, kv_h, offs_d, mask_n[:, None] & mask_d[None, :],
+                                                  causal, m_i, l_i, acc, sm_scale,
+                                                  stride_kn, stride_kh, stride_vn, stride_vh, ACC)
         # -- normalise and store --
         o = acc / l_i[:, None]
         tl.store(O + (q_start + offs_m)[:, None] * stride_on + h * stride_oh + offs_d[None, :],
