@@ -940,9 +940,10 @@ class Req:
         return self.kv_allocated_len - len(self.origin_input_ids) + 1
 
     def update_finish_state(self, tokenizer: Optional[Tokenizer]):
-        """Called at commit, after a token was appended: length, EOS, stop ids, stop strings (in that order)."""
+        """Called at commit, after a token was appended: length, EOS, stop ids, stop strings (in that order).
+        Text is decoded here only when stop strings need it; otherwise at finish or when streamed."""
         sp, tok = self.sampling_params, self.output_ids[-1]
-        if tokenizer is not None:
+        if tokenizer is not None and sp.stop:
             self.detokenize(tokenizer)
         if len(self.output_ids) >= sp.max_new_tokens:
             self.finished_reason = {"type": "length", "length": sp.max_new_tokens}
@@ -1819,6 +1820,8 @@ class Engine:
                 self.abort(rid)
 
     def _stream_chunk(self, r: Req) -> Optional[dict]:
+        if self.tokenizer is not None and not r.finished():
+            r.detokenize(self.tokenizer)  # catch the text up with the committed tokens
         hold = 0 if r.finished() else max(map(len, r.sampling_params.stop), default=1) - 1
         text_end = max(r.streamed_text_len, len(r.text) - hold)
         if text_end == r.streamed_text_len and len(r.output_ids) == r.streamed_ids_len and not r.finished():
