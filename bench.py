@@ -1,19 +1,27 @@
 """
 Benchmarks for overlap_engine. One subcommand per benchmark:
 
+  python bench.py sim --timeline timeline.png  # the real scheduler on a simulated device: step time vs max(G, C)
+  python bench.py overhead           # host microseconds per running request per decode step, zero-cost device
+  python bench.py throughput         # SmolLM2 on CPU: overlap vs serial vs transformers generate
   python bench.py kernels            # decode attention: achieved HBM GB/s vs torch SDPA (needs CUDA)
-  python bench.py kernels --quick    # one small shape, to check that it runs
+  python bench.py all --quick        # a small version of everything (a test runs this)
 
 Without CUDA `kernels` says so and runs one tiny shape under the Triton interpreter instead.
 """
 
 import argparse
+import json
+import os
+import statistics
+import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
 
 import kernels
+import overlap_engine as oe
 
 # ----------------------------------------------------------------------------------------------
 # defaults (each one a command-line flag)
@@ -160,13 +168,168 @@ def cmd_kernels(args):
     print("\n".join(rows))
 
 
-def _progress(configs):
+def _progress(configs, desc="decode configs"):
     """tqdm over the configs when there are more than a few; the plain list otherwise."""
     if len(configs) <= 3:
         return configs
     from tqdm import tqdm
 
-    return tqdm(configs, desc="decode configs", leave=False)
+    return tqdm(configs, desc=desc, leave=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# the simulated device: the real scheduler, a device whose forward time is spent off the host CPU
+#
+# A device thread in Python hides nothing (it needs the GIL to start each step while the host plans),
+# so the device is an in-order queue on a virtual clock instead: a launch finishes at
+# max(launch time, previous finish) + G, and waiting for it sleeps until then. Tokens are a
+# deterministic function of (row, length), so the host's commit path does its real work.
+
+SIM_BATCH = 32          # requests decoding together
+SIM_OUTPUT = 96         # tokens each request generates
+SIM_RATIOS = "0.5,1,2,4"  # G / C, with C the host time per step measured first
+OVERHEAD_BATCHES = "1,4,16,64,256"
+
+
+class SimHandle(oe.StepHandle):
+    def wait(self):
+        left = self.t_end - time.perf_counter()
+        if left > 3e-4:
+            time.sleep(left - 2e-4)  # sleep is coarse (tens of us late): sleep most of it, spin the rest
+        while time.perf_counter() < self.t_end:
+            pass
+        return self.value
+
+
+class SimWorker(oe.ModelWorker):
+    """Replaces an engine's ModelWorker: no model runs; each step costs `G` seconds of virtual device time."""
+
+    def __init__(self, base: oe.ModelWorker, G: float, vocab: int):
+        self.__dict__.update(base.__dict__)
+        self.G, self.vocab, self.busy_until = G, vocab, 0.0
+
+    def launch(self, fb):
+        h = SimHandle()
+        cost = self.G * max(1.0, len(fb.positions) / max(len(fb.seq_lens), 1) / 64)  # long prefills cost more
+        h.t_start = max(h.t_launch, self.busy_until)
+        h.t_end = self.busy_until = h.t_start + cost
+        h.device_time = cost
+        h.value = (fb.req_pool_indices * 31 + torch.tensor(fb.seq_lens) * 7) % self.vocab
+        return h
+
+    def write_row(self, row, slots):  # no device state to keep in a simulation
+        pass
+
+    def poison_row(self, row):
+        pass
+
+
+def tiny_checkpoint():
+    from test_overlap_engine import make_checkpoint  # the tests' random tiny Llama writer
+    return make_checkpoint(os.path.join(tempfile.mkdtemp(), "tiny"))
+
+
+def sim_run(ckpt, overlap: bool, G: float, B: int, out_len: int) -> dict:
+    """One workload on the simulated device; returns per-step timings of its steady decode phase."""
+    engine = oe.Engine(model_path=ckpt, device="cpu", dtype="float32", disable_overlap_schedule=not overlap,
+                       max_running_requests=B, max_total_tokens=B * (out_len + 24), max_prefill_tokens=1 << 20,
+                       chunked_prefill_size=-1)
+    engine.scheduler.worker.stream.shutdown()
+    engine.scheduler.worker = SimWorker(engine.scheduler.worker, G, engine.model_config.vocab_size)
+    for i in range(B):
+        engine.add_request(input_ids=[1 + i % 200] * 16,
+                           sampling_params={"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True})
+    done = 0
+    while done < B:
+        done += len(engine.step())
+    st = engine.stats()
+    engine.shutdown()
+    steps = [x for x in st["steps"] if x["mode"] == "decode" and x["bs"] == B][4:-4]  # steady state
+    launches = [x["t_launch"] for x in steps]
+    intervals, host = [], []
+    for a, b in zip(launches, launches[1:]):
+        blocked = sum(min(w1, b) - max(w0, a) for w0, w1 in st["waits"] if w1 > a and w0 < b)
+        intervals.append(b - a)
+        host.append(b - a - blocked)  # C of this step: the host's own work between two launches
+    return {"step": statistics.median(intervals), "C": statistics.median(host),
+            "vs_ideal": statistics.median(i / max(G, c) for i, c in zip(intervals, host)), "stats": st}
+
+
+def cmd_sim(args):
+    ckpt = tiny_checkpoint()
+    B, out_len = (8, 40) if args.quick else (args.batch, args.output)
+    # C: everything the host does per step, measured as the serial loop's step time with a free device
+    C = statistics.median(sim_run(ckpt, False, 0.0, B, out_len)["step"] for _ in range(3))
+    ratios = [float(r) for r in args.ratios.split(",")]
+    print(f"## sim: the real scheduler on a virtual-clock device, B={B}; G set from C = {C * 1e3:.3f} ms (serial, free device)")
+    print("C per run: the host's own time between two launches (blocked time excluded), median over steady decode steps;")
+    print("overlap / max(G,C): median over steps of step time / max(G, C of that step)")
+    print("| G/C | G ms | serial C ms | serial step ms | serial / (G+C) | overlap C ms | overlap step ms "
+          "| overlap / max(G,C) | speedup |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    rows, timeline = [], None
+    for r in _progress(ratios, "sim ratios"):
+        G = r * C
+        ser, ovl = sim_run(ckpt, False, G, B, out_len), sim_run(ckpt, True, G, B, out_len)
+        rows.append({"ratio": r, "G_ms": G * 1e3, "serial_ms": ser["step"] * 1e3, "serial_C_ms": ser["C"] * 1e3,
+                     "overlap_ms": ovl["step"] * 1e3, "overlap_C_ms": ovl["C"] * 1e3,
+                     "overlap_vs_ideal": ovl["vs_ideal"], "serial_vs_sum": ser["step"] / (G + ser["C"])})
+        print(f"| {r:g} | {G * 1e3:.3f} | {ser['C'] * 1e3:.3f} | {ser['step'] * 1e3:.3f} | {ser['step'] / (G + ser['C']):.3f} "
+              f"| {ovl['C'] * 1e3:.3f} | {ovl['step'] * 1e3:.3f} | {ovl['vs_ideal']:.3f} | {ser['step'] / ovl['step']:.2f}x |")
+        if r == 2.0 or timeline is None:
+            timeline = (r, ser["stats"], ovl["stats"])
+    if args.timeline:
+        draw_timeline(args.timeline, *timeline)
+        print(f"timeline of G/C = {timeline[0]:g} written to {args.timeline}")
+    return rows
+
+
+def host_busy_spans(st):
+    """The host's busy intervals: each loop iteration minus the time it blocked on a result."""
+    spans, waits = [], sorted(st["waits"])
+    for t0, t1 in st["iterations"]:
+        cur = t0
+        for w0, w1 in waits:
+            if t0 <= w0 < t1:
+                spans.append((cur, w0))
+                cur = w1
+        spans.append((cur, t1))
+    return spans
+
+
+def draw_timeline(path, ratio, serial_st, overlap_st, n_steps=8):
+    """Host and device lanes of both loops over the same number of steady decode steps."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 1, figsize=(10, 3.6), sharex=True)
+    for ax, (name, st) in zip(axes, [("serial (event_loop_normal)", serial_st), ("overlap (event_loop_overlap)", overlap_st)]):
+        steps = [x for x in st["steps"] if x["mode"] == "decode"][10:10 + n_steps]
+        t0, t1 = steps[0]["t_launch"], steps[-1]["t_end"]
+        dev = [(x["t_start"] - t0, x["t_end"] - x["t_start"]) for x in steps]
+        host = [(max(a, t0) - t0, min(b, t1) - max(a, t0)) for a, b in host_busy_spans(st) if b > t0 and a < t1]
+        ax.broken_barh(host, (10, 8), facecolors="tab:green")
+        ax.broken_barh(dev, (0, 8), facecolors="tab:orange", edgecolors="white", linewidth=1.5)  # one bar a step
+        ax.set_yticks([4, 14], ["device", "host"])
+        ax.set_title(f"{name}: {n_steps} decode steps in {(t1 - t0) * 1e3:.1f} ms", fontsize=10)
+    axes[-1].set_xlabel(f"ms (simulated device, G/C = {ratio:g}; measured timestamps; host gaps = blocked on a result)")
+    axes[-1].xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x * 1e3:.1f}"))
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def cmd_overhead(args):
+    ckpt = tiny_checkpoint()
+    batches = [1, 4, 16] if args.quick else [int(b) for b in args.batches.split(",")]
+    print("## overhead: host time per running request per decode step, zero-cost device")
+    print("| B | serial us/req/step | overlap us/req/step | overlap ms/step |")
+    print("|---|---|---|---|")
+    rows = []
+    for B in _progress(batches, "batch sizes"):
+        ser, ovl = sim_run(ckpt, False, 0.0, B, 40), sim_run(ckpt, True, 0.0, B, 40)
+        rows.append({"B": B, "serial_us_per_req": ser["C"] / B * 1e6, "overlap_us_per_req": ovl["C"] / B * 1e6})
+        print(f"| {B} | {ser['C'] / B * 1e6:.2f} | {ovl['C'] / B * 1e6:.2f} | {ovl['C'] * 1e3:.3f} |")
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -191,6 +354,19 @@ def main():
     k.add_argument("--peak-gbps", type=float, default=None, help="HBM roofline, if the GPU is not in the table")
     k.add_argument("--quick", action="store_true", help="one small shape (B=64, ctx=1024), few iterations")
     k.set_defaults(fn=cmd_kernels)
+
+    sm = sub.add_parser("sim", help="the real scheduler on a simulated device, swept over G/C")
+    sm.add_argument("--batch", type=int, default=SIM_BATCH)
+    sm.add_argument("--output", type=int, default=SIM_OUTPUT)
+    sm.add_argument("--ratios", default=SIM_RATIOS)
+    sm.add_argument("--timeline", default=None, help="write the host/device timeline PNG here")
+    sm.add_argument("--quick", action="store_true")
+    sm.set_defaults(fn=cmd_sim)
+
+    o = sub.add_parser("overhead", help="host us per running request per decode step, zero-cost device")
+    o.add_argument("--batches", default=OVERHEAD_BATCHES)
+    o.add_argument("--quick", action="store_true")
+    o.set_defaults(fn=cmd_overhead)
 
     args = p.parse_args()
     args.fn(args)

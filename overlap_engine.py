@@ -1395,8 +1395,10 @@ class Scheduler:
         self.new_token_ratio = self.init_new_token_ratio
         # counters, plus per-step records for the bench (bounded: a long-lived engine must not grow)
         self.stats = {"overshoot_tokens": 0, "stale_results": 0, "retractions": 0,
-                      "steps": deque(maxlen=100_000), "host_times": deque(maxlen=100_000)}
+                      "steps": deque(maxlen=100_000), "host_times": deque(maxlen=100_000),
+                      "iterations": deque(maxlen=100_000), "waits": deque(maxlen=100_000)}
         self.forward_ct = 0
+        self.wait_time = 0.0  # host seconds spent blocked on results in the current iteration
 
     # -- planning ------------------------------------------------------------------------------------
 
@@ -1502,7 +1504,9 @@ class Scheduler:
         """The commit point: read the tokens (copy_done), append, check stop conditions, settle KV."""
         t0 = time.perf_counter()
         next_ids = result.wait().tolist()  # sync point: waits for this step's copy_done
-        self.wait_time += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.wait_time += t1 - t0
+        self.stats["waits"].append((t0, t1))
         self.stats["steps"].append({"mode": batch.forward_mode, "bs": len(batch.reqs),
                                     "device_time": result.device_time, "t_launch": result.t_launch,
                                     "t_start": result.t_start, "t_end": result.t_end})
@@ -1612,8 +1616,9 @@ class Scheduler:
             yield
 
     def _record_host_time(self, t0: float):
-        host = time.perf_counter() - t0 - self.wait_time
-        self.stats["host_times"].append(host)
+        t1 = time.perf_counter()
+        self.stats["host_times"].append(t1 - t0 - self.wait_time)
+        self.stats["iterations"].append((t0, t1))
         if self.server_args.debug_ledger:
             self.check_ledger()
 
