@@ -224,6 +224,14 @@ class SimWorker(oe.ModelWorker):
         pass
 
 
+def cmd_all(args):
+    ns = lambda **kw: argparse.Namespace(quick=args.quick, **kw)  # noqa: E731
+    return {"sim": cmd_sim(ns(batch=SIM_BATCH, output=SIM_OUTPUT, ratios=SIM_RATIOS, timeline=None)),
+            "overhead": cmd_overhead(ns(batches=OVERHEAD_BATCHES)),
+            "throughput": cmd_throughput(ns(model_path=None, requests=TP_REQUESTS, input=TP_INPUT, output=TP_OUTPUT,
+                                            seed=TP_SEED, max_total_tokens=131072, hf_batch=1, no_hf=False))}
+
+
 def tiny_checkpoint():
     from test_overlap_engine import make_checkpoint  # the tests' random tiny Llama writer
     return make_checkpoint(os.path.join(tempfile.mkdtemp(), "tiny"))
@@ -333,6 +341,145 @@ def cmd_overhead(args):
 
 
 # ----------------------------------------------------------------------------------------------
+# throughput: a real model on this CPU, overlap vs serial vs transformers generate
+#
+# Output tok/s, total tok/s (prompt + output), TTFT, TPOT and ITL per request from the time each token
+# was streamed; device idle fraction from the device's own busy time; host ms per loop iteration.
+
+TP_REQUESTS, TP_INPUT, TP_OUTPUT, TP_SEED = 64, "32,256", 64, 0
+PREFIX_REQUESTS, PREFIX_LEN, PREFIX_TAIL = 64, 1024, 32
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))] if xs else float("nan")
+
+
+def random_requests(n, lo, hi, seed, vocab, prefix=()):
+    import random
+    rng = random.Random(seed)
+    return [list(prefix) + [rng.randrange(100, vocab - 100) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def engine_run(engine, reqs, out_len, desc) -> dict:
+    """All requests at once, streamed; per-token commit times give TTFT / TPOT / ITL."""
+    from tqdm import tqdm
+    sp = {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True}
+    engine.scheduler.stats["steps"].clear(), engine.scheduler.stats["host_times"].clear()
+    over0 = engine.scheduler.stats["overshoot_tokens"]
+    times = [[] for _ in reqs]
+    bar = tqdm(total=len(reqs) * out_len, desc=desc, leave=False, unit="tok")
+    t0 = time.perf_counter()
+    for chunk in engine.generate(input_ids=reqs, sampling_params=sp, stream=True):
+        now = time.perf_counter()
+        times[chunk["index"]] += [now] * len(chunk["output_ids"])
+        bar.update(len(chunk["output_ids"]))
+    wall = time.perf_counter() - t0
+    bar.close()
+    st = engine.stats()
+    busy = sum(x["device_time"] for x in st["steps"])
+    ttft = [ts[0] - t0 for ts in times]
+    itl = [b - a for ts in times for a, b in zip(ts, ts[1:])]
+    tpot = [(ts[-1] - ts[0]) / (len(ts) - 1) for ts in times if len(ts) > 1]
+    n_out, n_in = sum(map(len, times)), sum(map(len, reqs))
+    return {"wall_s": wall, "out_tok_s": n_out / wall, "total_tok_s": (n_in + n_out) / wall,
+            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "tpot_ms": 1e3 * statistics.mean(tpot),
+            "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99),
+            "device_idle": max(0.0, 1 - busy / wall), "host_ms_per_step": 1e3 * statistics.mean(st["host_times"]),
+            "steps": len(st["steps"]), "overshoot_tokens": st["overshoot_tokens"] - over0}
+
+
+def hf_run(model, reqs, out_len, batch) -> dict:
+    """transformers generate, greedy, `batch` requests at a time (left-padded when batch > 1)."""
+    from tqdm import tqdm
+    t0, ttft = time.perf_counter(), []
+    n_out = 0
+    for i in tqdm(range(0, len(reqs), batch), desc=f"transformers (batch {batch})", leave=False):
+        group = reqs[i:i + batch]
+        L = max(map(len, group))
+        ids = torch.tensor([[0] * (L - len(r)) + r for r in group])
+        mask = torch.tensor([[0] * (L - len(r)) + [1] * len(r) for r in group])
+        t_start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=out_len, min_new_tokens=out_len,
+                                 do_sample=False, pad_token_id=0)
+        n_out += (out.shape[1] - L) * len(group)
+        ttft += [t_start - t0] * len(group)  # a lower bound: the first token comes after its prefill
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "out_tok_s": n_out / wall, "total_tok_s": (n_out + sum(map(len, reqs))) / wall,
+            "ttft_p50_s": pct(ttft, 50)}
+
+
+def gemm_flops(n=1024, iters=10) -> float:
+    """This machine's fp32 GEMM rate (FLOP/s), measured here: the roofline for a matmul-bound model."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    return 2 * n ** 3 * iters / (time.perf_counter() - t0)
+
+
+def cmd_throughput(args):
+    path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
+    n, out_len = (8, 8) if args.quick else (args.requests, args.output)
+    lo, hi = (8, 32) if args.quick else map(int, args.input.split(","))
+    kw = {"device": "cpu", "dtype": "float32", "max_total_tokens": args.max_total_tokens}
+    engines = {name: oe.Engine(model_path=path, disable_overlap_schedule=(name == "serial"), **kw)
+               for name in ("overlap", "serial")}
+    vocab = engines["overlap"].model_config.vocab_size
+    params = sum(p.numel() for p in engines["overlap"].model.parameters())
+    reqs = random_requests(n, lo, hi, args.seed, vocab)
+    engine_run(engines["overlap"], reqs[:2], 4, "warm-up")
+    results = {name: engine_run(e, reqs, out_len, name) for name, e in engines.items()}
+    if not args.no_hf and path.endswith(".gguf"):
+        from transformers import AutoModelForCausalLM
+        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                  dtype=torch.float32).eval()
+        results[f"transformers (batch {args.hf_batch})"] = hf_run(hf, reqs, out_len, args.hf_batch)
+    flops = gemm_flops()
+    n_tok = sum(map(len, reqs)) + n * out_len
+    print(f"## throughput: {os.path.basename(path)}, fp32, CPU ({torch.get_num_threads()} threads), {n} requests, "
+          f"input {lo}-{hi}, output {out_len}; GEMM roofline {flops / 1e9:.0f} GFLOP/s measured, "
+          f"{params / 1e6:.0f}M params, 2 FLOP/param/token")
+    print("| run | out tok/s | total tok/s | % of GEMM roofline | TTFT p50 s | TPOT ms | ITL p50/p99 ms "
+          "| device idle | host ms/step | overshoot |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        roof = 2 * params * n_tok / r["wall_s"] / flops
+        r["roofline_frac"] = roof
+        print(f"| {name} | {r['out_tok_s']:.1f} | {r['total_tok_s']:.1f} | {100 * roof:.0f}% | {r['ttft_p50_s']:.2f} "
+              f"| {r.get('tpot_ms', float('nan')):.1f} | {r.get('itl_p50_ms', float('nan')):.1f} / "
+              f"{r.get('itl_p99_ms', float('nan')):.1f} | {r.get('device_idle', float('nan')):.2f} "
+              f"| {r.get('host_ms_per_step', float('nan')):.2f} | {r.get('overshoot_tokens', '-')} |")
+    hf = [k for k in results if k.startswith("transformers")]
+    if hf:
+        print(f"overlap vs {hf[0]}: {results['overlap']['out_tok_s'] / results[hf[0]]['out_tok_s']:.1f}x output tok/s")
+    prefix = prefix_run(path, args, vocab, kw)
+    for e in engines.values():
+        e.shutdown()
+    return {"workload": results, "shared_prefix": prefix, "gemm_gflops": flops / 1e9}
+
+
+def prefix_run(path, args, vocab, kw) -> dict:
+    """Many requests behind one long system prompt: TTFT with the radix cache against without it."""
+    n, plen = (8, 64) if args.quick else (PREFIX_REQUESTS, PREFIX_LEN)
+    system = random_requests(1, plen, plen, args.seed + 1, vocab)[0]
+    reqs = random_requests(n, PREFIX_TAIL // 2, PREFIX_TAIL, args.seed + 2, vocab, prefix=system)
+    out = {}
+    for name, off in (("radix", False), ("no radix", True)):
+        with oe.Engine(model_path=path, disable_radix_cache=off, **kw) as e:
+            out[name] = engine_run(e, reqs, 8, f"shared prefix, {name}")
+    print(f"## shared prefix: {n} requests behind one {plen}-token system prompt, output 8")
+    print("| run | TTFT p50 s | TTFT p99 s | total tok/s |")
+    print("|---|---|---|---|")
+    for name, r in out.items():
+        print(f"| {name} | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['total_tok_s']:.0f} |")
+    print(f"TTFT p50: {out['no radix']['ttft_p50_s'] / out['radix']['ttft_p50_s']:.1f}x lower with the radix cache")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
 # command line
 
 
@@ -368,8 +515,29 @@ def main():
     o.add_argument("--quick", action="store_true")
     o.set_defaults(fn=cmd_overhead)
 
+    t = sub.add_parser("throughput", help="a real model: overlap vs serial vs transformers generate")
+    t.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    t.add_argument("--requests", type=int, default=TP_REQUESTS)
+    t.add_argument("--input", default=TP_INPUT, help="input length range lo,hi")
+    t.add_argument("--output", type=int, default=TP_OUTPUT)
+    t.add_argument("--seed", type=int, default=TP_SEED)
+    t.add_argument("--max-total-tokens", type=int, default=131072)
+    t.add_argument("--hf-batch", type=int, default=1, help="requests per transformers generate call")
+    t.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    t.add_argument("--quick", action="store_true")
+    t.set_defaults(fn=cmd_throughput)
+
+    a = sub.add_parser("all", help="sim, overhead and throughput (with --quick: a small version, ~1 min)")
+    a.add_argument("--quick", action="store_true")
+    a.set_defaults(fn=cmd_all)
+
+    for sp in (sm, o, t, a):
+        sp.add_argument("--json", default=None, help="also write the results as JSON here")
     args = p.parse_args()
-    args.fn(args)
+    result = args.fn(args)
+    if getattr(args, "json", None):
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

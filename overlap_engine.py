@@ -647,15 +647,11 @@ class TorchAttnBackend:
 
     def _decode(self, q, layer_id):
         B, H, D = q.shape
-        kc = self.kv.k_buffer[layer_id][self.decode_slots]  # (B, L, Hkv, D)
-        vc = self.kv.v_buffer[layer_id][self.decode_slots]  # (B, L, Hkv, D)
-        Hkv = kc.shape[2]
-        qg = q.view(B, Hkv, H // Hkv, D)                    # (B, Hkv, G, D): GQA groups share a KV head
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        s = torch.einsum("bhgd,blhd->bhgl", qg.to(acc), kc.to(acc)) / math.sqrt(D)
-        s = s.masked_fill(~self.decode_mask[:, None, None, :], float("-inf"))
-        o = torch.einsum("bhgl,blhd->bhgd", s.softmax(-1), vc.to(acc))
-        return o.reshape(B, H, D).to(q.dtype)
+        kc = self.kv.k_buffer[layer_id][self.decode_slots].transpose(1, 2)  # (B, Hkv, L, D)
+        vc = self.kv.v_buffer[layer_id][self.decode_slots].transpose(1, 2)  # (B, Hkv, L, D)
+        o = F.scaled_dot_product_attention(q[:, :, None, :], kc, vc, attn_mask=self.decode_mask[:, None, None, :],
+                                           enable_gqa=True)                 # (B, H, 1, D): GQA groups share a KV head
+        return o.view(B, H, D)
 
     def _extend(self, q, layer_id):
         m, out, start = self.meta, torch.empty_like(q), 0

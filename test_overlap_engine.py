@@ -1395,3 +1395,15 @@ def test_ctrl_c_in_the_cli_exits_cleanly(ckpt):
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err
     assert "tokens in" in out and "Traceback" not in err
+
+
+def test_bench_quick_runs(tmp_path):
+    """bench.py all --quick: sim, overhead and throughput on a tiny model keep working."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "bench.py", "all", "--quick", "--json", str(out)], capture_output=True,
+                       text=True, timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert {"sim", "overhead", "throughput"} <= set(res)
+    assert all(row["overlap_ms"] > 0 for row in res["sim"])
+    assert "overlap / max(G,C)" in r.stdout and "TTFT p50" in r.stdout
