@@ -87,8 +87,15 @@ class ServerArgs:
                 raise ValueError(f"{key} must be a positive integer, got {getattr(self, key)!r}")
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be positive or -1, got {self.chunked_prefill_size!r}")
-        if self.max_total_tokens is not None and self.max_total_tokens < 2:
-            raise ValueError(f"max_total_tokens must be at least 2, got {self.max_total_tokens!r}")
+        for key in ("max_total_tokens", "context_length"):
+            v = getattr(self, key)
+            if v is not None and (not _is_int(v) or v < 2):
+                raise ValueError(f"{key} must be an integer >= 2 or None, got {v!r}")
+        for key, lo, hi in (("schedule_conservativeness", 0, math.inf), ("worker_jitter_ms", 0, math.inf),
+                            ("mem_fraction_static", 1e-3, 1)):
+            v = getattr(self, key)
+            if not _is_real(v) or not lo <= v <= hi:
+                raise ValueError(f"{key} must be a number in [{lo}, {hi}], got {v!r}")
         if os.environ.get("OVERLAP_ENGINE_DEBUG", "") not in ("", "0"):
             self.debug_future_map = self.debug_ledger = True
 
@@ -707,6 +714,9 @@ class TritonAttnBackend(TorchAttnBackend):
 # Radix cache: a token-level prefix tree over KV slots
 
 
+IN_BATCH_PREFIX_MIN = 32  # shared tokens that make a waiting request wait for a prefix being prefilled
+
+
 class TreeNode:
     _counter = itertools.count()
 
@@ -872,8 +882,13 @@ class SamplingParams:
         sp = cls(**d)
         if isinstance(sp.stop, str):
             sp.stop = [sp.stop]
-        sp.stop, sp.stop_token_ids = list(sp.stop or []), list(sp.stop_token_ids or [])
+        for key in ("stop", "stop_token_ids"):
+            v = getattr(sp, key)
+            if v is not None and not isinstance(v, (list, tuple)):
+                raise ValueError(f"sampling parameter {key}={v!r}: must be a list")
+            setattr(sp, key, list(v or []))
         sp.validate(vocab_size)
+        sp.top_k = min(sp.top_k, vocab_size) if sp.top_k > 0 else sp.top_k  # larger means all tokens
         return sp
 
     def validate(self, vocab_size: int):
@@ -895,8 +910,8 @@ class SamplingParams:
             bad("stop_token_ids", f"must be a list of token ids in [0, {vocab_size})")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "must be a bool")
-        if self.sampling_seed is not None and not _is_int(self.sampling_seed):
-            bad("sampling_seed", "must be an integer or None")
+        if self.sampling_seed is not None and (not _is_int(self.sampling_seed) or not 0 <= self.sampling_seed < 2**63):
+            bad("sampling_seed", "must be an integer in [0, 2**63) or None")
 
 
 class Req:
@@ -913,7 +928,6 @@ class Req:
         self.kv_allocated_len = 0      # planned: slots allocated, including an in-flight step
         self.kv_committed_len = 0      # committed: positions whose KV was written by committed steps
         self.extend_input_len = 0      # tokens this prefill chunk feeds
-        self.is_chunked = False        # in the middle of a chunked prefill
         self.epoch = 0                 # bumped on retraction: results of older in-flight steps are stale
         self.cached_tokens = 0
         self.text, self.prefix_offset, self.read_offset = "", 0, 0   # incremental detokenizer state
@@ -938,7 +952,7 @@ class Req:
     def update_finish_state(self, tokenizer: Optional[Tokenizer]):
         """Called at commit, after a token was appended: length, EOS, stop ids, stop strings (in that order).
         Text is decoded here only when stop strings need it; otherwise at finish or when streamed."""
-        sp, tok = self.sampling_params, self.output_ids[-1]
+        sp, tok, old_len = self.sampling_params, self.output_ids[-1], len(self.text)
         if tokenizer is not None and sp.stop:
             self.detokenize(tokenizer)
         if len(self.output_ids) >= sp.max_new_tokens:
@@ -946,18 +960,20 @@ class Req:
         elif tok in self.eos_ids or tok in sp.stop_token_ids:
             self.finished_reason = {"type": "stop", "matched": tok}
         elif sp.stop:
-            window = len(self.text) - max(map(len, sp.stop)) - 8  # only the new tail can hold a new match
-            hits = [(self.text.find(s, max(0, window)), s) for s in sp.stop]
+            start = max(0, old_len - max(map(len, sp.stop)) + 1)  # a new match must end in the new text
+            hits = [(self.text.find(s, start), s) for s in sp.stop]
             hits = [(i, s) for i, s in hits if i >= 0]
             if hits:
                 i, s = min(hits)
                 self.text, self.finished_reason = self.text[:i], {"type": "stop", "matched": s}
         if self.finished() and tokenizer is not None and self.finished_reason.get("matched") not in sp.stop:
-            self.detokenize(tokenizer, final=True)
+            # the text of a matched stop token is left out, like a stop string
+            stop_tok = self.finished_reason["type"] == "stop"
+            self.detokenize(tokenizer, final=True, upto=len(self.output_ids) - stop_tok)
 
-    def detokenize(self, tokenizer: Tokenizer, final: bool = False):
+    def detokenize(self, tokenizer: Tokenizer, final: bool = False, upto: Optional[int] = None):
         """Incremental detokenizer: text grows only by complete characters (no dangling UTF-8 bytes)."""
-        ids = self.output_ids
+        ids = self.output_ids[:upto]
         prev = tokenizer.decode(ids[self.prefix_offset:self.read_offset])
         new = tokenizer.decode(ids[self.prefix_offset:])
         if len(new) > len(prev) and (final or not new.endswith("\ufffd")):
@@ -1029,7 +1045,9 @@ class ScheduleBatch:
         s, rtp, ids, rows, cols, slots, out_loc, positions = self.sched, self.sched.req_to_token_pool, [], [], [], [], [], []
         prefix_lens, extend_lens = [], []
         for r in self.reqs:
+            first = r.kv_allocated_len  # req_to_token positions this step writes start here
             if r.req_pool_idx is None:  # first chunk: take a row and copy the matched prefix into it
+                first = 0
                 r.req_pool_idx = rtp.alloc()
                 assert r.req_pool_idx is not None, "PrefillAdder admitted a request without a free row"
                 s.row_owner[r.req_pool_idx] = r
@@ -1040,9 +1058,9 @@ class ScheduleBatch:
             rtp.req_to_token_host[r.req_pool_idx, pre:pre + ext] = loc
             r.kv_allocated_len = pre + ext
             ids.extend(r.fill_ids[pre:pre + ext])
-            rows.append(torch.full((pre + ext,), r.req_pool_idx, dtype=torch.int64))
-            cols.append(torch.arange(pre + ext))
-            slots.append(rtp.req_to_token_host[r.req_pool_idx, :pre + ext])
+            rows.append(torch.full((pre + ext - first,), r.req_pool_idx, dtype=torch.int64))
+            cols.append(torch.arange(first, pre + ext))
+            slots.append(rtp.req_to_token_host[r.req_pool_idx, first:pre + ext])
             out_loc.append(loc)
             positions.append(torch.arange(pre, pre + ext))
             prefix_lens.append(pre)
@@ -1052,7 +1070,8 @@ class ScheduleBatch:
         ends = torch.tensor(extend_lens).cumsum(0) - 1
         self.fb = self._forward_batch(torch.tensor(ids, dtype=torch.int64), torch.cat(positions), torch.cat(rows),
                                       torch.cat(cols), torch.cat(slots), torch.cat(out_loc), ends,
-                                      prefix_lens, extend_lens)
+                                      prefix_lens, extend_lens,
+                                      torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64))
 
     def prepare_for_decode(self, use_future_map: bool):
         """One new slot per request. In overlap mode the input token is still in flight: leave input_ids
@@ -1067,9 +1086,10 @@ class ScheduleBatch:
         self.seq_lens = (pos + 1).tolist()
         self.is_last_chunk = [True] * B
         ids = None if use_future_map else torch.tensor([r.output_ids[-1] for r in self.reqs], dtype=torch.int64)
-        self.fb = self._forward_batch(ids, pos, rows, pos, loc, loc, torch.arange(B), [], [1] * B)
+        self.fb = self._forward_batch(ids, pos, rows, pos, loc, loc, torch.arange(B), [], [1] * B, rows)
 
-    def _forward_batch(self, ids, positions, rt_rows, rt_cols, rt_slots, out_loc, logit_rows, prefix_lens, extend_lens):
+    def _forward_batch(self, ids, positions, rt_rows, rt_cols, rt_slots, out_loc, logit_rows, prefix_lens,
+                       extend_lens, req_pool_indices):
         reqs = self.reqs
         sampling = {
             "temperature": torch.tensor([float(r.sampling_params.temperature) for r in reqs], dtype=torch.float64),
@@ -1082,12 +1102,11 @@ class ScheduleBatch:
             "all_greedy": all(r.sampling_params.temperature == 0 for r in reqs),
             "need_filter": any(r.sampling_params.top_k != -1 or r.sampling_params.top_p < 1
                                or r.sampling_params.min_p > 0 for r in reqs),
-            "use_future_map": self.sched.enable_overlap,  # publish sampled tokens for the next step
         }
-        return ForwardBatch(self.forward_mode, ids, positions,
-                            torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64),
-                            self.seq_lens, prefix_lens, extend_lens, out_loc, rt_rows, rt_cols, rt_slots,
-                            logit_rows, torch.tensor(self.is_last_chunk), sampling)
+        # overlap mode publishes each sampled token (not a mid-prompt chunk's) for the next step to gather
+        publish = torch.tensor(self.is_last_chunk) & self.sched.enable_overlap
+        return ForwardBatch(self.forward_mode, ids, positions, req_pool_indices, self.seq_lens, prefix_lens,
+                            extend_lens, out_loc, rt_rows, rt_cols, rt_slots, logit_rows, publish, sampling)
 
 
 class PrefillAdder:
@@ -1099,6 +1118,7 @@ class PrefillAdder:
 
     def __init__(self, sched: "Scheduler", running: list):
         self.sched, a = sched, sched.server_args
+        running = [r for r in running if not r.finished()]  # finished ones leave at the next filter
         self.rem_total_tokens = (sched.kv_pool.available_size() + sched.tree_cache.evictable_size()
                                  - sum(self.decode_reserve(r) for r in running))
         self.rem_input_tokens = a.max_prefill_tokens
@@ -1116,10 +1136,11 @@ class PrefillAdder:
         """The next chunk of a request that is in the middle of its prefill."""
         left = len(r.fill_ids) - r.kv_allocated_len
         n = min(left, self.rem_input_tokens, left if self.rem_chunk_tokens is None else self.rem_chunk_tokens)
-        if n > self.rem_total_tokens or n < 1:
+        reserve = self.decode_reserve(r) if n == left else 0  # the last chunk: the request starts decoding
+        if n + reserve > self.rem_total_tokens or n < 1:
             return False
-        r.extend_input_len, r.is_chunked = n, n < left
-        self._take(r, n)
+        self.rem_total_tokens -= reserve
+        self._take(r, n, chunked=n < left)
         return True
 
     def add_one_req(self, r: Req) -> bool:
@@ -1132,22 +1153,22 @@ class PrefillAdder:
         s.tree_cache.inc_lock_ref(r.last_node)
         locked = before - s.tree_cache.evictable_size()  # matched slots that just stopped being evictable
         n = ext if self.rem_chunk_tokens is None else min(ext, self.rem_chunk_tokens)
-        need = n + locked + (self.decode_reserve(r) if n == ext else 0)
-        if need > self.rem_total_tokens or (self.can_run_list and n > self.rem_input_tokens):
+        reserve = self.decode_reserve(r) if n == ext else 0
+        if n + locked + reserve > self.rem_total_tokens or (self.can_run_list and n > self.rem_input_tokens):
             s.tree_cache.dec_lock_ref(r.last_node)
             return False
-        self.rem_total_tokens -= locked
-        r.extend_input_len, r.is_chunked = n, n < ext
+        self.rem_total_tokens -= locked + reserve
         self.rem_rows -= 1
-        self._take(r, n)
+        self._take(r, n, chunked=n < ext)
         return True
 
-    def _take(self, r: Req, n: int):
+    def _take(self, r: Req, n: int, chunked: bool):
+        r.extend_input_len = n
         self.rem_total_tokens -= n
         self.rem_input_tokens -= n
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= n
-        if r.is_chunked:
+        if chunked:
             self.new_chunked_req = r
         self.can_run_list.append(r)
 
@@ -1265,15 +1286,16 @@ class CpuDeviceStream:
             if item is None:
                 return
             fn, h = item
-            self._sleep()
-            h.t_start = time.perf_counter()
             try:
+                self._sleep()
+                h.t_start = time.perf_counter()
                 h.value = fn()
-            except BaseException as e:  # surfaces on the host at wait()
+                h.t_end = time.perf_counter()
+                self._sleep()
+            except BaseException as e:  # surfaces on the host at wait(); the thread lives on
                 h.error = self.error = e
-            h.t_end = time.perf_counter()
-            h.device_time = h.t_end - h.t_start
-            self._sleep()
+            h.t_end = h.t_end or time.perf_counter()
+            h.device_time = h.t_end - (h.t_start or h.t_end)
             h.done.set()
 
     def _sleep(self):
@@ -1345,8 +1367,8 @@ class ModelWorker:
         logits = self.model(input_ids, to(fb.positions), self.attn, to(fb.logit_rows))  # (B, vocab)
         s = {k: (to(v) if isinstance(v, torch.Tensor) else v) for k, v in fb.sampling.items()}
         next_ids = sample(logits, s)                                                     # (B,)
-        publish = to(fb.publish)
-        if fb.sampling["use_future_map"]:
+        if fb.publish.any():  # a host tensor: no sync
+            publish = to(fb.publish)
             self.future_map.publish(rows[publish], next_ids[publish])
         return next_ids
 
@@ -1393,7 +1415,6 @@ class Scheduler:
         self.stats = {"overshoot_tokens": 0, "stale_results": 0, "retractions": 0,
                       "steps": deque(maxlen=100_000), "host_times": deque(maxlen=100_000),
                       "iterations": deque(maxlen=100_000), "waits": deque(maxlen=100_000)}
-        self.forward_ct = 0
         self.wait_time = 0.0  # host seconds spent blocked on results in the current iteration
 
     # -- planning ------------------------------------------------------------------------------------
@@ -1413,10 +1434,10 @@ class Scheduler:
         if batch is None and self.result_queue and (self.waiting or self.chunked_req):
             self.sync_pending_results()  # sync point: committing may free the memory the next plan needs
             return self.get_next_batch_to_run()
-        if batch is None and not self.result_queue and self.running_batch.is_empty():
-            stuck = self.chunked_req or (self.waiting[0] if self.waiting else None)
-            if stuck is not None:  # nothing runs and nothing will free memory: never spin forever
-                self.abort_req(stuck, "the KV pool is too small to make progress on this request")
+        if batch is None and not self.result_queue and self.running_batch.is_empty() and (self.waiting or self.chunked_req):
+            batch = self.get_new_batch_prefill()  # planning may just have freed memory (a sync, a retraction)
+            if batch is None:  # nothing runs and nothing will free memory: never spin forever
+                self.abort_req(self.chunked_req or self.waiting[0], "the KV pool is too small to make progress on this request")
         return batch
 
     def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
@@ -1429,15 +1450,27 @@ class Scheduler:
             for r in self.waiting:
                 r.prefix_indices, r.last_node = self.tree_cache.match_prefix(r.fill_ids[:-1])
             self.waiting.sort(key=lambda r: -len(r.prefix_indices))  # stable: FCFS among equals
-        admitted = 0
+        # prompts being prefilled (this batch, or one in flight) whose KV will soon be in the cache
+        pending = RadixCache(None) if self.server_args.schedule_policy == "lpm" else None
+        if pending is not None:
+            for snap, _ in self.result_queue:
+                for r in snap.reqs if snap.forward_mode == "extend" else []:
+                    pending.insert(r.fill_ids, torch.empty(len(r.fill_ids), dtype=torch.int64))
+        admitted = []
         for r in self.waiting:
             if self.server_args.schedule_policy == "fcfs":
                 r.prefix_indices, r.last_node = self.tree_cache.match_prefix(r.fill_ids[:-1])
+            elif (len(r.prefix_indices) < IN_BATCH_PREFIX_MIN
+                  and len(pending.match_prefix(r.fill_ids)[0]) >= IN_BATCH_PREFIX_MIN):
+                continue  # waits a round: it will hit the cache rather than compute the same prefix again
             if not adder.add_one_req(r):
                 break
             r.cached_tokens = len(r.prefix_indices)
-            admitted += 1
-        self.waiting = self.waiting[admitted:]
+            admitted.append(r)
+            if pending is not None:
+                pending.insert(r.fill_ids, torch.empty(len(r.fill_ids), dtype=torch.int64))
+        taken = set(map(id, admitted))
+        self.waiting = [r for r in self.waiting if id(r) not in taken]
         if not adder.can_run_list:
             return None
         self.chunked_req = adder.new_chunked_req
@@ -1458,7 +1491,11 @@ class Scheduler:
             rb.filter(keep)
             if rb.is_empty():
                 return None
-        while self.kv_pool.available_size() + self.tree_cache.evictable_size() < len(rb.reqs):
+        short = lambda: self.kv_pool.available_size() + self.tree_cache.evictable_size() < len(rb.reqs)  # noqa: E731
+        if short() and self.chunked_req is not None and self.chunked_req.req_pool_idx is not None:
+            r, self.chunked_req = self.chunked_req, None  # a prompt half prefilled gives way to decoding first
+            self.retract(r)
+        while short():
             if len(rb.reqs) == 1:
                 self.abort_req(rb.reqs[0], "the KV pool is too small for this request")
                 rb.filter(keep)
@@ -1489,7 +1526,6 @@ class Scheduler:
 
     def run_batch(self, batch: ScheduleBatch) -> StepHandle:
         """Launches the step on the device stream; returns before the forward finishes."""
-        self.forward_ct += 1
         return self.worker.launch(batch.fb)
 
     def sync_pending_results(self):
@@ -1541,8 +1577,8 @@ class Scheduler:
             self.tree_cache.dec_lock_ref(r.last_node)
         self.req_to_token_pool.free(row)
         del self.row_owner[row]
-        self.worker.poison_row(row)
         r.req_pool_idx, r.last_node, r.prefix_indices = None, None, torch.empty(0, dtype=torch.int64)
+        self.worker.poison_row(row)  # last: on a broken device stream it raises, with the books already settled
 
     def cache_unfinished_req(self, r: Req):
         """After a prompt is prefilled (and committed), publish its KV to the radix cache so later
@@ -1570,12 +1606,13 @@ class Scheduler:
             self.waiting.remove(r)
         if self.chunked_req is r:
             self.chunked_req = None
+        r.finished_reason = {"type": "abort", "message": message}
+        if self.tokenizer is not None:
+            r.detokenize(self.tokenizer, final=True)  # the text of what was committed before the abort
+        self.finished_outputs.append(r.output())
         if r.req_pool_idx is not None:
             self.release_kv_cache(r, insert=False)
-        elif r.last_node is not None:
-            r.last_node = None
-        r.finished_reason = {"type": "abort", "message": message}
-        self.finished_outputs.append(r.output())
+        r.last_node = None  # a waiting request's matched prefix was never locked
 
     def is_idle(self) -> bool:
         return not (self.waiting or self.chunked_req or self.result_queue
@@ -1842,13 +1879,8 @@ class Engine:
             s.sync_pending_results()  # only overshoot steps of finished requests are still in flight
         assert s.is_idle(), "check_invariants() needs an idle engine"
         s.worker.stream.synchronize()
-        kv, tree, rtp = s.kv_pool, s.tree_cache, s.req_to_token_pool
-        owned = torch.cat((kv.free_slots, tree.all_slots())).sort().values
-        assert len(owned) == kv.size, f"KV slots leaked or duplicated: {len(owned)} accounted of {kv.size}"
-        assert torch.equal(owned, torch.arange(1, kv.size + 1)), "KV slots duplicated (double free)"
-        assert tree.protected_size() == 0 and all(n.lock_ref == 0 for n in tree._nodes()), "a radix lock is held"
-        assert tree.evictable_size() == tree.total_size(), "radix evictable size out of sync"
-        assert sorted(rtp.free_slots) == list(range(rtp.size)), "request rows leaked"
+        s.check_ledger()  # with no request holding anything: every slot free or in the tree, no lock held
+        assert not s.row_owner and s.tree_cache.protected_size() == 0, "a request still holds a row or a lock"
         assert bool((self.future_map.output_tokens_buf == -1).all()), "FutureMap holds unread tokens"
 
     def stats(self) -> dict:

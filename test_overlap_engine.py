@@ -1407,3 +1407,110 @@ def test_bench_quick_runs(tmp_path):
     assert {"sim", "overhead", "throughput"} <= set(res)
     assert all(row["overlap_ms"] > 0 for row in res["sim"])
     assert "overlap / max(G,C)" in r.stdout and "TTFT p50" in r.stdout
+
+
+# ----------------------------------------------------------------------------------------------------
+# Regressions found in review (each failed before its fix)
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_a_sync_that_frees_the_pool_does_not_abort_the_waiting(ckpt, overlap_off):
+    """Two requests fill the pool and stop by token; a third waits. The sync that commits their finish
+    frees the pool within the same plan: the waiting request must then run, not be aborted as stuck."""
+    A, B = random_prompts(2, seed=131, lo=20, hi=20)
+    fa, fb = reference_greedy(ckpt, A, 12), reference_greedy(ckpt, B, 12)
+    k = next(i for i in range(1, 12) if fa[i] not in fa[:i] and fb[i] not in fb[:i])
+    sp = lambda t: {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True, "stop_token_ids": [t]}  # noqa: E731
+    with make_engine(ckpt, overlap_off, disable_radix_cache=True, max_total_tokens=40 + 2 * k,
+                     schedule_conservativeness=0.0) as e:
+        e.add_request(input_ids=A, sampling_params=sp(fa[k]))
+        e.add_request(input_ids=B, sampling_params=sp(fb[k]))
+        outs = e.step()
+        w = e.add_request(input_ids=[3, 4, 5], sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+        while len(outs) < 3:
+            outs += e.step()
+        e.check_invariants()
+    out_w = next(o for o in outs if o["meta_info"]["id"] == w)
+    assert out_w["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_a_half_prefilled_prompt_gives_way_to_decoding(ckpt, overlap_off):
+    """A decode request and a chunked prefill that each fit the pool alone, but not together: the chunked
+    prompt is retracted and recomputed later; neither is aborted, and both get the reference tokens."""
+    wl = greedy_workload([list(range(1, 11)), list(range(100, 150))], [40, 5])
+    with make_engine(ckpt, overlap_off, max_total_tokens=64, chunked_prefill_size=8, disable_radix_cache=True) as e:
+        r = e.add_request(input_ids=wl[0][0], sampling_params=wl[0][1])
+        e.step()
+        c = e.add_request(input_ids=wl[1][0], sampling_params=wl[1][1])
+        done = {}
+        while len(done) < 2:
+            done.update({o["meta_info"]["id"]: o for o in e.step()})
+        e.check_invariants()
+    exp = expected_greedy(ckpt, wl)
+    assert done[r]["output_ids"] == exp[0] and done[c]["output_ids"] == exp[1]
+
+
+def test_prefill_admission_deducts_the_decode_reserve(ckpt):
+    """Pool 100; each request needs 10 prompt slots + ceil(0.7 * 50) = 35 reserved: the first prefill
+    admits 2 (90 <= 100), not all 8 (which would then have to be retracted)."""
+    with make_engine(ckpt, True, max_total_tokens=100, disable_radix_cache=True) as e:
+        wl = [([i + 1] * 10, {"max_new_tokens": 50, "temperature": 0, "ignore_eos": True}) for i in range(8)]
+        for ids, sp in wl:
+            e.add_request(input_ids=ids, sampling_params=sp)
+        e.step()
+        assert len(e.scheduler.last_batch.reqs) == 2
+        run_workload(e, [])
+        while not e.scheduler.is_idle():
+            e.step()
+        e.check_invariants()
+
+
+def test_stop_string_inside_a_long_token():
+    class Tok:  # id -> text
+        vocab = {0: "Hello", 1: " internationally", 2: " and"}
+
+        def decode(self, ids):
+            return "".join(self.vocab[i] for i in ids)
+    sp = oe.SamplingParams.from_dict({"stop": ["inter"], "max_new_tokens": 10}, 3)
+    r = oe.Req("x", [0], sp, 0, ())
+    for t in (0, 1):
+        r.output_ids.append(t)
+        r.update_finish_state(Tok())
+    assert r.finished_reason == {"type": "stop", "matched": "inter"} and r.text == "Hello "
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_aborted_and_stop_token_outputs_have_their_text(ckpt, overlap_off):
+    with make_engine(ckpt, overlap_off) as e:
+        ids = e.tokenizer.encode("Hello")
+        rid = e.add_request(input_ids=ids, sampling_params={"max_new_tokens": 30, "temperature": 0, "ignore_eos": True})
+        for _ in range(6):
+            e.step()
+        e.abort(rid)
+        out = e.step()[0]
+        assert out["output_ids"] and out["text"] == e.tokenizer.decode(out["output_ids"])
+        free = reference_greedy(ckpt, ids, 12)
+        i = next(i for i, t in enumerate(free) if i > 0 and free.index(t) == i)
+        stopped = e.generate(input_ids=ids, sampling_params={"max_new_tokens": 12, "temperature": 0,
+                                                             "stop_token_ids": [free[i]]})
+        assert stopped["output_ids"] == free[:i + 1]
+        assert stopped["text"] == e.tokenizer.decode(free[:i])  # the matched stop token's text is left out
+        e.check_invariants()
+
+
+def test_out_of_range_and_mistyped_values_are_refused(ckpt):
+    with make_engine(ckpt, False) as e:
+        for sp, key in [({"sampling_seed": 2**70}, "sampling_seed"), ({"sampling_seed": -1}, "sampling_seed"),
+                        ({"stop": 5}, "stop"), ({"stop": True}, "stop"), ({"stop": {"ab": 1}}, "stop"),
+                        ({"stop_token_ids": 5}, "stop_token_ids")]:
+            with pytest.raises(ValueError, match=key):
+                e.add_request(input_ids=[1, 2], sampling_params=sp)
+        out = e.generate(input_ids=[1, 2], sampling_params={"top_k": 2**63, "max_new_tokens": 3})  # = all tokens
+        assert len(out["output_ids"]) == 3
+        e.check_invariants()
+    for kw, key in [({"schedule_conservativeness": -1}, "schedule_conservativeness"),
+                    ({"max_total_tokens": 100.0}, "max_total_tokens"), ({"context_length": -3}, "context_length"),
+                    ({"worker_jitter_ms": -1}, "worker_jitter_ms")]:
+        with pytest.raises(ValueError, match=key):
+            Engine(model_path=ckpt, **kw)
