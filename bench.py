@@ -229,7 +229,8 @@ def cmd_all(args):
     return {"sim": cmd_sim(ns(batch=SIM_BATCH, output=SIM_OUTPUT, ratios=SIM_RATIOS, timeline=None)),
             "overhead": cmd_overhead(ns(batches=OVERHEAD_BATCHES)),
             "throughput": cmd_throughput(ns(model_path=None, requests=TP_REQUESTS, input=TP_INPUT, output=TP_OUTPUT,
-                                            seed=TP_SEED, max_total_tokens=131072, hf_batch=1, no_hf=False))}
+                                            seed=TP_SEED, max_total_tokens=24576, hf_batch=1, no_hf=False,
+                                            repeat=1))}
 
 
 def tiny_checkpoint():
@@ -430,13 +431,23 @@ def cmd_throughput(args):
     vocab = engines["overlap"].model_config.vocab_size
     params = sum(p.numel() for p in engines["overlap"].model.parameters())
     reqs = random_requests(n, lo, hi, args.seed, vocab)
-    engine_run(engines["overlap"], reqs[:2], 4, "warm-up")
-    results = {name: engine_run(e, reqs, out_len, name) for name, e in engines.items()}
+    for name, e in engines.items():
+        engine_run(e, reqs[:4], 4, f"warm-up {name}")
+    results = {}
+    for rep in range(args.repeat):  # alternate the order; keep each loop's best run (noise only slows a run)
+        for name in (["overlap", "serial"] if rep % 2 == 0 else ["serial", "overlap"]):
+            r = engine_run(engines[name], reqs, out_len, name)
+            if name not in results or r["out_tok_s"] > results[name]["out_tok_s"]:
+                results[name] = r
+    for e in engines.values():
+        e.shutdown()
+    del engines  # free their KV pools before the next engines are built
     if not args.no_hf and path.endswith(".gguf"):
         from transformers import AutoModelForCausalLM
         hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                   dtype=torch.float32).eval()
         results[f"transformers (batch {args.hf_batch})"] = hf_run(hf, reqs, out_len, args.hf_batch)
+        del hf
     flops = gemm_flops()
     n_tok = sum(map(len, reqs)) + n * out_len
     print(f"## throughput: {os.path.basename(path)}, fp32, CPU ({torch.get_num_threads()} threads), {n} requests, "
@@ -456,8 +467,6 @@ def cmd_throughput(args):
     if hf:
         print(f"overlap vs {hf[0]}: {results['overlap']['out_tok_s'] / results[hf[0]]['out_tok_s']:.1f}x output tok/s")
     prefix = prefix_run(path, args, vocab, kw)
-    for e in engines.values():
-        e.shutdown()
     return {"workload": results, "shared_prefix": prefix, "gemm_gflops": flops / 1e9}
 
 
@@ -521,9 +530,10 @@ def main():
     t.add_argument("--input", default=TP_INPUT, help="input length range lo,hi")
     t.add_argument("--output", type=int, default=TP_OUTPUT)
     t.add_argument("--seed", type=int, default=TP_SEED)
-    t.add_argument("--max-total-tokens", type=int, default=131072)
+    t.add_argument("--max-total-tokens", type=int, default=24576, help="KV pool per engine (46 KB a token for SmolLM2)")
     t.add_argument("--hf-batch", type=int, default=1, help="requests per transformers generate call")
     t.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    t.add_argument("--repeat", type=int, default=2, help="runs of each loop (alternating); the best is reported")
     t.add_argument("--quick", action="store_true")
     t.set_defaults(fn=cmd_throughput)
 
