@@ -1883,6 +1883,14 @@ class Engine:
         assert not s.row_owner and s.tree_cache.protected_size() == 0, "a request still holds a row or a lock"
         assert bool((self.future_map.output_tokens_buf == -1).all()), "FutureMap holds unread tokens"
 
+    def flush_cache(self):
+        """Empties the radix cache (SGLang's flush_cache); only at idle, when no request holds a prefix."""
+        s = self.scheduler
+        if all(r.finished() for snap, _ in s.result_queue for r in snap.reqs):
+            s.sync_pending_results()
+        assert s.is_idle(), "flush_cache() needs an idle engine"
+        s.tree_cache.evict(s.tree_cache.evictable_size())
+
     def stats(self) -> dict:
         """Per-step host time, device time and overshoot counts, for the bench (a snapshot)."""
         return {k: list(v) if isinstance(v, deque) else v for k, v in self.scheduler.stats.items()}

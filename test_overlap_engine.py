@@ -131,6 +131,18 @@ def reference_greedy(ckpt, ids, max_new, stop_ids=()):
     return out
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_device_thread_outlives_the_tests():
+    """Set up first, finalized last: after every engine of this module is shut down or collected,
+    no device worker thread may still run."""
+    import gc
+    import threading
+    yield
+    gc.collect()
+    alive = [t.name for t in threading.enumerate() if t.name == "overlap-engine-device" and t.is_alive()]
+    assert not alive, f"{len(alive)} device worker thread(s) outlived their engines"
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return make_checkpoint(str(tmp_path_factory.mktemp("tiny")))
@@ -267,6 +279,15 @@ def test_radix_hits_give_same_tokens(ckpt, overlap_off):
         e.check_invariants()
     assert [o["output_ids"] for o in outs] == expected_greedy(ckpt, wave)
     assert all(o["meta_info"]["cached_tokens"] >= 40 for o in outs)
+    e2 = make_engine(ckpt, overlap_off)
+    with e2:
+        run_workload(e2, first)
+        e2.flush_cache()
+        assert e2.scheduler.tree_cache.total_size() == 0
+        outs2 = run_workload(e2, wave)  # the prefix is computed again, once, then shared within the wave
+        assert sorted(o["meta_info"]["cached_tokens"] for o in outs2)[0] == 0
+        assert [o["output_ids"] for o in outs2] == [o["output_ids"] for o in outs]
+        e2.check_invariants()
 
 
 @pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
@@ -1514,3 +1535,23 @@ def test_out_of_range_and_mistyped_values_are_refused(ckpt):
                     ({"worker_jitter_ms": -1}, "worker_jitter_ms")]:
         with pytest.raises(ValueError, match=key):
             Engine(model_path=ckpt, **kw)
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_abort_in_the_middle_of_a_chunked_prefill(ckpt, overlap_off):
+    """Aborted while its prompt is half prefilled (a chunk possibly in flight): its KV and row come back,
+    and the request queued behind it gets the reference tokens."""
+    wl = greedy_workload([list(range(1, 41)), [7, 8, 9]], [5, 6])
+    with make_engine(ckpt, overlap_off, chunked_prefill_size=8) as e:
+        rid = e.add_request(input_ids=wl[0][0], sampling_params=wl[0][1])
+        other = e.add_request(input_ids=wl[1][0], sampling_params=wl[1][1])
+        e.step()
+        e.step()
+        assert e.scheduler.chunked_req is not None and e.scheduler.chunked_req.rid == rid
+        e.abort(rid)
+        done = {}
+        while len(done) < 2:
+            done.update({o["meta_info"]["id"]: o for o in e.step()})
+        e.check_invariants()
+    assert done[rid]["meta_info"]["finish_reason"]["type"] == "abort" and done[rid]["output_ids"] == []
+    assert done[other]["output_ids"] == expected_greedy(ckpt, wl[1:])[0]
