@@ -257,6 +257,30 @@ def test_greedy_workload_exact(ckpt, mixed_workload, overlap_off, config):
         assert o["meta_info"]["completion_tokens"] == len(exp)
 
 
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_decode_in_small_length_groups_gives_same_tokens(ckpt, mixed_workload, overlap_off, monkeypatch):
+    """Torch decode attention reads the pool in length-sorted groups; with a budget of 100 padded tokens per
+    group the batch splits into many groups of unequal sizes, and the tokens stay exact."""
+    wl, expected = mixed_workload
+    with make_engine(ckpt, overlap_off) as e:
+        kb = e.scheduler.kv_pool.k_buffer[0]
+        monkeypatch.setattr(oe, "DECODE_GATHER_BYTES", 100 * 2 * kb[0].numel() * kb.element_size())  # 100 tokens
+        sizes = []
+        group_by_length = e.scheduler.worker.attn._group_by_length
+
+        def spy(seq_lens):
+            groups = group_by_length(seq_lens)
+            assert sorted(i for g in groups for i in g) == list(range(len(seq_lens)))
+            assert all(len(g) == 1 or len(g) * max(seq_lens[i] for i in g) <= 100 for g in groups)
+            sizes.append([len(g) for g in groups])
+            return groups
+        monkeypatch.setattr(e.scheduler.worker.attn, "_group_by_length", spy)
+        outs = run_workload(e, wl)
+        e.check_invariants()
+    assert [o["output_ids"] for o in outs] == expected
+    assert any(len(s) > 1 and max(s) > 1 for s in sizes), sizes  # several groups, some with several requests
+
+
 def test_overlap_equals_serial_on_longer_outputs(ckpt):
     """Many steps and a pool that forces eviction: the two loops give identical tokens."""
     prompts = random_prompts(8, seed=11, lo=5, hi=50)
@@ -1555,3 +1579,11 @@ def test_abort_in_the_middle_of_a_chunked_prefill(ckpt, overlap_off):
         e.check_invariants()
     assert done[rid]["meta_info"]["finish_reason"]["type"] == "abort" and done[rid]["output_ids"] == []
     assert done[other]["output_ids"] == expected_greedy(ckpt, wl[1:])[0]
+
+
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's mallopt only")
+def test_cpu_stream_keeps_freed_memory_in_process():
+    """glibc accepts the allocator settings (one arena, fixed mmap and trim thresholds) that keep a CPU
+    step's freed activations mapped for the next step instead of faulting them in again."""
+    oe.keep_freed_memory_in_process.cache_clear()
+    assert oe.keep_freed_memory_in_process() is True
