@@ -670,8 +670,9 @@ class TorchAttnBackend:
         idx = torch.tensor(group, device=dev)                                    # (n,) positions in the batch
         L = meta.seq_lens_cpu[group[-1]]
         slots = self.rtp.req_to_token[meta.req_pool_indices[idx], :L].reshape(-1).long()  # (n * L,)
-        visible = torch.arange(L, device=dev)[None] < meta.seq_lens[idx][:, None]          # (n, L): padding hidden
-        return idx, slots, visible[:, None, None, :]                                        # mask (n, 1, 1, L)
+        visible = torch.arange(L, device=dev)[None] < meta.seq_lens[idx][:, None]          # (n, L)
+        mask = torch.zeros(visible.shape, dtype=self.kv.k_buffer[0].dtype, device=dev).masked_fill_(~visible, -math.inf)
+        return idx, slots, mask[:, None, None, :]  # (n, 1, 1, L): added to the scores, hides the padding
 
     def forward(self, q, k, v, layer_id: int) -> torch.Tensor:
         m = self.meta
