@@ -29,6 +29,7 @@ import itertools
 import json
 import math
 import os
+import platform
 import queue
 import random
 import shutil
@@ -1308,12 +1309,10 @@ def keep_freed_memory_in_process() -> bool:
     shares the host's) with fixed mmap and trim thresholds keeps up to 1 GiB of freed memory for reuse.
     CPU inference guides get the same by preloading jemalloc or tcmalloc.
     """
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (macOS, Windows, musl without mallopt)
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":  # macOS, Windows, musl: left alone
         return False
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
+    mallopt = ctypes.CDLL(None).mallopt
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's malloc.h
     return bool(mallopt(M_ARENA_MAX, 1) & mallopt(M_MMAP_THRESHOLD, 32 << 20) & mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
