@@ -17,11 +17,11 @@ import statistics
 import tempfile
 import time
 
+import overlap_engine as oe  # before torch: it sets libgomp's spin policy, which is read when torch loads
 import torch
 import torch.nn.functional as F
 
 import kernels
-import overlap_engine as oe
 
 # ----------------------------------------------------------------------------------------------
 # defaults (each one a command-line flag)

@@ -14,13 +14,14 @@ import gguf
 import numpy as np
 
 import pytest
+
+import overlap_engine as oe  # before torch: it sets libgomp's spin policy, which is read when torch loads
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU tensors, before triton is imported
 import kernels  # noqa: E402
-import overlap_engine as oe  # noqa: E402
-from overlap_engine import Engine
+from overlap_engine import Engine  # noqa: E402
 from tokenizers import Tokenizer, pre_tokenizers
 
 G = oe  # the checkpoint-loading functions (load_gguf, gguf_tokenizer, ...) live in the module
@@ -1587,3 +1588,21 @@ def test_cpu_stream_keeps_freed_memory_in_process():
     step's freed activations mapped for the next step instead of faulting them in again."""
     oe.keep_freed_memory_in_process.cache_clear()
     assert oe.keep_freed_memory_in_process() is True
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the spin policy is set for libgomp on Linux only")
+def test_openmp_spin_policy_set_only_before_torch_and_never_over_the_user():
+    code = ("import os, sys\n{pre}import overlap_engine\n"
+            "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def run(pre="", **extra):
+        out = subprocess.run([sys.executable, "-c", code.format(pre=pre)], env=env | extra, cwd=here,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    assert run() == ["ACTIVE", "30000"]
+    assert run(pre="import torch\n") == ["None", "None"]  # too late to matter: libgomp has read its settings
+    assert run(OMP_WAIT_POLICY="PASSIVE") == ["PASSIVE", "30000"]
