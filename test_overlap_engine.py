@@ -6,6 +6,7 @@ the reference forward below is written independently of the engine: no KV cache,
 import json
 import math
 import os
+import platform
 import random
 import subprocess
 import sys
@@ -1582,7 +1583,7 @@ def test_abort_in_the_middle_of_a_chunked_prefill(ckpt, overlap_off):
     assert done[other]["output_ids"] == expected_greedy(ckpt, wl[1:])[0]
 
 
-@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's mallopt only")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt only")
 def test_cpu_stream_keeps_freed_memory_in_process():
     """glibc accepts the allocator settings (one arena, fixed mmap and trim thresholds) that keep a CPU
     step's freed activations mapped for the next step instead of faulting them in again."""
