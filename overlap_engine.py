@@ -658,6 +658,12 @@ class TorchAttnBackend:
         self.meta = meta
         if meta.mode == "decode":
             self.decode_groups = [self._decode_group(meta, g) for g in self._group_by_length(meta.seq_lens_cpu)]
+        else:  # per request, once per step (not once per layer): its rows of the batch, its slots, its mask
+            self.extend_reqs, start = [], 0
+            for i, (pre, ext) in enumerate(zip(meta.prefix_lens_cpu, meta.extend_lens_cpu)):
+                slots = self.rtp.req_to_token[meta.req_pool_indices[i], :pre + ext].long()
+                self.extend_reqs.append((start, ext, slots, prefix_causal_mask(pre, ext, slots.device)))
+                start += ext
 
     def _group_by_length(self, seq_lens: list) -> list:
         """Batch indices in groups of similar length whose padded K/V gather stays near DECODE_GATHER_BYTES.
@@ -707,25 +713,25 @@ class TorchAttnBackend:
         return out
 
     def _extend(self, q, layer_id):
-        m, out, start = self.meta, torch.empty_like(q), 0
-        kb, vb = self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id]
-        for i, (pre, ext) in enumerate(zip(m.prefix_lens_cpu, m.extend_lens_cpu)):
-            slots = self.rtp.req_to_token[m.req_pool_indices[i], :pre + ext].long()
+        out, kb, vb = torch.empty_like(q), self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id]
+        for start, ext, slots, mask in self.extend_reqs:
             out[start:start + ext] = causal_attention(q[start:start + ext], kb.index_select(0, slots),
-                                                      vb.index_select(0, slots), pre)
-            start += ext
+                                                      vb.index_select(0, slots), mask)
         return out
 
 
-def causal_attention(q, k, v, prefix_len: int) -> torch.Tensor:
-    """q: (T, H, D) new tokens at positions prefix_len..; k, v: (prefix_len + T, Hkv, D). Returns (T, H, D)."""
-    T, S = q.shape[0], k.shape[0]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
+def prefix_causal_mask(prefix_len: int, T: int, device) -> Optional[torch.Tensor]:
+    """(T, prefix_len + T) bool: new token t sees the prefix and new tokens up to t. None without a prefix."""
     if prefix_len == 0:
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
-    else:  # SDPA's is_causal aligns the diagonal top-left; with a prefix the new tokens sit bottom-right
-        visible = torch.arange(S, device=q.device)[None] <= (prefix_len + torch.arange(T, device=q.device))[:, None]
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible, enable_gqa=True)
+        return None  # plain causal: SDPA's is_causal
+    # SDPA's is_causal aligns the diagonal top-left; with a prefix the new tokens sit bottom-right
+    return torch.arange(prefix_len + T, device=device)[None] <= (prefix_len + torch.arange(T, device=device))[:, None]
+
+
+def causal_attention(q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """q: (T, H, D) new tokens; k, v: (prefix_len + T, Hkv, D); mask from prefix_causal_mask. Returns (T, H, D)."""
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
     return o.transpose(0, 1)
 
 
