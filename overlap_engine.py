@@ -1395,7 +1395,8 @@ class CudaDeviceStream:
             h.ev_start.record()
             out = fn()
             h.ev_end.record()
-        if out is None:
+        if out is None:  # nothing to copy back: waiting on the handle waits for the forward stream
+            h.copy_done = h.ev_end
             return h
         self.copy_stream.wait_stream(self.forward_stream)  # the next forward need not wait for this copy
         with torch.cuda.stream(self.copy_stream):

@@ -1277,6 +1277,14 @@ def test_cuda_overlap_equals_serial(ckpt, backend):
     assert outs[False] == outs[True]
 
 
+@cuda
+def test_cuda_stream_handle_without_result_can_be_waited_on():
+    """A launch that returns nothing (write_row, poison_row) still gives a handle whose wait() returns."""
+    stream, x = oe.CudaDeviceStream(), torch.zeros(4, device="cuda")
+    h = stream.launch(lambda: x.add_(1))
+    assert stream.launch(lambda: None).wait() is None and h.wait().tolist() == [1.0] * 4
+
+
 # ----------------------------------------------------------------------------------------------------
 # Reliability: random workloads with arrivals, aborts, retraction and jitter (hypothesis)
 
