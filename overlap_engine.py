@@ -629,6 +629,12 @@ class TokenToKVPool:
             self.free_slots = torch.cat((self.free_slots, slots))
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor onto the device without waiting. On CUDA a blocking copy would first wait for every
+    step already queued on the stream, and the host could no longer run ahead of the device."""
+    return t.to(device, non_blocking=True)
+
+
 @dataclass
 class ForwardMetadata:
     """What attention needs for one step, already on the device (built inside the step)."""
@@ -636,7 +642,8 @@ class ForwardMetadata:
     req_pool_indices: torch.Tensor  # (B,)
     seq_lens: torch.Tensor          # (B,) lengths after this step
     out_cache_loc: torch.Tensor     # (N,) slots this step writes
-    seq_lens_cpu: list              # host copies: known at plan time, so reading them costs no sync
+    req_pool_indices_cpu: list      # host copies: known at plan time, so reading them costs no sync
+    seq_lens_cpu: list
     prefix_lens_cpu: list
     extend_lens_cpu: list
 
@@ -660,8 +667,8 @@ class TorchAttnBackend:
             self.decode_groups = [self._decode_group(meta, g) for g in self._group_by_length(meta.seq_lens_cpu)]
         else:  # per request, once per step (not once per layer): its rows of the batch, its slots, its mask
             self.extend_reqs, start = [], 0
-            for i, (pre, ext) in enumerate(zip(meta.prefix_lens_cpu, meta.extend_lens_cpu)):
-                slots = self.rtp.req_to_token[meta.req_pool_indices[i], :pre + ext].long()
+            for row, pre, ext in zip(meta.req_pool_indices_cpu, meta.prefix_lens_cpu, meta.extend_lens_cpu):
+                slots = self.rtp.req_to_token[row, :pre + ext].long()
                 self.extend_reqs.append((start, ext, slots, prefix_causal_mask(pre, ext, slots.device)))
                 start += ext
 
@@ -683,7 +690,7 @@ class TorchAttnBackend:
 
     def _decode_group(self, meta: ForwardMetadata, group: list) -> tuple:
         dev = meta.seq_lens.device
-        idx = torch.tensor(group, device=dev)                                    # (n,) positions in the batch
+        idx = to_device(torch.tensor(group), dev)                                # (n,) positions in the batch
         L = meta.seq_lens_cpu[group[-1]]
         slots = self.rtp.req_to_token[meta.req_pool_indices[idx], :L].reshape(-1).long()  # (n * L,)
         visible = torch.arange(L, device=dev)[None] < meta.seq_lens[idx][:, None]          # (n, L)
@@ -747,8 +754,8 @@ class TritonAttnBackend(TorchAttnBackend):
         self.meta = meta
         if meta.mode == "extend":
             dev = meta.seq_lens.device
-            self.prefix_lens = torch.tensor(meta.prefix_lens_cpu, dtype=torch.int32, device=dev)  # (B,)
-            self.extend_lens = torch.tensor(meta.extend_lens_cpu, dtype=torch.int32, device=dev)  # (B,)
+            self.prefix_lens = to_device(torch.tensor(meta.prefix_lens_cpu, dtype=torch.int32), dev)  # (B,)
+            self.extend_lens = to_device(torch.tensor(meta.extend_lens_cpu, dtype=torch.int32), dev)  # (B,)
 
     def forward(self, q, k, v, layer_id: int) -> torch.Tensor:
         m, kb, vb = self.meta, self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id]
@@ -1386,15 +1393,23 @@ class CudaDeviceStream:
 
     def __init__(self):
         self.forward_stream, self.copy_stream = torch.cuda.Stream(), torch.cuda.Stream()
+        self.error: Optional[BaseException] = None
 
     def launch(self, fn: Callable) -> StepHandle:
+        if self.error is not None:  # as on the CPU stream: once broken, every later launch re-raises
+            raise self.error
         h = StepHandle()
         h.ev_start, h.ev_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self.forward_stream.wait_stream(torch.cuda.current_stream())  # the host's H2D copies come first
-        with torch.cuda.stream(self.forward_stream):
-            h.ev_start.record()
-            out = fn()
-            h.ev_end.record()
+        try:
+            with torch.cuda.stream(self.forward_stream):
+                h.ev_start.record()
+                out = fn()
+                h.ev_end.record()
+        except BaseException as e:  # surfaces on the host at wait(), like a CPU step's error
+            h.error = self.error = e
+            h.done.set()
+            return h
         if out is None:  # nothing to copy back: waiting on the handle waits for the forward stream
             h.copy_done = h.ev_end
             return h
@@ -1427,32 +1442,33 @@ class ModelWorker:
     def forward_step(self, fb: ForwardBatch) -> torch.Tensor:
         """Runs on the device stream; everything it touches on the device is ordered after earlier steps."""
         dev = self.device
-        to = lambda t: t.to(dev, non_blocking=True)  # noqa: E731
+        to = lambda t: to_device(t, dev)  # noqa: E731
         rows = to(fb.req_pool_indices)
         # the decode input of overlap mode: the previous step's token, materialized in the FutureMap
         input_ids = self.future_map.resolve(rows) if fb.input_ids is None else to(fb.input_ids)
         self.rtp.req_to_token[to(fb.rt_rows), to(fb.rt_cols)] = to(fb.rt_slots).to(torch.int32)
-        seq_lens = torch.tensor(fb.seq_lens, device=dev)
+        seq_lens = to(torch.tensor(fb.seq_lens))
         self.attn.init_forward_metadata(ForwardMetadata(fb.mode, rows, seq_lens, to(fb.out_cache_loc),
-                                                        fb.seq_lens, fb.prefix_lens, fb.extend_lens))
+                                                        fb.req_pool_indices.tolist(), fb.seq_lens,
+                                                        fb.prefix_lens, fb.extend_lens))
         logits = self.model(input_ids, to(fb.positions), self.attn, to(fb.logit_rows))  # (B, vocab)
         s = {k: (to(v) if isinstance(v, torch.Tensor) else v) for k, v in fb.sampling.items()}
         next_ids = sample(logits, s)                                                     # (B,)
         if fb.publish.any():  # a host tensor: no sync
-            publish = to(fb.publish)
-            self.future_map.publish(rows[publish], next_ids[publish])
+            sel = to(fb.publish.nonzero().squeeze(1))  # made on the host: a device boolean mask would sync
+            self.future_map.publish(rows[sel], next_ids[sel])
         return next_ids
 
     def write_row(self, row: int, slots: torch.Tensor):
         """req_to_token[row, :len(slots)] = slots, ordered on the device stream after in-flight steps."""
         def op():
-            self.rtp.req_to_token[row, :len(slots)] = slots.to(self.device, torch.int32)
+            self.rtp.req_to_token[row, :len(slots)] = to_device(slots.to(torch.int32), self.device)
         self.stream.launch(op)
 
     def poison_row(self, row: int):
         """Empties a released row, after any in-flight step that still publishes into it (an overshoot)."""
         def op():
-            self.future_map.poison(torch.tensor([row], device=self.device))
+            self.future_map.poison(to_device(torch.tensor([row]), self.device))
         self.stream.launch(op)
 
 
@@ -1770,6 +1786,10 @@ class Engine:
             raise ValueError("device='cuda' but torch sees no CUDA device")
         if args.attention_backend == "auto":
             args.attention_backend = "triton" if args.device == "cuda" else "torch"
+        if (args.attention_backend == "triton" and args.device == "cpu" and torch.cuda.is_available()
+                and os.environ.get("TRITON_INTERPRET") != "1"):  # without a GPU, kernels.py sets it itself
+            raise ValueError("attention_backend='triton' on device='cpu' needs TRITON_INTERPRET=1 set before "
+                             "triton is imported: on a machine with a GPU, triton compiles its kernels for the GPU")
         if args.dtype == "auto":
             args.dtype = "bfloat16" if args.device == "cuda" else "float32"
         dtype = getattr(torch, args.dtype)

@@ -715,6 +715,14 @@ def test_bad_engine_arguments(ckpt):
         Engine(model_path=os.path.dirname(ckpt) + "/nope")
 
 
+def test_triton_on_cpu_beside_a_gpu_needs_the_interpreter(ckpt, monkeypatch):
+    """With a GPU present, triton compiles for it, and CPU tensors would fail deep inside a kernel launch."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        Engine(model_path=ckpt, device="cpu", attention_backend="triton")
+
+
 def test_prompt_longer_than_context(tmp_path):
     path = make_checkpoint(str(tmp_path / "short"), max_pos=32)
     with make_engine(path, False) as e:
@@ -881,7 +889,7 @@ def test_triton_backend_matches_torch_backend(ckpt, overlap_off):
     wl = greedy_workload(random_prompts(3, seed=91, lo=3, hi=14, shared=[9, 8, 7, 6, 5, 4, 3, 2]), [4, 3, 5])
     outs = {}
     for backend in ("torch", "triton"):
-        with make_engine(ckpt, overlap_off, attention_backend=backend, chunked_prefill_size=6) as e:
+        with make_engine(ckpt, overlap_off, device=DEVICE, attention_backend=backend, chunked_prefill_size=6) as e:
             outs[backend] = [o["output_ids"] for o in run_workload(e, wl)]
             e.check_invariants()
     assert outs["triton"] == outs["torch"] == expected_greedy(ckpt, wl)
@@ -1275,6 +1283,51 @@ def test_cuda_overlap_equals_serial(ckpt, backend):
     outs = run_both_loops(ckpt, wl, device="cuda", dtype="float32", attention_backend=backend,
                           max_total_tokens=300, chunked_prefill_size=16)
     assert outs[False] == outs[True]
+
+
+@cuda
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cuda_launches_never_wait_for_the_device(ckpt, backend):
+    """Everything queued on the forward stream (steps, row writes, poisons) is queued without a host
+    sync, so the host runs ahead of the device; torch's sync debug mode raises on any sync in a launch."""
+    wl = greedy_workload(random_prompts(5, seed=103, lo=3, hi=30), [6, 9, 4, 12, 7])
+    with make_engine(ckpt, False, device="cuda", attention_backend=backend, chunked_prefill_size=8,
+                     debug_future_map=False, debug_ledger=False) as e:  # float64: exact against the reference
+        stream, launched = e.scheduler.worker.stream, []
+        queue_only = stream.launch
+
+        def strict_launch(fn):
+            def checked():
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    return fn()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            launched.append(fn)
+            return queue_only(checked)
+
+        stream.launch = strict_launch
+        outs = [o["output_ids"] for o in run_workload(e, wl)]
+        stream.launch = queue_only
+        e.check_invariants()
+    assert len(launched) > len(wl) and outs == expected_greedy(ckpt, wl)
+
+
+@pytest.mark.parametrize("make_stream", [oe.CpuDeviceStream, pytest.param(oe.CudaDeviceStream, marks=cuda)],
+                         ids=["cpu", "cuda"])
+def test_a_failed_launch_raises_at_wait_and_breaks_the_stream(make_stream):
+    """Both device streams keep a step's error for the host's wait(), then refuse every later launch."""
+    stream = make_stream()
+
+    def boom():
+        raise RuntimeError("boom")
+
+    h = stream.launch(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        h.wait()
+    with pytest.raises(RuntimeError, match="boom"):
+        stream.launch(lambda: None)
+    stream.shutdown()
 
 
 @cuda
