@@ -631,7 +631,10 @@ class TokenToKVPool:
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
     """A host tensor onto the device without waiting. On CUDA a blocking copy would first wait for every
-    step already queued on the stream, and the host could no longer run ahead of the device."""
+    step already queued on the stream, and the host could no longer run ahead of the device; from pinned
+    memory the copy is a DMA queued on the stream (from pageable memory the driver may stage it and wait)."""
+    if t.device.type == "cpu" and torch.device(device).type == "cuda":
+        t = t.pin_memory()
     return t.to(device, non_blocking=True)
 
 
