@@ -1968,10 +1968,7 @@ class Engine:
     def check_invariants(self):
         """At idle: every KV slot is free or owned by the radix cache, every row is free, no lock is
         held, and the FutureMap is fully poisoned."""
-        s = self.scheduler
-        if all(r.finished() for snap, _ in s.result_queue for r in snap.reqs):
-            s.sync_pending_results()  # only overshoot steps of finished requests are still in flight
-        assert s.is_idle(), "check_invariants() needs an idle engine"
+        s = self._settle_idle("check_invariants()")
         s.worker.stream.synchronize()
         s.check_ledger()  # with no request holding anything: every slot free or in the tree, no lock held
         assert not s.row_owner and s.tree_cache.protected_size() == 0, "a request still holds a row or a lock"
@@ -1979,11 +1976,16 @@ class Engine:
 
     def flush_cache(self):
         """Empties the radix cache (SGLang's flush_cache); only at idle, when no request holds a prefix."""
+        s = self._settle_idle("flush_cache()")
+        s.tree_cache.evict(s.tree_cache.evictable_size())
+
+    def _settle_idle(self, caller: str) -> "Scheduler":
+        """Commits the overshoot steps of finished requests still in flight; the engine must then be idle."""
         s = self.scheduler
         if all(r.finished() for snap, _ in s.result_queue for r in snap.reqs):
             s.sync_pending_results()
-        assert s.is_idle(), "flush_cache() needs an idle engine"
-        s.tree_cache.evict(s.tree_cache.evictable_size())
+        assert s.is_idle(), f"{caller} needs an idle engine"
+        return s
 
     def stats(self) -> dict:
         """Per-step host time, device time and overshoot counts, for the bench (a snapshot)."""
