@@ -17,11 +17,11 @@ import statistics
 import tempfile
 import time
 
-import overlap_engine as oe  # before torch: it sets libgomp's spin policy, which is read when torch loads
 import torch
 import torch.nn.functional as F
 
 import kernels
+import overlap_engine as oe
 
 # ----------------------------------------------------------------------------------------------
 # defaults (each one a command-line flag)
@@ -234,8 +234,7 @@ def cmd_all(args):
 
 
 def tiny_checkpoint():
-    from test_overlap_engine import make_checkpoint  # the tests' random tiny Llama writer
-    return make_checkpoint(os.path.join(tempfile.mkdtemp(), "tiny"))
+    return oe.write_random_checkpoint(os.path.join(tempfile.mkdtemp(), "tiny"))
 
 
 def sim_run(ckpt, overlap: bool, G: float, B: int, out_len: int) -> dict:
@@ -554,4 +553,5 @@ def main():
 
 
 if __name__ == "__main__":
+    oe.restart_with_openmp_spin()  # libgomp reads its spin policy only at start-up
     main()

@@ -44,21 +44,12 @@ from datetime import datetime
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
-# The CPU device thread and the host each own an OpenMP thread pool. libgomp (PyTorch's OpenMP on
-# Linux) then counts more threads than cores and almost stops spinning between parallel regions, so
-# every elementwise op of a step waits for a thread wake-up: ~60 us instead of ~5 us for a (64, 576)
-# multiply, some 50 ms of a SmolLM2 decode step at batch 64. A bounded active spin restores it. It is
-# read when torch loads libgomp, so it only takes effect if this module is imported before torch.
-if sys.platform == "linux" and "torch" not in sys.modules:
-    os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
-    os.environ.setdefault("GOMP_SPINCOUNT", "30000")  # then sleep: an idle pool stops burning its cores
-
-import jinja2.ext  # noqa: E402
-import jinja2.sandbox  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import jinja2.ext
+import jinja2.sandbox
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 # ----------------------------------------------------------------------------------------------------
 # Config
@@ -450,6 +441,65 @@ def load_gguf_checkpoint(path: str) -> tuple[ModelConfig, dict, Tokenizer]:
     cfg = ModelConfig.from_hf(hf_cfg)
     tk, extra = gguf_tokenizer(reader)
     return cfg, state, Tokenizer(tk, cfg.eos_token_ids, extra["bos_token"], extra["eos_token"], extra["chat_template"])
+
+
+def random_state_dict(hf_cfg: dict, seed: int = 0) -> dict:
+    """Random float32 weights under HF names for a Llama config.json dict (tests and benchmarks)."""
+    g = torch.Generator().manual_seed(seed)
+    V, E, inter = hf_cfg["vocab_size"], hf_cfg["hidden_size"], hf_cfg["intermediate_size"]
+    H, Hkv = hf_cfg["num_attention_heads"], hf_cfg["num_key_value_heads"]
+    D = hf_cfg.get("head_dim") or E // H
+
+    def rnd(*shape, s=0.3):  # drawn in float64 so the weights do not depend on float32 rounding
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * s).float()
+
+    state = {"model.embed_tokens.weight": rnd(V, E, s=1.0), "model.norm.weight": 1 + rnd(E, s=0.1)}
+    for i in range(hf_cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        state[p + "self_attn.q_proj.weight"] = rnd(H * D, E)
+        state[p + "self_attn.k_proj.weight"] = rnd(Hkv * D, E)
+        state[p + "self_attn.v_proj.weight"] = rnd(Hkv * D, E)
+        state[p + "self_attn.o_proj.weight"] = rnd(E, H * D)
+        state[p + "mlp.gate_proj.weight"] = rnd(inter, E)
+        state[p + "mlp.up_proj.weight"] = rnd(inter, E)
+        state[p + "mlp.down_proj.weight"] = rnd(E, inter)
+        state[p + "input_layernorm.weight"] = 1 + rnd(E, s=0.1)
+        state[p + "post_attention_layernorm.weight"] = 1 + rnd(E, s=0.1)
+    if not hf_cfg.get("tie_word_embeddings", False):
+        state["lm_head.weight"] = rnd(V, E)
+    return state
+
+
+def write_random_checkpoint(path: str, seed: int = 0, vocab: int = 258, hidden: int = 32, layers: int = 2,
+                            heads: int = 4, kv_heads: int = 2, inter: int = 64, tie: bool = False,
+                            max_pos: int = 512, rope_in_parameters: bool = False) -> str:
+    """A tiny random Llama as an HF directory: config.json, model.safetensors and, when vocab == 258,
+    a byte-level tokenizer.json (one token per byte, <s> = 256, </s> = 257). Returns path.
+
+        write_random_checkpoint("/tmp/tiny")  # 2 layers, hidden 32: loads in milliseconds
+    """
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": hidden,
+           "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+           "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5, "max_position_embeddings": max_pos,
+           "tie_word_embeddings": tie, "bos_token_id": 256, "eos_token_id": 257}
+    if rope_in_parameters:  # where transformers 5 writes it
+        cfg["rope_parameters"] = {"rope_theta": 5000.0, "rope_type": "default"}
+    else:
+        cfg["rope_theta"] = 5000.0
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    save_file(random_state_dict(cfg, seed), os.path.join(path, "model.safetensors"))
+    if vocab == 258:
+        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+        alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # byte-level BPE with no merges
+        tk = HFTokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tk.decoder = decoders.ByteLevel()
+        tk.add_special_tokens(["<s>", "</s>"])
+        tk.save(os.path.join(path, "tokenizer.json"))
+    return path
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2010,6 +2060,28 @@ class Engine:
 
 
 # ----------------------------------------------------------------------------------------------------
+# CPU tuning
+
+# With the CPU device thread and the host each owning an OpenMP thread pool, libgomp (PyTorch's OpenMP
+# on Linux) counts more threads than cores and almost stops spinning between parallel regions, so every
+# small op of a step waits for a thread wake-up: ~60 us instead of ~5 us for a (64, 576) multiply, some
+# 50 ms of a SmolLM2 decode step at batch 64. A bounded active spin restores it. libgomp reads these
+# variables once, when torch loads it, so they must be in the environment before Python starts.
+OPENMP_SPIN = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "30000"}  # then sleep: an idle pool rests
+
+
+def restart_with_openmp_spin():
+    """Re-runs this process's command line once with OPENMP_SPIN added to the environment (a value the
+    user set is kept). The CLI and bench.py call it first; a library user sets the variables instead."""
+    if sys.platform != "linux" or all(k in os.environ for k in OPENMP_SPIN):
+        return
+    for k, v in OPENMP_SPIN.items():
+        os.environ.setdefault(k, v)
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable] + sys.orig_argv[1:])  # same pid, same stdin/stdout
+
+
+# ----------------------------------------------------------------------------------------------------
 # CLI
 
 
@@ -2109,4 +2181,5 @@ def chat(engine: Engine, sp: dict, raw: bool):
 
 
 if __name__ == "__main__":
+    restart_with_openmp_spin()
     main()

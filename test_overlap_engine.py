@@ -16,7 +16,7 @@ import numpy as np
 
 import pytest
 
-import overlap_engine as oe  # before torch: it sets libgomp's spin policy, which is read when torch loads
+import overlap_engine as oe
 import torch
 
 if not torch.cuda.is_available():
@@ -33,53 +33,6 @@ LOOP_IDS = ["overlap", "serial"]
 
 # ----------------------------------------------------------------------------------------------------
 # A tiny checkpoint and an independent reference
-
-
-def byte_tokenizer_json(path):
-    """A byte-level BPE tokenizer with no merges: one token per byte, plus <s> (256) and </s> (257)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {ch: i for i, ch in enumerate(alphabet)}
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens(["<s>", "</s>"])
-    tk.save(os.path.join(path, "tokenizer.json"))
-
-
-def make_checkpoint(path, seed=0, vocab=258, hidden=32, layers=2, heads=4, kv_heads=2, inter=64,
-                    tie=False, max_pos=512, rope_in_parameters=False):
-    """Writes config.json + model.safetensors (+ tokenizer.json when vocab == 258) with random weights."""
-    from safetensors.torch import save_file
-    os.makedirs(path, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
-    D = hidden // heads
-    rnd = lambda *shape, s=0.3: (torch.randn(*shape, generator=g, dtype=torch.float64) * s).float()  # noqa: E731
-    state = {"model.embed_tokens.weight": rnd(vocab, hidden, s=1.0), "model.norm.weight": 1 + rnd(hidden, s=0.1)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        state.update({
-            p + "self_attn.q_proj.weight": rnd(heads * D, hidden), p + "self_attn.k_proj.weight": rnd(kv_heads * D, hidden),
-            p + "self_attn.v_proj.weight": rnd(kv_heads * D, hidden), p + "self_attn.o_proj.weight": rnd(hidden, heads * D),
-            p + "mlp.gate_proj.weight": rnd(inter, hidden), p + "mlp.up_proj.weight": rnd(inter, hidden),
-            p + "mlp.down_proj.weight": rnd(hidden, inter),
-            p + "input_layernorm.weight": 1 + rnd(hidden, s=0.1), p + "post_attention_layernorm.weight": 1 + rnd(hidden, s=0.1)})
-    if not tie:
-        state["lm_head.weight"] = rnd(vocab, hidden)
-    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": hidden,
-           "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-           "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5, "max_position_embeddings": max_pos,
-           "tie_word_embeddings": tie, "bos_token_id": 256, "eos_token_id": 257}
-    if rope_in_parameters:
-        cfg["rope_parameters"] = {"rope_theta": 5000.0, "rope_type": "default"}
-    else:
-        cfg["rope_theta"] = 5000.0
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    save_file(state, os.path.join(path, "model.safetensors"))
-    if vocab == 258:
-        byte_tokenizer_json(path)
-    return path
 
 
 def reference_logits(state, cfg, ids):
@@ -147,7 +100,7 @@ def no_device_thread_outlives_the_tests():
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return make_checkpoint(str(tmp_path_factory.mktemp("tiny")))
+    return oe.write_random_checkpoint(str(tmp_path_factory.mktemp("tiny")))
 
 
 def make_engine(path, overlap_off, **kw):
@@ -631,7 +584,7 @@ def test_abort_queued_running_and_finished(ckpt, overlap_off):
 def test_checkpoint_variants(tmp_path, variant):
     kw = {"tied": {"tie": True}, "rope_parameters": {"rope_in_parameters": True},
           "mha": {"kv_heads": 4}, "sharded": {}}[variant]
-    path = make_checkpoint(str(tmp_path / variant), seed=3, **kw)
+    path = oe.write_random_checkpoint(str(tmp_path / variant), seed=3, **kw)
     if variant == "sharded":  # split the weights over two files with an index, as hub checkpoints do
         from safetensors.torch import load_file, save_file
         state = load_file(os.path.join(path, "model.safetensors"))
@@ -724,7 +677,7 @@ def test_triton_on_cpu_beside_a_gpu_needs_the_interpreter(ckpt, monkeypatch):
 
 
 def test_prompt_longer_than_context(tmp_path):
-    path = make_checkpoint(str(tmp_path / "short"), max_pos=32)
+    path = oe.write_random_checkpoint(str(tmp_path / "short"), max_pos=32)
     with make_engine(path, False) as e:
         with pytest.raises(ValueError, match="context length is 32"):
             e.add_request(input_ids=list(range(32)), sampling_params={})
@@ -1252,7 +1205,7 @@ def test_cli_interactive_chat(smollm):
 def test_hf_dir_half_precision_weights_and_chat_template(tmp_path):
     """bf16 safetensors load into the chosen dtype; chat_template.jinja beats tokenizer_config.json."""
     from safetensors.torch import load_file, save_file
-    path = make_checkpoint(str(tmp_path / "bf16"), seed=4)
+    path = oe.write_random_checkpoint(str(tmp_path / "bf16"), seed=4)
     f = os.path.join(path, "model.safetensors")
     save_file({k: v.to(torch.bfloat16) for k, v in load_file(f).items()}, f)
     with open(os.path.join(path, "tokenizer_config.json"), "w") as fh:
@@ -1653,18 +1606,23 @@ def test_cpu_stream_keeps_freed_memory_in_process():
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the spin policy is set for libgomp on Linux only")
-def test_openmp_spin_policy_set_only_before_torch_and_never_over_the_user():
-    code = ("import os, sys\n{pre}import overlap_engine\n"
-            "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))")
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+def test_openmp_spin_set_by_a_restart_never_by_import_and_never_over_the_user():
+    """Importing the module changes no environment; restart_with_openmp_spin re-runs the command line
+    once (same pid) with the spin policy added, keeping a value the user set."""
+    code = ("import os, overlap_engine as oe\n"
+            "print(os.getpid(), os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))\n"
+            "oe.restart_with_openmp_spin()\n")
+    env = {k: v for k, v in os.environ.items() if k not in oe.OPENMP_SPIN}
     here = os.path.dirname(os.path.abspath(__file__))
 
-    def run(pre="", **extra):
-        out = subprocess.run([sys.executable, "-c", code.format(pre=pre)], env=env | extra, cwd=here,
+    def run(**extra):
+        out = subprocess.run([sys.executable, "-c", code], env=env | extra, cwd=here,
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
-        return out.stdout.split()
+        return [line.split() for line in out.stdout.splitlines()]
 
-    assert run() == ["ACTIVE", "30000"]
-    assert run(pre="import torch\n") == ["None", "None"]  # too late to matter: libgomp has read its settings
-    assert run(OMP_WAIT_POLICY="PASSIVE") == ["PASSIVE", "30000"]
+    (pid, *before), (pid2, *after) = run()
+    assert before == ["None", "None"] and after == ["ACTIVE", "30000"] and pid == pid2
+    (_, *before), (_, *after) = run(OMP_WAIT_POLICY="PASSIVE")
+    assert before == ["PASSIVE", "None"] and after == ["PASSIVE", "30000"]
+    assert len(run(OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT="7")) == 1  # nothing to add: no restart
