@@ -1,7 +1,7 @@
 """
 Benchmarks for overlap_engine. One subcommand per benchmark:
 
-  python bench.py sim --timeline timeline.png  # the real scheduler on a simulated device: step time vs max(G, C)
+  python bench.py sim --timeline timeline.png  # real scheduler, simulated device: step time vs max(G, C)
   python bench.py overhead           # host microseconds per running request per decode step, zero-cost device
   python bench.py throughput         # SmolLM2 on CPU: overlap vs serial vs transformers generate
   python bench.py kernels            # decode attention: achieved HBM GB/s vs torch SDPA (needs CUDA)
@@ -100,7 +100,8 @@ def bench_decode(B, ctx, args, k_cache, v_cache, device, dtype):
     sm_scale = D**-0.5
 
     def triton_decode():
-        return kernels.decode_attention(q, k_cache, v_cache, req_to_token, rows, seq_lens, sm_scale, args.splits)
+        return kernels.decode_attention(q, k_cache, v_cache, req_to_token, rows, seq_lens, sm_scale,
+                                        args.splits)
 
     # SDPA peer: one query token per request, so the G query heads of a kv head can stand in for G
     # query tokens of one head: q (B, Hkv, G, D) against K, V (B, Hkv, ctx, D), no mask, no GQA expand.
@@ -129,10 +130,12 @@ def cmd_kernels(args):
         print("The decode-attention bandwidth benchmark needs CUDA; none found. Running one tiny shape under")
         print("the Triton interpreter instead (TRITON_INTERPRET=1), to show the command works: its numbers")
         print("measure numpy, not a GPU.\n")
-        args.batches, args.contexts, args.hq, args.hkv, args.head_dim = "2", "64", 8, 2, 32
+        args.batches, args.contexts = "2", "64"
+        args.hq, args.hkv, args.head_dim = 8, 2, 32
         args.dtype, args.warmup, args.iters = "float32", 1, 2
     elif args.quick:
-        args.batches, args.contexts, args.warmup, args.iters = "64", "1024", 2, 5
+        args.batches, args.contexts = "64", "1024"
+        args.warmup, args.iters = 2, 5
     dtype = getattr(torch, args.dtype)
     elem = torch.tensor([], dtype=dtype).element_size()
     batches = [int(x) for x in args.batches.split(",")]
@@ -148,10 +151,13 @@ def cmd_kernels(args):
 
     print(f"## decode_attention on {name}, {args.dtype}, Hq={args.hq} Hkv={args.hkv} D={args.head_dim}, "
           f"{args.splits} kv splits, {'contiguous' if args.contiguous_slots else 'shuffled'} slots")
-    print("bytes counted: K+V of every context token of every request + q + o + the int32 req_to_token slots;")
+    print("bytes counted: K+V of every context token of every request + q + o "
+          "+ the int32 req_to_token slots;")
     print("triton = decode_attention (2 kernels); sdpa = F.scaled_dot_product_attention alone on K/V already")
-    print("gathered dense; gather+sdpa = k_cache[req_to_token] gather then SDPA. Same bytes for every column.")
-    print(f"mean of {args.iters} back-to-back calls after {args.warmup} warm-up calls; peak = {peak or '?'} GB/s\n")
+    print("gathered dense; gather+sdpa = k_cache[req_to_token] gather then SDPA. "
+          "Same bytes for every column.")
+    print(f"mean of {args.iters} back-to-back calls after {args.warmup} warm-up calls; "
+          f"peak = {peak or '?'} GB/s\n")
     configs = [(B, ctx) for B in batches for ctx in contexts]
     rows = []  # printed after the loop, so the progress bar does not cut through the table
     for B, ctx in _progress(configs):
@@ -228,9 +234,9 @@ def cmd_all(args):
     ns = lambda **kw: argparse.Namespace(quick=args.quick, **kw)  # noqa: E731
     return {"sim": cmd_sim(ns(batch=SIM_BATCH, output=SIM_OUTPUT, ratios=SIM_RATIOS, timeline=None)),
             "overhead": cmd_overhead(ns(batches=OVERHEAD_BATCHES)),
-            "throughput": cmd_throughput(ns(model_path=None, requests=TP_REQUESTS, input=TP_INPUT, output=TP_OUTPUT,
-                                            seed=TP_SEED, max_total_tokens=24576, hf_batch=1, no_hf=False,
-                                            repeat=1))}
+            "throughput": cmd_throughput(ns(model_path=None, requests=TP_REQUESTS, input=TP_INPUT,
+                                            output=TP_OUTPUT, seed=TP_SEED, max_total_tokens=24576,
+                                            hf_batch=1, no_hf=False, repeat=1))}
 
 
 def tiny_checkpoint():
@@ -240,8 +246,8 @@ def tiny_checkpoint():
 def sim_run(ckpt, overlap: bool, G: float, B: int, out_len: int) -> dict:
     """One workload on the simulated device; returns per-step timings of its steady decode phase."""
     engine = oe.Engine(model_path=ckpt, device="cpu", dtype="float32", disable_overlap_schedule=not overlap,
-                       max_running_requests=B, max_total_tokens=B * (out_len + 24), max_prefill_tokens=1 << 20,
-                       chunked_prefill_size=-1)
+                       max_running_requests=B, max_total_tokens=B * (out_len + 24),
+                       max_prefill_tokens=1 << 20, chunked_prefill_size=-1)
     engine.scheduler.worker.stream.shutdown()
     engine.scheduler.worker = SimWorker(engine.scheduler.worker, G, engine.model_config.vocab_size)
     for i in range(B):
@@ -269,8 +275,10 @@ def cmd_sim(args):
     # C: everything the host does per step, measured as the serial loop's step time with a free device
     C = statistics.median(sim_run(ckpt, False, 0.0, B, out_len)["step"] for _ in range(3))
     ratios = [float(r) for r in args.ratios.split(",")]
-    print(f"## sim: the real scheduler on a virtual-clock device, B={B}; G set from C = {C * 1e3:.3f} ms (serial, free device)")
-    print("C per run: the host's own time between two launches (blocked time excluded), median over steady decode steps;")
+    print(f"## sim: the real scheduler on a virtual-clock device, B={B}; "
+          f"G set from C = {C * 1e3:.3f} ms (serial, free device)")
+    print("C per run: the host's own time between two launches (blocked time excluded), "
+          "median over steady decode steps;")
     print("overlap / max(G,C): median over steps of step time / max(G, C of that step)")
     print("| G/C | G ms | serial C ms | serial step ms | serial / (G+C) | overlap C ms | overlap step ms "
           "| overlap / max(G,C) | speedup |")
@@ -279,11 +287,13 @@ def cmd_sim(args):
     for r in _progress(ratios, "sim ratios"):
         G = r * C
         ser, ovl = sim_run(ckpt, False, G, B, out_len), sim_run(ckpt, True, G, B, out_len)
-        rows.append({"ratio": r, "G_ms": G * 1e3, "serial_ms": ser["step"] * 1e3, "serial_C_ms": ser["C"] * 1e3,
-                     "overlap_ms": ovl["step"] * 1e3, "overlap_C_ms": ovl["C"] * 1e3,
-                     "overlap_vs_ideal": ovl["vs_ideal"], "serial_vs_sum": ser["step"] / (G + ser["C"])})
-        print(f"| {r:g} | {G * 1e3:.3f} | {ser['C'] * 1e3:.3f} | {ser['step'] * 1e3:.3f} | {ser['step'] / (G + ser['C']):.3f} "
-              f"| {ovl['C'] * 1e3:.3f} | {ovl['step'] * 1e3:.3f} | {ovl['vs_ideal']:.3f} | {ser['step'] / ovl['step']:.2f}x |")
+        rows.append({"ratio": r, "G_ms": G * 1e3, "serial_ms": ser["step"] * 1e3,
+                     "serial_C_ms": ser["C"] * 1e3, "overlap_ms": ovl["step"] * 1e3,
+                     "overlap_C_ms": ovl["C"] * 1e3, "overlap_vs_ideal": ovl["vs_ideal"],
+                     "serial_vs_sum": ser["step"] / (G + ser["C"])})
+        print(f"| {r:g} | {G * 1e3:.3f} | {ser['C'] * 1e3:.3f} | {ser['step'] * 1e3:.3f} "
+              f"| {ser['step'] / (G + ser['C']):.3f} | {ovl['C'] * 1e3:.3f} | {ovl['step'] * 1e3:.3f} "
+              f"| {ovl['vs_ideal']:.3f} | {ser['step'] / ovl['step']:.2f}x |")
         if r == 2.0 or timeline is None:
             timeline = (r, ser["stats"], ovl["stats"])
     if args.timeline:
@@ -311,16 +321,20 @@ def draw_timeline(path, ratio, serial_st, overlap_st, n_steps=8):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(2, 1, figsize=(10, 3.6), sharex=True)
-    for ax, (name, st) in zip(axes, [("serial (event_loop_normal)", serial_st), ("overlap (event_loop_overlap)", overlap_st)]):
+    loops = [("serial (event_loop_normal)", serial_st), ("overlap (event_loop_overlap)", overlap_st)]
+    for ax, (name, st) in zip(axes, loops):
         steps = [x for x in st["steps"] if x["mode"] == "decode"][10:10 + n_steps]
         t0, t1 = steps[0]["t_launch"], steps[-1]["t_end"]
         dev = [(x["t_start"] - t0, x["t_end"] - x["t_start"]) for x in steps]
-        host = [(max(a, t0) - t0, min(b, t1) - max(a, t0)) for a, b in host_busy_spans(st) if b > t0 and a < t1]
+        host = [(max(a, t0) - t0, min(b, t1) - max(a, t0))
+                for a, b in host_busy_spans(st) if b > t0 and a < t1]
         ax.broken_barh(host, (10, 8), facecolors="tab:green")
-        ax.broken_barh(dev, (0, 8), facecolors="tab:orange", edgecolors="white", linewidth=1.5)  # one bar a step
+        ax.broken_barh(dev, (0, 8), facecolors="tab:orange",
+                       edgecolors="white", linewidth=1.5)  # one bar a step
         ax.set_yticks([4, 14], ["device", "host"])
         ax.set_title(f"{name}: {n_steps} decode steps in {(t1 - t0) * 1e3:.1f} ms", fontsize=10)
-    axes[-1].set_xlabel(f"ms (simulated device, G/C = {ratio:g}; measured timestamps; host gaps = blocked on a result)")
+    axes[-1].set_xlabel(f"ms (simulated device, G/C = {ratio:g}; measured timestamps; "
+                        "host gaps = blocked on a result)")
     axes[-1].xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x * 1e3:.1f}"))
     fig.tight_layout()
     fig.savefig(path, dpi=80)
@@ -335,7 +349,8 @@ def cmd_overhead(args):
     rows = []
     for B in _progress(batches, "batch sizes"):
         ser, ovl = sim_run(ckpt, False, 0.0, B, 40), sim_run(ckpt, True, 0.0, B, 40)
-        rows.append({"B": B, "serial_us_per_req": ser["C"] / B * 1e6, "overlap_us_per_req": ovl["C"] / B * 1e6})
+        rows.append({"B": B, "serial_us_per_req": ser["C"] / B * 1e6,
+                     "overlap_us_per_req": ovl["C"] / B * 1e6})
         print(f"| {B} | {ser['C'] / B * 1e6:.2f} | {ovl['C'] / B * 1e6:.2f} | {ovl['C'] * 1e3:.3f} |")
     return rows
 
@@ -346,7 +361,8 @@ def cmd_overhead(args):
 # Output tok/s, total tok/s (prompt + output), TTFT, TPOT and ITL per request from the time each token
 # was streamed; device idle fraction from the device's own busy time; host ms per loop iteration.
 
-TP_REQUESTS, TP_INPUT, TP_OUTPUT, TP_SEED = 64, "32,256", 64, 0
+TP_REQUESTS, TP_INPUT, TP_OUTPUT = 64, "32,256", 64
+TP_SEED = 0
 PREFIX_REQUESTS, PREFIX_LEN, PREFIX_TAIL = 64, 1024, 32
 
 
@@ -358,7 +374,8 @@ def pct(xs, q):
 def random_requests(n, lo, hi, seed, vocab, prefix=()):
     import random
     rng = random.Random(seed)
-    return [list(prefix) + [rng.randrange(100, vocab - 100) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    return [list(prefix) + [rng.randrange(100, vocab - 100) for _ in range(rng.randint(lo, hi))]
+            for _ in range(n)]
 
 
 def engine_run(engine, reqs, out_len, desc) -> dict:
@@ -386,7 +403,8 @@ def engine_run(engine, reqs, out_len, desc) -> dict:
     return {"wall_s": wall, "out_tok_s": n_out / wall, "total_tok_s": (n_in + n_out) / wall,
             "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "tpot_ms": 1e3 * statistics.mean(tpot),
             "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99),
-            "device_idle": max(0.0, 1 - busy / wall), "host_ms_per_step": 1e3 * statistics.mean(st["host_times"]),
+            "device_idle": max(0.0, 1 - busy / wall),
+            "host_ms_per_step": 1e3 * statistics.mean(st["host_times"]),
             "steps": len(st["steps"]), "overshoot_tokens": st["overshoot_tokens"] - over0}
 
 
@@ -451,8 +469,9 @@ def cmd_throughput(args):
         del hf
     flops = gemm_flops()
     n_tok = sum(map(len, reqs)) + n * out_len
-    print(f"## throughput: {os.path.basename(path)}, fp32, CPU ({torch.get_num_threads()} threads), {n} requests, "
-          f"input {lo}-{hi}, output {out_len}; GEMM roofline {flops / 1e9:.0f} GFLOP/s measured, "
+    print(f"## throughput: {os.path.basename(path)}, fp32, CPU ({torch.get_num_threads()} threads), "
+          f"{n} requests, input {lo}-{hi}, output {out_len}; "
+          f"GEMM roofline {flops / 1e9:.0f} GFLOP/s measured, "
           f"{params / 1e6:.0f}M params, 2 FLOP/param/token")
     print("| run | out tok/s | total tok/s | % of GEMM roofline | TTFT p50 s | TPOT ms | ITL p50/p99 ms "
           "| device idle | host ms/step | overshoot |")
@@ -460,13 +479,15 @@ def cmd_throughput(args):
     for name, r in results.items():
         roof = 2 * params * n_tok / r["wall_s"] / flops
         r["roofline_frac"] = roof
-        print(f"| {name} | {r['out_tok_s']:.1f} | {r['total_tok_s']:.1f} | {100 * roof:.0f}% | {r['ttft_p50_s']:.2f} "
-              f"| {r.get('tpot_ms', float('nan')):.1f} | {r.get('itl_p50_ms', float('nan')):.1f} / "
+        print(f"| {name} | {r['out_tok_s']:.1f} | {r['total_tok_s']:.1f} | {100 * roof:.0f}% "
+              f"| {r['ttft_p50_s']:.2f} | {r.get('tpot_ms', float('nan')):.1f} "
+              f"| {r.get('itl_p50_ms', float('nan')):.1f} / "
               f"{r.get('itl_p99_ms', float('nan')):.1f} | {r.get('device_idle', float('nan')):.2f} "
               f"| {r.get('host_ms_per_step', float('nan')):.2f} | {r.get('overshoot_tokens', '-')} |")
     hf = [k for k in results if k.startswith("transformers")]
     if hf:
-        print(f"overlap vs {hf[0]}: {results['overlap']['out_tok_s'] / results[hf[0]]['out_tok_s']:.1f}x output tok/s")
+        speedup = results["overlap"]["out_tok_s"] / results[hf[0]]["out_tok_s"]
+        print(f"overlap vs {hf[0]}: {speedup:.1f}x output tok/s")
     prefix = prefix_run(path, args, vocab, kw)
     return {"workload": results, "shared_prefix": prefix, "gemm_gflops": flops / 1e9}
 
@@ -485,7 +506,8 @@ def prefix_run(path, args, vocab, kw) -> dict:
     print("|---|---|---|---|")
     for name, r in out.items():
         print(f"| {name} | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['total_tok_s']:.0f} |")
-    print(f"TTFT p50: {out['no radix']['ttft_p50_s'] / out['radix']['ttft_p50_s']:.1f}x lower with the radix cache")
+    gain = out["no radix"]["ttft_p50_s"] / out["radix"]["ttft_p50_s"]
+    print(f"TTFT p50: {gain:.1f}x lower with the radix cache")
     return out
 
 
@@ -507,8 +529,10 @@ def main():
     k.add_argument("--splits", type=int, default=KERNEL_SPLITS, help="num_kv_splits of decode_attention")
     k.add_argument("--warmup", type=int, default=KERNEL_WARMUP)
     k.add_argument("--iters", type=int, default=KERNEL_ITERS)
-    k.add_argument("--contiguous-slots", action="store_true", help="each request's slots in order, not shuffled")
-    k.add_argument("--peak-gbps", type=float, default=None, help="HBM roofline, if the GPU is not in the table")
+    k.add_argument("--contiguous-slots", action="store_true",
+                   help="each request's slots in order, not shuffled")
+    k.add_argument("--peak-gbps", type=float, default=None,
+                   help="HBM roofline, if the GPU is not in the table")
     k.add_argument("--quick", action="store_true", help="one small shape (B=64, ctx=1024), few iterations")
     k.set_defaults(fn=cmd_kernels)
 
@@ -531,7 +555,8 @@ def main():
     t.add_argument("--input", default=TP_INPUT, help="input length range lo,hi")
     t.add_argument("--output", type=int, default=TP_OUTPUT)
     t.add_argument("--seed", type=int, default=TP_SEED)
-    t.add_argument("--max-total-tokens", type=int, default=24576, help="KV pool per engine (46 KB a token for SmolLM2)")
+    t.add_argument("--max-total-tokens", type=int, default=24576,
+                   help="KV pool per engine (46 KB a token for SmolLM2)")
     t.add_argument("--hf-batch", type=int, default=1, help="requests per transformers generate call")
     t.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     t.add_argument("--repeat", type=int, default=2,

