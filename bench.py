@@ -258,7 +258,7 @@ def sim_run(ckpt, overlap: bool, G: float, B: int, out_len: int) -> dict:
         done += len(engine.step())
     st = engine.stats()
     engine.shutdown()
-    steps = [x for x in st["steps"] if x["mode"] == "decode" and x["bs"] == B][4:-4]  # steady state
+    steps = [x for x in st["steps"] if x["forward_mode"] == "decode" and x["bs"] == B][4:-4]  # steady state
     launches = [x["t_launch"] for x in steps]
     intervals, host = [], []
     for a, b in zip(launches, launches[1:]):
@@ -323,7 +323,7 @@ def draw_timeline(path, ratio, serial_st, overlap_st, n_steps=8):
     fig, axes = plt.subplots(2, 1, figsize=(10, 3.6), sharex=True)
     loops = [("serial (event_loop_normal)", serial_st), ("overlap (event_loop_overlap)", overlap_st)]
     for ax, (name, st) in zip(axes, loops):
-        steps = [x for x in st["steps"] if x["mode"] == "decode"][10:10 + n_steps]
+        steps = [x for x in st["steps"] if x["forward_mode"] == "decode"][10:10 + n_steps]
         t0, t1 = steps[0]["t_launch"], steps[-1]["t_end"]
         dev = [(x["t_start"] - t0, x["t_end"] - x["t_start"]) for x in steps]
         host = [(max(a, t0) - t0, min(b, t1) - max(a, t0))

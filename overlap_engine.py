@@ -19,7 +19,7 @@ Most of the code is about not mixing them up.
 References: SGLang v0.4 "zero-overhead batch scheduler" (event_loop_overlap, FutureMap),
 NanoFlow (intra-device pipelining of host and device work).
 
-    python overlap_engine.py                          # chat with SmolLM2-135M-Instruct on the CPU
+    python overlap_engine.py                          # chat with SmolLM2-135M-Instruct
     python -m pytest -q test_overlap_engine.py        # overlap == serial == a plain reference
 
 Reading guide: the sections, in the order they teach.
@@ -27,7 +27,7 @@ Reading guide: the sections, in the order they teach.
     Requests and batches      Req (its lengths, one table), ScheduleBatch, PrefillAdder
     KV memory, radix cache    ReqToTokenPool, TokenToKVPool, RadixCache
     FutureMap, device streams FutureMap, StepHandle, CpuDeviceStream, CudaDeviceStream, ModelWorker
-    Scheduler, the two loops  event_loop_overlap first, then one batch from plan to commit
+    Scheduler, the two loops  the loops first, then one batch from its plan to its commit
     Engine API                ServerArgs, SamplingParams, Engine
     Model and attention       Llama (math only), sampling, the torch and triton attention backends
     Checkpoint loading        HF directories, GGUF, tokenizer, chat template, the default model
@@ -110,13 +110,19 @@ class Req:
     len(origin_input_ids) prompt tokens                             never
     len(output_ids)       committed output tokens                   committed: +1 per step
     fill_ids              origin_input_ids + output_ids (derived)   with output_ids
-    prefix_indices        slots of the leading positions that the   planned: match_prefix at admission;
-                          radix tree owns (locked by this request)  committed: cache_unfinished_req
+    prefix_indices        slots of the leading positions that the   planned: match_prefix while waiting,
+                          radix tree owns (locked by this request)  locked at admission; committed:
+                                                                    grows in cache_unfinished_req
     cache_protected_len   len(prefix_indices) (derived)             with prefix_indices
     extend_input_len      tokens the next prefill chunk feeds       planned: PrefillAdder
-    kv_allocated_len      positions with a KV slot, an in-flight    planned: += chunk (prepare_for_extend)
-                          step's included                           or += 1 (prepare_for_decode)
-    kv_committed_len      positions whose KV committed steps wrote  committed: = that step's seq_len
+    kv_allocated_len      positions with a KV slot, an in-flight    planned: = cache_protected_len when
+                          step's included                           the first chunk gets a row
+                                                                    (assign_row), then += chunk
+                                                                    (prepare_for_extend) or += 1
+                                                                    (prepare_for_decode)
+    kv_committed_len      positions whose KV committed steps wrote  planned: = cache_protected_len in
+                          (a cached prefix counts as written)       assign_row; committed: = the
+                                                                    seq_len of each committed step
     planned_outputs()     outputs of the steps planned so far       with kv_allocated_len (derived)
     epoch                 retractions so far                        planned: += 1 in retract
 
@@ -213,7 +219,7 @@ class ForwardBatch:
     positions: torch.Tensor            # (N,)
     req_pool_indices: torch.Tensor     # (B,) each request's row
     seq_lens: list                     # (B,) KV length of each request after this step
-    prefix_lens: list                  # (B,) extend: positions already in the pool (cached or computed)
+    prefix_lens: list                  # extend: (B,) positions already in the pool; decode: []
     extend_lens: list                  # (B,) tokens fed per request (1 in decode)
     out_cache_loc: torch.Tensor        # (N,) slots this step writes
     req_to_token_writes: tuple         # (rows, cols, slots): req_to_token[rows, cols] = slots, in the step
@@ -839,20 +845,20 @@ class Scheduler:
         while True:
             with self.iteration():
                 batch = self.get_next_batch_to_run()  # plan n+1 from committed state + last_batch (n)
-                step_n = self.pop_step_in_flight()    # launched last iteration; None if a sync committed it
+                step_n_in_flight = self.step_in_flight()
                 if batch is not None:
                     result = self.run_batch(batch)    # launch n+1: returns at once
                     self.result_queue.append((batch.copy(), result))
-                if step_n is not None:
-                    self.process_batch_result(*step_n)  # the host commits n while the device runs n+1
+                if step_n_in_flight:                  # the host commits n while the device runs n+1
+                    self.process_batch_result(*self.result_queue.popleft())
                 self.last_batch = batch
             yield
 
-    def pop_step_in_flight(self) -> Optional[tuple]:
-        """The (snapshot, handle) of the step launched in the previous iteration, unless a sync point
-        while planning has committed it already. One step is in flight between iterations, never more."""
+    def step_in_flight(self) -> bool:
+        """Whether the step launched in the previous iteration awaits its commit (a sync point while
+        planning may have committed it already). Between iterations one step at most is in flight."""
         assert len(self.result_queue) <= 1, "the overlap loop keeps at most one step in flight"
-        return self.result_queue.popleft() if self.result_queue else None
+        return bool(self.result_queue)
 
     # -- one batch: plan, launch, commit -------------------------------------------------------------
 
@@ -1110,7 +1116,7 @@ class Scheduler:
         t1 = time.perf_counter()
         self.wait_time += t1 - t0
         self.stats["waits"].append((t0, t1))
-        self.stats["steps"].append({"mode": batch.forward_mode.value, "bs": len(batch.reqs),
+        self.stats["steps"].append({"forward_mode": batch.forward_mode.value, "bs": len(batch.reqs),
                                     "device_time": result.device_time, "t_launch": result.t_launch,
                                     "t_start": result.t_start, "t_end": result.t_end})
         return next_ids
@@ -2265,15 +2271,15 @@ def keep_freed_memory_in_process() -> bool:
 # on Linux) counts more threads than cores and almost stops spinning between parallel regions, so every
 # small op of a step waits for a thread wake-up: ~60 us instead of ~5 us for a (64, 576) multiply, some
 # 50 ms of a SmolLM2 decode step at batch 64. A bounded active spin restores it. libgomp reads these
-# variables once, when torch loads it, so they must be in the environment before Python starts.
+# variables once, when torch loads it, so they must be in the environment before torch is imported.
 OPENMP_SPIN = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "30000"}  # then sleep: an idle pool rests
 
 
 def restart_with_openmp_spin():
     """Re-runs this process's command line once with OPENMP_SPIN added to the environment (a value the
     user set is kept). The CLI and bench.py call it first; a library user sets the variables instead."""
-    if sys.platform != "linux" or all(k in os.environ for k in OPENMP_SPIN):
-        return
+    if sys.platform != "linux" or all(k in os.environ for k in OPENMP_SPIN) or sys.argv[0] == "-":
+        return  # nothing to add, or a script read from stdin, which cannot be read again
     for k, v in OPENMP_SPIN.items():
         os.environ.setdefault(k, v)
     sys.stdout.flush()

@@ -322,7 +322,7 @@ def test_several_chunks_of_one_prompt_in_flight(ckpt, monkeypatch):
         out = e.generate(input_ids=prompt,
                          sampling_params={"max_new_tokens": 5, "temperature": 0, "ignore_eos": True})
         e.check_invariants()
-        steps = [s for s in e.stats()["steps"] if s["mode"] == "extend"]
+        steps = [s for s in e.stats()["steps"] if s["forward_mode"] == "extend"]
     assert len(steps) == 8  # ceil(30 / 4) chunks
     assert sum(nxt["t_launch"] < cur["t_end"] for cur, nxt in zip(steps, steps[1:])) >= 6
     assert out["output_ids"] == reference_greedy(ckpt, prompt, 5)
