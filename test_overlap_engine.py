@@ -6,6 +6,7 @@ streams; attention backends and Triton kernels; checkpoints and tokenizer; Engin
 Tiny random Llama checkpoints are written by the tests (float64, so near-ties cannot flip a token);
 the reference forward below is written independently of the engine: no KV cache, no batching.
 """
+import dataclasses
 import json
 import math
 import os
@@ -1619,6 +1620,95 @@ def test_ctrl_c_in_the_cli_exits_cleanly(ckpt):
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err
     assert "tokens in" in out and "Traceback" not in err
+
+
+def help_blocks(monkeypatch, capsys) -> dict:
+    """--help as {flag: the text of its entry, whitespace joined}."""
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as exit_:
+        oe.main(["--help"])
+    assert exit_.value.code == 0
+    blocks, flag = {}, None
+    for line in capsys.readouterr().out.splitlines():
+        if line.startswith("  --"):  # an option's entry starts here; its help may wrap onto more lines
+            flag = line.split()[0]
+            blocks[flag] = line
+        elif flag is not None and line.startswith("      "):
+            blocks[flag] += line
+        else:
+            flag = None
+    return {f: " ".join(text.split()) for f, text in blocks.items()}
+
+
+def test_cli_help_names_every_engine_argument_with_its_default(monkeypatch, capsys):
+    blocks = help_blocks(monkeypatch, capsys)
+    for f in dataclasses.fields(oe.ServerArgs):
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in blocks, f"{flag} is not in --help"
+        entry = blocks[flag]
+        assert " ".join(f.metadata["help"].split()) in entry and f"(default: {f.default})" in entry, entry
+        for choice in f.metadata["choices"]:
+            assert choice in entry.split()[1], (flag, choice)  # --dtype {auto,float32,...}
+    assert "(default: 128)" in blocks["--max-new-tokens"] and "--prompt" in blocks
+    grouped = [name for names in oe.CLI_GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(f.name for f in dataclasses.fields(oe.ServerArgs))
+
+
+BAD_INVOCATIONS = [  # (arguments, what the one line must name)
+    (["--model-path", "/nonexistent", "--prompt", "hi"], "model_path='/nonexistent'"),
+    (["--temperature", "-1", "--prompt", "hi"], "temperature"),
+    (["--dtype", "float8"], "--dtype"),
+    (["--max-total-tokens", "1"], "max_total_tokens"),
+    (["--max-new-tokens", "-5", "--prompt", "hi"], "max_new_tokens"),
+    (["--model-path", "{bad_gguf}", "--prompt", "hi"], "cannot be read"),
+]
+
+
+@pytest.mark.parametrize("argv, named", BAD_INVOCATIONS, ids=lambda x: str(x)[:40])
+def test_cli_bad_input_is_one_line_and_exit_2(argv, named, tmp_path, capsys):
+    bad_gguf = tmp_path / "bad.gguf"
+    bad_gguf.write_bytes(b"not a gguf file" * 8)  # a checkpoint that cannot be read
+    with pytest.raises(SystemExit) as exit_:
+        oe.main([a.format(bad_gguf=bad_gguf) for a in argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("overlap_engine: error: ") and named in err and "Traceback" not in err
+
+
+def test_cli_bad_input_in_a_real_process_has_no_traceback():
+    argv = ["--model-path", "/nonexistent", "--prompt", "hi"]
+    r = subprocess.run([sys.executable, "overlap_engine.py", *argv], capture_output=True, text=True,
+                       timeout=120, cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        "overlap_engine: error: model_path='/nonexistent' is neither a .gguf file nor a directory with "
+        "config.json"]
+
+
+def test_cli_failed_download_is_one_line_and_a_bug_keeps_its_traceback(monkeypatch, capsys):
+    def offline(cache_dir=None):
+        raise oe.DefaultModelUnavailable("could not download the default model (offline?)")
+    monkeypatch.setattr(oe, "default_model_path", offline)
+    with pytest.raises(SystemExit) as exit_:
+        oe.main(["--prompt", "hi"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "overlap_engine: error: could not download the default model (offline?)\n"
+
+    def bug(**kwargs):
+        raise RuntimeError("a bug, not bad input")
+    monkeypatch.setattr(oe, "Engine", bug)
+    with pytest.raises(RuntimeError, match="a bug"):  # not turned into a one-line exit
+        oe.main(["--prompt", "hi"])
+
+
+def test_cli_chat_refuses_a_message_too_long_and_goes_on(ckpt, monkeypatch, capsys):
+    """A message longer than the context gets one error line; the chat keeps serving the next one."""
+    lines = iter(["x" * 40, "hi", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    oe.main(["--model-path", ckpt, "--context-length", "16", "--max-new-tokens", "3", "--dtype", "float32"])
+    out, err = capsys.readouterr()
+    assert err.splitlines() == ["overlap_engine: error: input_ids has 40 tokens; the context length is 16"]
+    assert "[3 tokens in" in out  # only the second message was answered
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the spin policy is set for libgomp on Linux only")
