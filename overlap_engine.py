@@ -172,26 +172,31 @@ class Req:
         return not self.finished() and self.planned_outputs() < self.sampling_params.max_new_tokens
 
     def update_finish_state(self, tokenizer: Optional[Tokenizer]):
-        """Called at commit, after a token was appended: length, EOS, stop ids, stop strings (in that
+        """Called at commit, after a token was appended: length, EOS and stop ids, stop strings (in that
         order). Text is decoded here only when stop strings need it; otherwise at finish or when streamed."""
-        sp, tok, old_len = self.sampling_params, self.output_ids[-1], len(self.text)
-        if tokenizer is not None and sp.stop:
-            self.detokenize(tokenizer)
+        sp, tok = self.sampling_params, self.output_ids[-1]
         if len(self.output_ids) >= sp.max_new_tokens:
             self.finished_reason = {"type": "length", "length": sp.max_new_tokens}
         elif tok in self.eos_ids or tok in sp.stop_token_ids:
             self.finished_reason = {"type": "stop", "matched": tok}
-        elif sp.stop:
-            start = max(0, old_len - max(map(len, sp.stop)) + 1)  # a new match must end in the new text
-            hits = [(self.text.find(s, start), s) for s in sp.stop]
-            hits = [(i, s) for i, s in hits if i >= 0]
-            if hits:
-                i, s = min(hits)
-                self.text, self.finished_reason = self.text[:i], {"type": "stop", "matched": s}
+        elif sp.stop and tokenizer is not None:
+            self.check_stop_strings(tokenizer)
         if self.finished() and tokenizer is not None and self.finished_reason.get("matched") not in sp.stop:
-            # the text of a matched stop token is left out, like a stop string
+            # subtle: the text of a matched stop token is left out, like a stop string; so a stop token
+            # is recognised before stop strings decode it into `text`
             stop_tok = self.finished_reason["type"] == "stop"
             self.detokenize(tokenizer, final=True, upto=len(self.output_ids) - stop_tok)
+
+    def check_stop_strings(self, tokenizer: Tokenizer):
+        """Decodes the new token and finishes at the first stop string in the text, cutting it off."""
+        sp, old_len = self.sampling_params, len(self.text)
+        self.detokenize(tokenizer)
+        start = max(0, old_len - max(map(len, sp.stop)) + 1)  # a new match must end in the new text
+        hits = [(self.text.find(s, start), s) for s in sp.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if hits:
+            i, s = min(hits)
+            self.text, self.finished_reason = self.text[:i], {"type": "stop", "matched": s}
 
     def detokenize(self, tokenizer: Tokenizer, final: bool = False, upto: Optional[int] = None):
         """Incremental detokenizer: text grows only by complete characters (no dangling UTF-8 bytes)."""
@@ -831,32 +836,34 @@ class Scheduler:
 
     def event_loop_normal(self) -> Iterator[None]:
         """Serial: plan, run, wait, commit. The device idles while the host commits and plans."""
+        self.sync_pending_results()  # a loop restarted after an interrupt first commits what is in flight
         while True:
             with self.iteration():
                 batch = self.get_next_batch_to_run()
                 if batch is not None:
-                    result = self.run_batch(batch)
-                    self.process_batch_result(batch.copy(), result)  # sync point: waits for this step
+                    self.run_batch(batch)
                 self.last_batch = batch
+                if batch is not None:
+                    self.process_batch_result()  # sync point: waits for the step just launched
             yield
 
     def event_loop_overlap(self) -> Iterator[None]:
         """Overlap: plan n+1 and launch it, then commit n while the device runs n+1."""
+        self.sync_pending_results()  # a loop restarted after an interrupt first commits what is in flight
         while True:
             with self.iteration():
                 batch = self.get_next_batch_to_run()  # plan n+1 from committed state + last_batch (n)
                 step_n_in_flight = self.step_in_flight()
                 if batch is not None:
-                    result = self.run_batch(batch)    # launch n+1: returns at once
-                    self.result_queue.append((batch.copy(), result))
-                if step_n_in_flight:                  # the host commits n while the device runs n+1
-                    self.process_batch_result(*self.result_queue.popleft())
+                    self.run_batch(batch)             # launch n+1: returns at once
                 self.last_batch = batch
+                if step_n_in_flight:
+                    self.process_batch_result()       # the host commits n while the device runs n+1
             yield
 
     def step_in_flight(self) -> bool:
-        """Whether the step launched in the previous iteration awaits its commit (a sync point while
-        planning may have committed it already). Between iterations one step at most is in flight."""
+        """Whether the step launched in the previous iteration awaits its commit (only an interrupted
+        iteration leaves one earlier than that: the restarted loop commits it first)."""
         assert len(self.result_queue) <= 1, "the overlap loop keeps at most one step in flight"
         return bool(self.result_queue)
 
@@ -864,7 +871,8 @@ class Scheduler:
 
     def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
         """Plans the next step from committed state plus what is in flight (last_batch): a prefill
-        batch when waiting requests fit, otherwise the next decode step of the running batch."""
+        batch when waiting requests fit, otherwise the next decode step of the running batch. It never
+        waits for the device: what an in-flight step will free is used one iteration later."""
         self.merge_prefilled_requests()
         batch = self.get_new_batch_prefill()
         if batch is None:
@@ -889,25 +897,32 @@ class Scheduler:
         (they finish by length, so they never overshoot), make room, allocate one slot each."""
         rb = self.running_batch
         rb.filter(Req.needs_decode)
-        if not rb.is_empty() and self.kv_available() < len(rb.reqs) and self.result_queue:
-            self.sync_pending_results()  # sync point: requests that finished may give back enough KV
-            rb.filter(Req.needs_decode)
         if rb.is_empty():
             return None
-        if self.kv_available() < len(rb.reqs) and not self.make_room_for_decode():
+        if self.kv_available() < len(rb.reqs) and not self.retract_decode():
             return None
         rb.prepare_for_decode(use_future_map=self.enable_overlap)
         self.new_token_ratio = max(self.min_new_token_ratio,
                                    self.new_token_ratio - self.new_token_ratio_decay)
         return rb
 
-    def run_batch(self, batch: ScheduleBatch) -> StepHandle:
-        """Launches the step on the device stream; returns before the forward finishes."""
-        return self.worker.launch(batch.fb)
+    def run_batch(self, batch: ScheduleBatch):
+        """Launches the step on the device stream (returns before the forward finishes) and queues its
+        snapshot and handle for the commit. A step that fails to reach the queue is rolled back."""
+        try:
+            result = self.worker.launch(batch.fb)
+            snapshot = batch.copy()
+        except BaseException:  # an interrupt or a broken stream: the plan's memory must not leak
+            self.roll_back(batch)
+            raise
+        self.result_queue.append((snapshot, result))
 
-    def process_batch_result(self, batch: BatchSnapshot, result: StepHandle):
-        """The commit point: read the tokens, append them, check stop conditions, settle KV."""
+    def process_batch_result(self):
+        """The commit point of the oldest launched step: read its tokens, append them, check stop
+        conditions, settle KV. Interrupted while waiting, the step stays queued for the next try."""
+        batch, result = self.result_queue[0]
         next_ids = self.wait_for(batch, result)  # sync point: waits for this step's copy_done
+        self.result_queue.popleft()
         for i, r in enumerate(batch.reqs):
             if r.finished() or r.epoch != batch.epochs[i]:
                 # overshoot (finished at the previous commit but already in this step), retracted or aborted
@@ -916,7 +931,8 @@ class Scheduler:
                 continue
             r.kv_committed_len = batch.seq_lens[i]
             if not batch.is_last_chunk[i]:
-                continue  # a prompt chunk in the middle: its sample is meaningless
+                self.cache_unfinished_req(r)  # a chunk in the middle of a prompt: share it already
+                continue                      # (its sample is meaningless)
             r.output_ids.append(next_ids[i])
             r.update_finish_state(self.tokenizer)
             if r.finished():
@@ -1033,14 +1049,17 @@ class Scheduler:
 
     # -- rare cases: memory pressure, aborts -----------------------------------------------------------
 
-    def make_room_for_decode(self) -> bool:
-        """The pool cannot give every running request its next slot. A half-prefilled prompt gives way
-        first, then the newest running requests are retracted (recomputed later); a request alone that
-        cannot grow is aborted. False: nothing is left to decode."""
+    def retract_decode(self) -> bool:
+        """The pool cannot give every running request its next slot. No sync first: a step may be in
+        flight, and what it frees is used one iteration later. A half-prefilled prompt gives way first;
+        then running requests are retracted (recomputed later) in SGLang's order, fewest output tokens
+        first, then the longest prompt. A request alone that still cannot grow is aborted. False:
+        nothing is left to decode."""
         rb = self.running_batch
         if self.chunked_req is not None and self.chunked_req.req_pool_idx is not None:
             r, self.chunked_req = self.chunked_req, None
             self.retract(r)
+        rb.reqs.sort(key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
         while self.kv_available() < len(rb.reqs):
             if len(rb.reqs) == 1:
                 self.abort_req(rb.reqs[0], "the KV pool is too small for this request")
@@ -1050,23 +1069,32 @@ class Scheduler:
         return True
 
     def plan_when_blocked(self) -> Optional[ScheduleBatch]:
-        """Requests wait, yet nothing could be planned. Commit what is in flight (it may free the KV they
-        need) and plan again; with nothing running and nothing in flight the head request can never fit."""
-        if self.result_queue:
-            self.sync_pending_results()  # sync point: only committing can free the memory the plan needs
-            return self.get_next_batch_to_run()
-        if not self.running_batch.is_empty():
+        """Requests wait, yet nothing could be planned. While a step is in flight or requests run, their
+        commits will free memory: plan again next iteration. With nothing running and nothing in flight
+        the head request can never fit: abort it rather than spin."""
+        if self.result_queue or not self.running_batch.is_empty():
             return None
         batch = self.get_new_batch_prefill()  # planning may just have freed memory (a retraction)
-        if batch is None:  # nothing runs and nothing will free memory: never spin forever
+        if batch is None:
             stuck = self.chunked_req or self.waiting[0]
             self.abort_req(stuck, "the KV pool is too small to make progress on this request")
         return batch
 
+    def roll_back(self, batch: ScheduleBatch):
+        """A planned step that never reached result_queue: its requests give back what the plan took and
+        start over from their committed tokens, exactly as after a retraction."""
+        planned = set(map(id, batch.reqs))
+        for r in list(batch.reqs):
+            if r.req_pool_idx is not None and not r.finished():
+                self.retract(r)
+        self.running_batch.filter(lambda r: id(r) not in planned)
+        if self.chunked_req is not None and id(self.chunked_req) in planned:
+            self.chunked_req = None
+
     def sync_pending_results(self):
         """Commits every launched step (a sync point: waits for the device)."""
         while self.result_queue:
-            self.process_batch_result(*self.result_queue.popleft())
+            self.process_batch_result()
 
     def retract(self, r: Req):
         """Preempts a running request: frees its KV now (stream order keeps in-flight readers safe) and
@@ -1189,24 +1217,31 @@ class ServerArgs:
     worker_jitter_ms: float = arg(0.0, "the CPU device thread sleeps up to this at random points (tests)")
 
     def __post_init__(self):
+        """Each argument has its declared type (None only where Optional) and a value in range."""
+        is_type = {"bool": lambda v: isinstance(v, bool), "int": _is_int, "float": _is_real,
+                   "str": lambda v: isinstance(v, str)}
         for f in dataclasses.fields(self):
-            allowed = f.metadata["choices"]
-            if allowed and getattr(self, f.name) not in allowed:
-                raise ValueError(f"{f.name}={getattr(self, f.name)!r} is not one of {allowed}")
+            v, kind = getattr(self, f.name), f.type.removeprefix("Optional[").rstrip("]")
+            optional = f.type.startswith("Optional[")
+            if not (is_type[kind](v) or (v is None and optional)):
+                want = "a finite number" if kind == "float" else f"of type {kind}"
+                raise ValueError(f"{f.name}={v!r} must be {want}{' or None' if optional else ''}")
+            if f.metadata["choices"] and v not in f.metadata["choices"]:
+                raise ValueError(f"{f.name}={v!r} is not one of {f.metadata['choices']}")
         for key in ("max_running_requests", "max_prefill_tokens"):
-            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+            if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be a positive integer, got {getattr(self, key)!r}")
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be positive or -1, "
                              f"got {self.chunked_prefill_size!r}")
         for key in ("max_total_tokens", "context_length"):
             v = getattr(self, key)
-            if v is not None and (not _is_int(v) or v < 2):
+            if v is not None and v < 2:
                 raise ValueError(f"{key} must be an integer >= 2 or None, got {v!r}")
         for key, lo, hi in (("schedule_conservativeness", 0, math.inf), ("worker_jitter_ms", 0, math.inf),
                             ("mem_fraction_static", 1e-3, 1)):
             v = getattr(self, key)
-            if not _is_real(v) or not lo <= v <= hi:
+            if not lo <= v <= hi:
                 raise ValueError(f"{key} must be a number in [{lo}, {hi}], got {v!r}")
         if os.environ.get("OVERLAP_ENGINE_DEBUG", "") not in ("", "0"):
             self.debug_future_map = self.debug_ledger = True
@@ -1217,7 +1252,16 @@ def _is_int(x) -> bool:
 
 
 def _is_real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A finite int or float, not a bool (10**400 is an int that no float can hold)."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
+SAMPLING_EPS = 1e-6  # a temperature below this samples greedily
 
 
 @dataclass
@@ -1253,6 +1297,8 @@ class SamplingParams:
             setattr(sp, key, list(v or []))
         sp.validate(vocab_size)
         sp.top_k = min(sp.top_k, vocab_size) if sp.top_k > 0 else sp.top_k  # larger means all tokens
+        if sp.temperature < SAMPLING_EPS:
+            sp.temperature = 0  # greedy, as in SGLang: logits / 1e-310 would overflow to inf and NaN
         return sp
 
     def validate(self, vocab_size: int):
@@ -1260,7 +1306,7 @@ class SamplingParams:
             raise ValueError(f"sampling parameter {key}={getattr(self, key)!r}: {why}")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             bad("max_new_tokens", "must be a non-negative integer")
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not _is_real(self.temperature) or self.temperature < 0:
             bad("temperature", "must be a finite number >= 0")
         if not _is_real(self.top_p) or not (0 < self.top_p <= 1):
             bad("top_p", "must be a number in (0, 1]")
@@ -1310,7 +1356,8 @@ class Engine:
         self._loop = self._new_loop()
         self._rng = random.Random(args.random_seed)
         self._reqs: dict[str, Req] = {}
-        self._backlog: list[dict] = []  # outputs finished while generate() drove the loop for others
+        self._backlog: list[dict] = []  # outputs of add_request()s that finished while generate() stepped
+        self._streamed: set[str] = set()  # requests of generate(): it reads their Req, not their output
         self._closed = False
 
     @staticmethod
@@ -1405,6 +1452,13 @@ class Engine:
 
     def step(self) -> list[dict]:
         """One scheduler iteration; returns the outputs that finished in it (aborted ones included)."""
+        out = self._backlog + self._iterate()
+        self._backlog = []
+        for o in out:
+            self._streamed.discard(o["meta_info"]["id"])
+        return out
+
+    def _iterate(self) -> list[dict]:
         if self._closed:
             raise RuntimeError("the engine was shut down")
         try:
@@ -1415,7 +1469,6 @@ class Engine:
         out, self.scheduler.finished_outputs = self.scheduler.finished_outputs, []
         for o in out:
             self._reqs.pop(o["meta_info"]["id"], None)
-        out, self._backlog = self._backlog + out, []
         return out
 
     def abort(self, rid: str):
@@ -1426,6 +1479,8 @@ class Engine:
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False):
         """One prompt (str or ids) in, one dict out; a list in, a list out; stream=True yields chunks."""
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt and input_ids")
         given = prompt if prompt is not None else input_ids
         batched = isinstance(prompt, list) or (
             isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list))
@@ -1441,6 +1496,7 @@ class Engine:
                 for p, sp in zip(prompts, sps)]  # all validated before any is queued
         for r in reqs:
             self._submit(r)
+            self._streamed.add(r.rid)
         it = self._drive(reqs, batched)
         if stream:
             return it
@@ -1456,9 +1512,11 @@ class Engine:
         mine, pending = {r.rid: i for i, r in enumerate(reqs)}, set(r.rid for r in reqs)
         try:
             while pending:
-                for o in self.step():
-                    if o["meta_info"]["id"] not in mine:
-                        self._backlog.append(o)
+                for o in self._iterate():
+                    if o["meta_info"]["id"] in self._streamed:
+                        self._streamed.discard(o["meta_info"]["id"])  # a stream reads its Req instead
+                    else:
+                        self._backlog.append(o)  # for the caller of step()
                 for r in reqs:
                     if r.rid in pending:
                         chunk = self._stream_chunk(r)
