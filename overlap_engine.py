@@ -136,7 +136,8 @@ class Req:
     def __init__(self, rid: str, input_ids: list, sp: SamplingParams, seed: int, eos_ids: tuple):
         self.rid, self.origin_input_ids = rid, input_ids
         self.sampling_params, self.seed = sp, seed  # seed: the sampling noise is f(seed, position)
-        self.eos_ids = () if sp.ignore_eos else tuple(eos_ids)
+        # the tokens that finish it; ignore_eos turns off stop_token_ids too, as in SGLang
+        self.stop_ids = frozenset() if sp.ignore_eos else frozenset(eos_ids) | set(sp.stop_token_ids)
         self.output_ids: list[int] = []        # committed
         self.finished_reason: Optional[dict] = None
         self.req_pool_idx: Optional[int] = None  # its row in ReqToTokenPool and in the FutureMap
@@ -177,7 +178,7 @@ class Req:
         sp, tok = self.sampling_params, self.output_ids[-1]
         if len(self.output_ids) >= sp.max_new_tokens:
             self.finished_reason = {"type": "length", "length": sp.max_new_tokens}
-        elif tok in self.eos_ids or tok in sp.stop_token_ids:
+        elif tok in self.stop_ids:
             self.finished_reason = {"type": "stop", "matched": tok}
         elif sp.stop and tokenizer is not None:
             self.check_stop_strings(tokenizer)
@@ -812,6 +813,8 @@ class Scheduler:
         self.req_to_token_pool, self.kv_pool = req_to_token_pool, kv_pool
         self.tree_cache = RadixCache(kv_pool, disable=args.disable_radix_cache)
         self.enable_overlap = not args.disable_overlap_schedule
+        # without a cache no prefix can be shared: longest-prefix-first is first-come (as in SGLang)
+        self.schedule_policy = "fcfs" if args.disable_radix_cache else args.schedule_policy
         self.waiting: list[Req] = []
         self.running_batch = ScheduleBatch([], ForwardMode.DECODE, self)
         self.chunked_req: Optional[Req] = None  # a prompt in the middle of its chunked prefill
@@ -990,12 +993,12 @@ class Scheduler:
         adder = PrefillAdder(self, self.running_batch.reqs)
         if self.chunked_req is not None and not adder.add_chunked_req(self.chunked_req):
             return None
-        lpm = self.server_args.schedule_policy == "lpm"
+        lpm = self.schedule_policy == "lpm"
         if lpm:
             for r in self.waiting:
                 r.prefix_indices, r.last_node = self.tree_cache.match_prefix(r.fill_ids[:-1])
             self.waiting.sort(key=lambda r: -len(r.prefix_indices))  # stable: FCFS among equals
-        pending = self.prompts_being_prefilled() if lpm else None
+        pending = self.prompts_being_prefilled(adder.can_run_list) if lpm else None
         admitted = []
         for r in self.waiting:
             if not lpm:
@@ -1018,12 +1021,13 @@ class Scheduler:
         batch.prepare_for_extend()
         return batch
 
-    def prompts_being_prefilled(self) -> RadixCache:
-        """A scratch tree of the prompts in in-flight prefills, whose KV will soon be in the cache."""
+    def prompts_being_prefilled(self, planned: list) -> RadixCache:
+        """A scratch tree of the prompts whose KV will soon be in the cache: those in in-flight prefills
+        and those already planned into this batch (a chunked prompt's next chunk)."""
         pending = RadixCache(None)
-        for snap, _ in self.result_queue:
-            for r in snap.reqs if snap.forward_mode.is_extend() else []:
-                pending.insert(r.fill_ids, torch.empty(len(r.fill_ids), dtype=torch.int64))
+        in_flight = [r for snap, _ in self.result_queue if snap.forward_mode.is_extend() for r in snap.reqs]
+        for r in in_flight + planned:
+            pending.insert(r.fill_ids, torch.empty(len(r.fill_ids), dtype=torch.int64))
         return pending
 
     def assign_row(self, r: Req):
@@ -1274,7 +1278,7 @@ class SamplingParams:
     min_p: float = 0.0
     stop: list = field(default_factory=list)            # stop strings, cut from the text
     stop_token_ids: list = field(default_factory=list)
-    ignore_eos: bool = False
+    ignore_eos: bool = False       # also ignores stop_token_ids (SGLang: no token-based finish at all)
     sampling_seed: Optional[int] = None  # the noise depends only on (seed, output position)
 
     @classmethod

@@ -153,14 +153,20 @@ def random_prompts(n, seed, lo=1, hi=40, vocab=256, shared=None):
     return out
 
 
+EOS = 257  # the tiny checkpoint's eos_token_id
+
+
 def greedy_workload(prompts, max_news, stop_ids=None):
-    return [(p, {"max_new_tokens": m, "temperature": 0, "ignore_eos": True,
-                 **({"stop_token_ids": [stop_ids[i]]} if stop_ids and stop_ids[i] is not None else {})})
-            for i, (p, m) in enumerate(zip(prompts, max_news))]
+    """Greedy requests; one with a stop id stops there or at EOS (ignore_eos would ignore both)."""
+    stop_ids = stop_ids or [None] * len(prompts)
+    return [(p, {"max_new_tokens": m, "temperature": 0, "ignore_eos": stop is None,
+                 **({"stop_token_ids": [stop]} if stop is not None else {})})
+            for p, m, stop in zip(prompts, max_news, stop_ids)]
 
 
 def expected_greedy(ckpt, wl):
-    return [reference_greedy(ckpt, p, sp["max_new_tokens"], sp.get("stop_token_ids", ())) for p, sp in wl]
+    stops = [() if sp["ignore_eos"] else (*sp.get("stop_token_ids", ()), EOS) for _, sp in wl]
+    return [reference_greedy(ckpt, p, sp["max_new_tokens"], s) for (p, sp), s in zip(wl, stops)]
 
 
 @pytest.fixture(scope="module")
@@ -402,8 +408,7 @@ def test_a_commit_that_frees_the_pool_does_not_abort_the_waiting(ckpt, overlap_o
     A, B = random_prompts(2, seed=131, lo=20, hi=20)
     fa, fb = reference_greedy(ckpt, A, 12), reference_greedy(ckpt, B, 12)
     k = next(i for i in range(1, 12) if fa[i] not in fa[:i] and fb[i] not in fb[:i])
-    sp = lambda t: {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True,  # noqa: E731
-                    "stop_token_ids": [t]}
+    sp = lambda t: {"max_new_tokens": 20, "temperature": 0, "stop_token_ids": [t]}  # noqa: E731
     with make_engine(ckpt, overlap_off, disable_radix_cache=True, max_total_tokens=40 + 2 * k,
                      schedule_conservativeness=0.0) as e:
         e.add_request(input_ids=A, sampling_params=sp(fa[k]))
@@ -499,7 +504,7 @@ def workloads(draw):
     for i in range(n):
         prefix = draw(st.sampled_from([[], SYSTEMS[0], SYSTEMS[1]]))
         tail = draw(st.lists(st.integers(0, 255), min_size=1, max_size=14))
-        sp = {"max_new_tokens": draw(st.integers(1, 12)), "ignore_eos": True}
+        sp = {"max_new_tokens": draw(st.integers(1, 12)), "ignore_eos": draw(st.booleans())}
         if draw(st.booleans()):
             sp.update(temperature=0.9, top_k=draw(st.sampled_from([-1, 8])),
                       sampling_seed=draw(st.integers(0, 99)))
@@ -647,6 +652,62 @@ def test_radix_hits_give_same_tokens(ckpt, overlap_off):
         assert sorted(o["meta_info"]["cached_tokens"] for o in outs2)[0] == 0
         assert [o["output_ids"] for o in outs2] == [o["output_ids"] for o in outs]
         e2.check_invariants()
+
+
+def steps_until_done(e, rids, limit=500):
+    done = {}
+    for _ in range(limit):
+        done.update({o["meta_info"]["id"]: o for o in e.step()})
+        if all(r in done for r in rids):
+            return done
+    raise AssertionError("the requests did not finish")
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_each_prefill_chunk_is_shared_while_the_prompt_still_prefills(ckpt, overlap_off):
+    """A's 20-token prompt runs in chunks of 8, 8 and 4. B shares those 20 tokens and arrives after A's
+    first chunk: it joins A's last chunk and already reuses the chunks committed so far."""
+    shared = random_prompts(1, seed=151, lo=20, hi=20)[0]
+    wl = greedy_workload([shared, shared + [7, 8, 9, 10]], [5, 5])
+    with make_engine(ckpt, overlap_off, chunked_prefill_size=8) as e:
+        first = e.add_request(input_ids=wl[0][0], sampling_params=wl[0][1])
+        e.step()
+        e.step()
+        second = e.add_request(input_ids=wl[1][0], sampling_params=wl[1][1])
+        done = steps_until_done(e, [first, second])
+        e.check_invariants()
+    assert [done[r]["output_ids"] for r in (first, second)] == expected_greedy(ckpt, wl)
+    assert 8 <= done[second]["meta_info"]["cached_tokens"] < 20  # cached chunks, not the whole prompt
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_a_prefix_in_the_same_batch_is_waited_for_in_both_loops(ckpt, overlap_off):
+    """B shares 36 tokens with A, whose last chunk is planned together with B's admission: B waits one
+    round and reuses them (the serial loop used to miss the continuing chunked prompt and recompute)."""
+    a = random_prompts(1, seed=152, lo=40, hi=40)[0]
+    wl = greedy_workload([a, a[:36] + [1, 2, 3]], [4, 4])
+    with make_engine(ckpt, overlap_off, chunked_prefill_size=24) as e:
+        first = e.add_request(input_ids=wl[0][0], sampling_params=wl[0][1])
+        e.step()
+        second = e.add_request(input_ids=wl[1][0], sampling_params=wl[1][1])
+        done = steps_until_done(e, [first, second])
+        e.check_invariants()
+    assert [done[r]["output_ids"] for r in (first, second)] == expected_greedy(ckpt, wl)
+    assert done[second]["meta_info"]["cached_tokens"] == 36
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_without_a_radix_cache_nothing_waits_for_a_shared_prefix(ckpt, overlap_off):
+    """With the cache off, lpm becomes fcfs (as in SGLang): a request sharing 36 tokens with another
+    cannot hit a cache, so it is admitted in the same first batch instead of waiting a round."""
+    a = random_prompts(1, seed=153, lo=40, hi=40)[0]
+    wl = greedy_workload([a, a[:36] + [1, 2, 3]], [4, 4])
+    with make_engine(ckpt, overlap_off, disable_radix_cache=True, schedule_policy="lpm") as e:
+        outs = run_workload(e, wl)
+        e.check_invariants()
+        first_batch = e.stats()["steps"][0]
+    assert first_batch["forward_mode"] == "extend" and first_batch["bs"] == 2
+    assert [o["output_ids"] for o in outs] == expected_greedy(ckpt, wl)
 
 
 @pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
@@ -1623,6 +1684,19 @@ def test_abandoned_streams_leave_nothing_behind(ckpt):
             e.generate(input_ids=[9, 9, 9], sampling_params={**sp, "max_new_tokens": 3})
         assert e._backlog == [] and e._reqs == {}
         e.check_invariants()
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_ignore_eos_ignores_stop_token_ids_too(ckpt, overlap_off):
+    """As in SGLang, ignore_eos turns off every token-based finish: EOS and stop_token_ids alike."""
+    prompt = list(range(30, 42))
+    free = reference_greedy(ckpt, prompt, 12)
+    stop = free[3]
+    with make_engine(ckpt, overlap_off) as e:
+        out = e.generate(input_ids=prompt, sampling_params={"max_new_tokens": 12, "temperature": 0,
+                                                            "ignore_eos": True, "stop_token_ids": [stop]})
+        e.check_invariants()
+    assert out["output_ids"] == free and out["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
 
 
 BAD_SAMPLING = [
