@@ -1421,8 +1421,11 @@ class Engine:
         for s in sp.stop:
             if self.tokenizer is None:
                 raise ValueError(f"stop={s!r} needs a tokenizer, and this checkpoint has none")
-        # a request must fit alone: max_new_tokens is capped to the context (as SGLang does) and the pool
-        sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - L, self.max_total_tokens - L)
+        sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - L)  # capped to the context
+        if L + sp.max_new_tokens > self.max_total_tokens:  # never silently cut short by the pool
+            raise ValueError(f"input_ids has {L} tokens and max_new_tokens={sp.max_new_tokens}: "
+                             f"{L + sp.max_new_tokens} in all, more than the KV pool holds "
+                             f"({self.max_total_tokens}); lower max_new_tokens or raise max_total_tokens")
         if rid is not None and (not isinstance(rid, str) or rid in self._reqs):
             raise ValueError(f"rid={rid!r} must be a new string")
         seed = sp.sampling_seed if sp.sampling_seed is not None else self._rng.getrandbits(63)

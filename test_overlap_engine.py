@@ -540,11 +540,16 @@ def test_random_workloads_match_an_unconstrained_serial_run(ckpt, wl):
     off = config.pop("disable_overlap_schedule")
     with make_engine(ckpt, True, max_total_tokens=4096) as ref_engine:
         expected = [o["output_ids"] for o in run_workload(ref_engine, [(p, sp) for p, sp, _, _ in reqs])]
+    too_big = {i for i, (p, sp, _, _) in enumerate(reqs)
+               if len(p) + sp["max_new_tokens"] > config["max_total_tokens"]}
     with make_engine(ckpt, off, **config) as e:
         rids, done, it = [None] * len(reqs), {}, 0
-        while len(done) < len(reqs):
+        while len(done) + len(too_big) < len(reqs):
             for i, (p, sp, arrive, abort_at) in enumerate(reqs):
-                if arrive == it:
+                if arrive == it and i in too_big:  # could never fit the pool: refused, not truncated
+                    with pytest.raises(ValueError, match="KV pool"):
+                        e.add_request(input_ids=p, sampling_params=sp)
+                elif arrive == it:
                     rids[i] = e.add_request(input_ids=p, sampling_params=sp)
                 if abort_at is not None and rids[i] is not None and arrive + abort_at == it:
                     e.abort(rids[i])
@@ -553,12 +558,14 @@ def test_random_workloads_match_an_unconstrained_serial_run(ckpt, wl):
             assert it < 3000, "the engine stopped making progress"
         e.check_invariants()
     for i, (p, sp, arrive, abort_at) in enumerate(reqs):
+        if i in too_big:
+            continue
         out = done[rids[i]]
         if out["meta_info"]["finish_reason"]["type"] == "abort":
             assert abort_at is not None or "KV pool" in out["meta_info"]["finish_reason"].get("message", "")
             assert out["output_ids"] == expected[i][:len(out["output_ids"])]
-        else:  # max_new_tokens is capped so the request fits the pool alone (the documented rule)
-            assert out["output_ids"] == expected[i][:config["max_total_tokens"] - len(p)]
+        else:
+            assert out["output_ids"] == expected[i]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1730,7 +1737,7 @@ def test_bad_input_is_refused_and_engine_keeps_serving(ckpt, overlap_off):
         with pytest.raises(ValueError, match="sampling_params"):
             e.generate(prompt="hi", sampling_params=[{}, {}])
         with pytest.raises(ValueError, match="top_p"):  # one bad request in a list: none is queued
-            e.generate(input_ids=[[1, 2], [3, 4]], sampling_params=[{}, {"top_p": 2}])
+            e.generate(input_ids=[[1, 2], [3, 4]], sampling_params=[{"max_new_tokens": 4}, {"top_p": 2}])
         assert len(e.scheduler.waiting) == 1
         done = []
         while not done:
@@ -1784,6 +1791,20 @@ def test_every_engine_argument_is_type_checked(ckpt):
                 Engine(**{"model_path": ckpt, f.name: bad})
             checked += 1
     assert checked > 3 * len(dataclasses.fields(oe.ServerArgs))
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_a_request_that_can_never_fit_the_pool_is_refused_not_truncated(ckpt, overlap_off):
+    """max_new_tokens is capped to the context only. A 299-token prompt asking for 50 tokens from a
+    300-slot pool (the context is 512) used to return after 1 token (finish_reason length 1); now it is
+    refused, clearly."""
+    with make_engine(ckpt, overlap_off, max_total_tokens=300) as e:
+        with pytest.raises(ValueError, match="max_new_tokens=50.*KV pool"):
+            e.add_request(input_ids=[7] * 299, sampling_params={"max_new_tokens": 50})
+        out = e.generate(input_ids=[7] * 250, sampling_params={"max_new_tokens": 50, "temperature": 0,
+                                                               "ignore_eos": True})  # 300 in all: fits
+        assert len(out["output_ids"]) == 50
+        e.check_invariants()
 
 
 def test_triton_on_cpu_beside_a_gpu_needs_the_interpreter(ckpt, monkeypatch):
