@@ -4,6 +4,7 @@ Benchmarks for overlap_engine. One subcommand per benchmark:
   python bench.py sim --timeline timeline.png  # real scheduler, simulated device: step time vs max(G, C)
   python bench.py overhead           # host microseconds per running request per decode step, zero-cost device
   python bench.py throughput         # SmolLM2 on CPU: overlap vs serial vs transformers generate
+  python bench.py mixed              # decode ITL while a long prompt prefills: enable_mixed_chunk off/on
   python bench.py kernels            # decode attention: achieved HBM GB/s vs torch SDPA (needs CUDA)
   python bench.py all --quick        # a small version of everything (a test runs this)
 
@@ -236,7 +237,9 @@ def cmd_all(args):
             "overhead": cmd_overhead(ns(batches=OVERHEAD_BATCHES)),
             "throughput": cmd_throughput(ns(model_path=None, requests=TP_REQUESTS, input=TP_INPUT,
                                             output=TP_OUTPUT, seed=TP_SEED, max_total_tokens=24576,
-                                            hf_batch=1, no_hf=False, repeat=1))}
+                                            hf_batch=1, no_hf=False, repeat=1)),
+            "mixed": cmd_mixed(ns(model_path=None, decoders=MIXED_DECODERS, prompt=MIXED_PROMPT,
+                                  chunk=MIXED_CHUNK, output=MIXED_OUTPUT, seed=TP_SEED))}
 
 
 def tiny_checkpoint():
@@ -364,6 +367,10 @@ def cmd_overhead(args):
 TP_REQUESTS, TP_INPUT, TP_OUTPUT = 64, "32,256", 64
 TP_SEED = 0
 PREFIX_REQUESTS, PREFIX_LEN, PREFIX_TAIL = 64, 1024, 32
+MIXED_DECODERS = 16     # requests decoding when the long prompt arrives
+MIXED_PROMPT = 2048     # tokens of that prompt, prefilled in chunks
+MIXED_CHUNK = 256       # chunked_prefill_size
+MIXED_OUTPUT = 64       # tokens each decoding request generates
 
 
 def pct(xs, q):
@@ -511,6 +518,61 @@ def prefix_run(path, args, vocab, kw) -> dict:
     return out
 
 
+def cmd_mixed(args):
+    """Requests decode; a long prompt arrives and is prefilled in chunks. Without mixed chunks each chunk
+    step stalls the decoders; with them every step carries their next tokens too."""
+    path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
+    n, plen = (4, 64) if args.quick else (args.decoders, args.prompt)
+    chunk, out_len = (16, 24) if args.quick else (args.chunk, args.output)
+    results = {}
+    for name, mixed in (("mixed chunks off", False), ("mixed chunks on", True)):
+        with oe.Engine(model_path=path, device="cpu", dtype="float32", chunked_prefill_size=chunk,
+                       max_prefill_tokens=chunk, enable_mixed_chunk=mixed,
+                       max_total_tokens=n * (out_len + 40) + plen + 64) as e:
+            results[name] = itl_during_prefill(e, n, plen, out_len, args.seed)
+    print(f"## mixed: {n} requests decode while a {plen}-token prompt prefills in chunks of {chunk}")
+    print("| run | decode ITL p50 ms (whole run) | ITL p99 ms during the prefill | ITL max ms during the "
+          "prefill | long prompt TTFT s | mixed steps |")
+    print("|---|---|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['itl_p50_ms']:.1f} | {r['prefill_itl_p99_ms']:.1f} | "
+              f"{r['prefill_itl_max_ms']:.1f} | {r['long_ttft_s']:.2f} | {r['mixed_steps']} |")
+    return results
+
+
+def itl_during_prefill(engine, n, plen, out_len, seed) -> dict:
+    """Token commit times of n decoding requests, with a plen-token prompt arriving after their 4th token."""
+    from tqdm import tqdm
+    vocab = engine.model_config.vocab_size
+    sp = {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True}
+    prompts = random_requests(n, 16, 32, seed, vocab)
+    rids = [engine.add_request(input_ids=r, sampling_params=sp) for r in prompts]
+    reqs = [engine._reqs[rid] for rid in rids]  # watched directly: step() reports only finished requests
+    times = [[] for _ in reqs]
+    long_req, t_arrive, t_first = None, None, None
+    bar = tqdm(total=n * out_len, desc="mixed chunks " + ("on" if engine.server_args.enable_mixed_chunk
+                                                          else "off"), leave=False, unit="tok")
+    while any(not r.finished() for r in reqs) or (long_req is not None and not long_req.finished()):
+        engine.step()
+        now = time.perf_counter()
+        for r, ts in zip(reqs, times):
+            bar.update(len(r.output_ids) - len(ts))
+            ts += [now] * (len(r.output_ids) - len(ts))
+        if long_req is None and min(map(len, times)) >= 4:
+            prompt = random_requests(1, plen, plen, seed + 1, vocab)[0]
+            rid = engine.add_request(input_ids=prompt, sampling_params={"max_new_tokens": 1})
+            long_req, t_arrive = engine._reqs[rid], time.perf_counter()
+        if long_req is not None and t_first is None and long_req.output_ids:
+            t_first = now
+    bar.close()
+    itl = [b - a for ts in times for a, b in zip(ts, ts[1:])]
+    during = [b - a for ts in times for a, b in zip(ts, ts[1:]) if t_arrive < b and a < t_first]
+    steps = engine.stats()["steps"]
+    return {"itl_p50_ms": 1e3 * pct(itl, 50), "prefill_itl_p99_ms": 1e3 * pct(during, 99),
+            "prefill_itl_max_ms": 1e3 * max(during, default=float("nan")), "long_ttft_s": t_first - t_arrive,
+            "mixed_steps": sum(s["forward_mode"] == "mixed" for s in steps)}
+
+
 # ----------------------------------------------------------------------------------------------
 # command line
 
@@ -564,11 +626,21 @@ def main():
     t.add_argument("--quick", action="store_true")
     t.set_defaults(fn=cmd_throughput)
 
-    a = sub.add_parser("all", help="sim, overhead and throughput (with --quick: a small version, ~1 min)")
+    m = sub.add_parser("mixed", help="decode ITL while a long prompt prefills, mixed chunks off and on")
+    m.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    m.add_argument("--decoders", type=int, default=MIXED_DECODERS)
+    m.add_argument("--prompt", type=int, default=MIXED_PROMPT, help="tokens of the long prompt")
+    m.add_argument("--chunk", type=int, default=MIXED_CHUNK, help="chunked_prefill_size")
+    m.add_argument("--output", type=int, default=MIXED_OUTPUT)
+    m.add_argument("--seed", type=int, default=TP_SEED)
+    m.add_argument("--quick", action="store_true")
+    m.set_defaults(fn=cmd_mixed)
+
+    a = sub.add_parser("all", help="sim, overhead, throughput and mixed (--quick: a small version, ~1 min)")
     a.add_argument("--quick", action="store_true")
     a.set_defaults(fn=cmd_all)
 
-    for sp in (sm, o, t, a):
+    for sp in (sm, o, t, m, a):
         sp.add_argument("--json", default=None, help="also write the results as JSON here")
     args = p.parse_args()
     result = args.fn(args)

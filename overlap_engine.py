@@ -90,12 +90,14 @@ import torch.nn.functional as F
 
 class ForwardMode(enum.Enum):
     """What a step computes. EXTEND feeds prompt tokens (a prefill chunk, after any cached prefix);
-    DECODE feeds each request its last sampled token."""
+    DECODE feeds each request its last sampled token; MIXED does both in one forward, prefill rows first
+    (enable_mixed_chunk). Attention treats MIXED as EXTEND: a decode row is an extend of one token."""
     EXTEND = "extend"
     DECODE = "decode"
+    MIXED = "mixed"
 
     def is_extend(self) -> bool:
-        return self is ForwardMode.EXTEND
+        return self is not ForwardMode.DECODE
 
     def is_decode(self) -> bool:
         return self is ForwardMode.DECODE
@@ -221,11 +223,12 @@ class Req:
 class ForwardBatch:
     """The host-side plan of one step, handed to the device stream: host tensors and lists only."""
     forward_mode: ForwardMode
-    input_ids: Optional[torch.Tensor]  # (N,) tokens fed; None: decode inputs come from the FutureMap
-    positions: torch.Tensor            # (N,)
+    input_ids: torch.Tensor            # the tokens fed that the host knows (prompts; decode in serial mode)
+    future_input_rows: Optional[torch.Tensor]  # overlap decode rows: inputs gathered from the FutureMap
+    positions: torch.Tensor            # (N,) N = len(input_ids) + len(future_input_rows)
     req_pool_indices: torch.Tensor     # (B,) each request's row
     seq_lens: list                     # (B,) KV length of each request after this step
-    prefix_lens: list                  # extend: (B,) positions already in the pool; decode: []
+    prefix_lens: list                  # (B,) positions already in the pool (used by extend attention)
     extend_lens: list                  # (B,) tokens fed per request (1 in decode)
     out_cache_loc: torch.Tensor        # (N,) slots this step writes
     req_to_token_writes: tuple         # (rows, cols, slots): req_to_token[rows, cols] = slots, in the step
@@ -242,6 +245,7 @@ class BatchSnapshot:
     epochs: list              # a request whose epoch moved on (retracted) skips this result
     seq_lens: list            # KV length each request reaches with this step
     is_last_chunk: list       # extend: False for a chunk that is not the end of the prompt
+    n_prefill: int            # reqs[:n_prefill] are prefill rows, the rest decode rows
 
 
 class ScheduleBatch:
@@ -253,6 +257,7 @@ class ScheduleBatch:
         self.merged = False  # an extend batch joins the running batch once
         self.seq_lens: list = []
         self.is_last_chunk: list = []
+        self.n_prefill = 0  # reqs[:n_prefill] feed prompt chunks, the others decode
 
     def is_empty(self) -> bool:
         return not self.reqs
@@ -265,7 +270,7 @@ class ScheduleBatch:
 
     def copy(self) -> BatchSnapshot:
         return BatchSnapshot(self.forward_mode, list(self.reqs), [r.epoch for r in self.reqs],
-                             list(self.seq_lens), list(self.is_last_chunk))
+                             list(self.seq_lens), list(self.is_last_chunk), self.n_prefill)
 
     def prepare_for_decode(self, use_future_map: bool):
         """One new slot per request. In overlap mode the input token is still in flight: leave input_ids
@@ -280,12 +285,15 @@ class ScheduleBatch:
             r.kv_allocated_len += 1
         self.seq_lens = (pos + 1).tolist()
         self.is_last_chunk = [True] * B
-        ids = None
-        if not use_future_map:
-            ids = torch.tensor([r.output_ids[-1] for r in self.reqs], dtype=torch.int64)
+        self.n_prefill = 0
+        if use_future_map:
+            ids, future_rows = torch.empty(0, dtype=torch.int64), rows
+        else:
+            ids, future_rows = torch.tensor([r.output_ids[-1] for r in self.reqs], dtype=torch.int64), None
         self.fb = self.forward_batch(
-            input_ids=ids, positions=pos, req_pool_indices=rows, prefix_lens=[], extend_lens=[1] * B,
-            out_cache_loc=loc, req_to_token_writes=(rows, pos, loc), logit_rows=torch.arange(B))
+            input_ids=ids, future_input_rows=future_rows, positions=pos, req_pool_indices=rows,
+            prefix_lens=pos.tolist(), extend_lens=[1] * B, out_cache_loc=loc,
+            req_to_token_writes=(rows, pos, loc), logit_rows=torch.arange(B))
 
     def prepare_for_extend(self):
         """Each request's chunk gets KV slots; on its first chunk the request also gets a row, which
@@ -313,11 +321,32 @@ class ScheduleBatch:
             extend_lens.append(ext)
         self.seq_lens = [r.kv_allocated_len for r in self.reqs]
         self.is_last_chunk = [r.kv_allocated_len == len(r.fill_ids) for r in self.reqs]
+        self.n_prefill = len(self.reqs)
         self.fb = self.forward_batch(
-            input_ids=torch.tensor(ids, dtype=torch.int64), positions=torch.cat(positions),
+            input_ids=torch.tensor(ids, dtype=torch.int64), future_input_rows=None,
+            positions=torch.cat(positions),
             req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64),
             prefix_lens=prefix_lens, extend_lens=extend_lens, out_cache_loc=torch.cat(out_loc),
             req_to_token_writes=(torch.cat(rows), torch.cat(cols), torch.cat(slots)),
+            logit_rows=torch.tensor(extend_lens).cumsum(0) - 1)
+
+    def mix_with_running(self, running: ScheduleBatch):
+        """enable_mixed_chunk: the running requests' decode step (planned by prepare_for_decode) rides in
+        this prefill batch, so a long prompt does not starve them: prefill rows first, then decode rows,
+        one forward. In overlap mode the decode rows' inputs still come from the FutureMap."""
+        ext, dec = self.fb, running.fb
+        self.forward_mode = ForwardMode.MIXED
+        self.reqs = self.reqs + running.reqs
+        self.seq_lens = self.seq_lens + running.seq_lens
+        self.is_last_chunk = self.is_last_chunk + running.is_last_chunk
+        extend_lens = ext.extend_lens + dec.extend_lens
+        writes = tuple(torch.cat(pair) for pair in zip(ext.req_to_token_writes, dec.req_to_token_writes))
+        self.fb = self.forward_batch(
+            input_ids=torch.cat((ext.input_ids, dec.input_ids)), future_input_rows=dec.future_input_rows,
+            positions=torch.cat((ext.positions, dec.positions)),
+            req_pool_indices=torch.cat((ext.req_pool_indices, dec.req_pool_indices)),
+            prefix_lens=ext.prefix_lens + dec.prefix_lens, extend_lens=extend_lens,
+            out_cache_loc=torch.cat((ext.out_cache_loc, dec.out_cache_loc)), req_to_token_writes=writes,
             logit_rows=torch.tensor(extend_lens).cumsum(0) - 1)
 
     def forward_batch(self, **fields) -> ForwardBatch:
@@ -347,14 +376,17 @@ class PrefillAdder:
     rem_input_tokens: max_prefill_tokens; rem_chunk_tokens: chunked_prefill_size (one chunked request).
     """
 
-    def __init__(self, scheduler: Scheduler, running: list):
+    def __init__(self, scheduler: Scheduler, running: list, mixed_decode_tokens: int = 0):
         self.scheduler = scheduler
         args = scheduler.server_args
         running = [r for r in running if not r.finished()]  # finished ones leave at the next filter
         reserved = sum(self.decode_reserve(r) for r in running)
-        self.rem_total_tokens = scheduler.kv_available() - reserved
-        self.rem_input_tokens = args.max_prefill_tokens
-        self.rem_chunk_tokens = args.chunked_prefill_size if args.chunked_prefill_size > 0 else None
+        # a mixed batch also carries one decode token per running request: they share every budget
+        self.rem_total_tokens = scheduler.kv_available() - reserved - mixed_decode_tokens
+        self.rem_input_tokens = args.max_prefill_tokens - mixed_decode_tokens
+        self.rem_chunk_tokens = None
+        if args.chunked_prefill_size > 0:
+            self.rem_chunk_tokens = max(args.chunked_prefill_size - mixed_decode_tokens, 0)
         self.rem_rows = min(scheduler.req_to_token_pool.available_size(),
                             args.max_running_requests - len(running))
         self.can_run_list: list[Req] = []
@@ -765,8 +797,11 @@ class ModelWorker:
         dev = self.device
         to = lambda t: to_device(t, dev)  # noqa: E731
         rows = to(fb.req_pool_indices)
-        # the decode input of overlap mode: the previous step's token, materialized in the FutureMap
-        input_ids = self.future_map.resolve(rows) if fb.input_ids is None else to(fb.input_ids)
+        input_ids = to(fb.input_ids)  # (N,) or the prefill part of a mixed batch; empty for overlap decode
+        if fb.future_input_rows is not None:
+            # the decode inputs of overlap mode: the previous step's tokens, materialized in the FutureMap
+            tails = self.future_map.resolve(to(fb.future_input_rows))
+            input_ids = torch.cat((input_ids, tails)) if len(fb.input_ids) else tails
         write_rows, write_cols, write_slots = fb.req_to_token_writes
         self.req_to_token_pool.req_to_token[to(write_rows), to(write_cols)] = to(write_slots).to(torch.int32)
         self.attn.init_forward_metadata(ForwardMetadata(
@@ -941,8 +976,8 @@ class Scheduler:
             if r.finished():
                 self.release_kv_cache(r, insert=True)
                 self.finished_outputs.append(r.output())
-            elif batch.forward_mode.is_extend():
-                self.cache_unfinished_req(r)
+            elif i < batch.n_prefill:
+                self.cache_unfinished_req(r)  # a prompt just prefilled: share it
 
     def release_kv_cache(self, r: Req, insert: bool):
         """Gives back a request's KV by allocated length (overshoot and tail included) and its row.
@@ -990,7 +1025,9 @@ class Scheduler:
         (lpm: longest cached prefix first), as many as the PrefillAdder's budgets admit."""
         if not self.waiting and self.chunked_req is None:
             return None
-        adder = PrefillAdder(self, self.running_batch.reqs)
+        decoding = [r for r in self.running_batch.reqs if r.needs_decode()]
+        mixed = len(decoding) if self.server_args.enable_mixed_chunk else 0  # decode rows to ride along
+        adder = PrefillAdder(self, self.running_batch.reqs, mixed_decode_tokens=mixed)
         if self.chunked_req is not None and not adder.add_chunked_req(self.chunked_req):
             return None
         lpm = self.schedule_policy == "lpm"
@@ -1019,13 +1056,26 @@ class Scheduler:
         self.chunked_req = adder.new_chunked_req
         batch = ScheduleBatch(adder.can_run_list, ForwardMode.EXTEND, self)
         batch.prepare_for_extend()
+        if mixed:
+            self.mix_running_batch_into(batch)
         return batch
+
+    def mix_running_batch_into(self, batch: ScheduleBatch):
+        """enable_mixed_chunk: the running batch's next decode step joins this prefill batch (its KV was
+        kept by the PrefillAdder); the running batch empties and is merged back from last_batch."""
+        rb = self.running_batch
+        rb.filter(Req.needs_decode)
+        if rb.is_empty() or self.kv_available() < len(rb.reqs):
+            return
+        rb.prepare_for_decode(use_future_map=self.enable_overlap)
+        batch.mix_with_running(rb)
+        self.running_batch = ScheduleBatch([], ForwardMode.DECODE, self)
 
     def prompts_being_prefilled(self, planned: list) -> RadixCache:
         """A scratch tree of the prompts whose KV will soon be in the cache: those in in-flight prefills
         and those already planned into this batch (a chunked prompt's next chunk)."""
         pending = RadixCache(None)
-        in_flight = [r for snap, _ in self.result_queue if snap.forward_mode.is_extend() for r in snap.reqs]
+        in_flight = [r for snap, _ in self.result_queue for r in snap.reqs[:snap.n_prefill]]
         for r in in_flight + planned:
             pending.insert(r.fill_ids, torch.empty(len(r.fill_ids), dtype=torch.int64))
         return pending
@@ -1210,6 +1260,7 @@ class ServerArgs:
     max_prefill_tokens: int = arg(8192, "token budget of one prefill batch")
     chunked_prefill_size: int = arg(2048, "longest prefill chunk of one request; -1: no chunking")
     disable_radix_cache: bool = arg(False, "no prefix sharing between requests")
+    enable_mixed_chunk: bool = arg(False, "a prefill batch also carries the running requests' decode step")
     schedule_policy: str = arg("lpm", "lpm: longest cached prefix first; fcfs: arrival order",
                                ("lpm", "fcfs"))
     schedule_conservativeness: float = arg(1.0, "scales the decode headroom kept when admitting; 0: none")
@@ -2378,6 +2429,7 @@ CLI_GROUPS = {
     "model": ("model_path", "device", "dtype", "attention_backend", "context_length"),
     "memory and scheduling": ("disable_overlap_schedule", "max_total_tokens", "max_running_requests",
                               "max_prefill_tokens", "chunked_prefill_size", "disable_radix_cache",
+                              "enable_mixed_chunk",
                               "schedule_policy", "schedule_conservativeness", "mem_fraction_static"),
     "sampling": ("random_seed",),
     "debugging": ("debug_future_map", "debug_ledger", "worker_jitter_ms"),

@@ -261,6 +261,23 @@ def test_retraction_recomputes_same_tokens(ckpt, overlap_off):
 
 
 @pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+@pytest.mark.parametrize("config", ["chunked", "squeezed"])
+def test_mixed_chunks_give_the_reference_tokens(ckpt, mixed_workload, overlap_off, config):
+    """enable_mixed_chunk: prefill chunks and the running decodes share batches (ForwardMode.MIXED),
+    with chunked prefill and with a pool small enough to retract; the tokens stay the reference's."""
+    wl, expected = mixed_workload
+    with make_engine(ckpt, overlap_off, enable_mixed_chunk=True, **CONFIGS[config]) as e:
+        outs = run_workload(e, wl)
+        e.check_invariants()
+        stats = e.stats()
+    assert [o["output_ids"] for o in outs] == expected
+    mixed = [s for s in stats["steps"] if s["forward_mode"] == "mixed"]
+    assert len(mixed) >= 2, [s["forward_mode"] for s in stats["steps"]]
+    if config == "squeezed":
+        assert stats["retractions"] > 0
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
 def test_retraction_with_a_step_in_flight(ckpt, overlap_off, monkeypatch):
     """Under memory pressure the overlap loop retracts with the previous step still in flight (no sync
     first) and skips the retracted requests' late results by epoch; both loops give the tokens of an
@@ -524,6 +541,7 @@ def workloads(draw):
         "chunked_prefill_size": draw(st.sampled_from([-1, 3, 8, 32])),
         "max_prefill_tokens": draw(st.sampled_from([16, 64, 8192])),
         "disable_radix_cache": draw(st.booleans()),
+        "enable_mixed_chunk": draw(st.booleans()),
         "schedule_policy": draw(st.sampled_from(["lpm", "fcfs"])),
         "schedule_conservativeness": draw(st.sampled_from([0.0, 1.0])),
         "worker_jitter_ms": draw(st.sampled_from([0.0, 0.0, 1.0])),
@@ -1083,13 +1101,15 @@ def test_kernel_extend_then_decode_equals_one_longer_extend():
 
 
 @pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_triton_backend_matches_torch_backend(ckpt, overlap_off):
-    """The engine end to end with attention_backend=triton: same tokens as the torch backend."""
+@pytest.mark.parametrize("mixed", [False, True], ids=["", "mixed"])
+def test_triton_backend_matches_torch_backend(ckpt, overlap_off, mixed):
+    """The engine end to end with attention_backend=triton: same tokens as the torch backend (with mixed
+    chunks, decode rows go through the extend kernel)."""
     wl = greedy_workload(random_prompts(3, seed=91, lo=3, hi=14, shared=[9, 8, 7, 6, 5, 4, 3, 2]), [4, 3, 5])
     outs = {}
     for backend in ("torch", "triton"):
         with make_engine(ckpt, overlap_off, device=DEVICE, attention_backend=backend,
-                         chunked_prefill_size=6) as e:
+                         chunked_prefill_size=6, enable_mixed_chunk=mixed) as e:
             outs[backend] = [o["output_ids"] for o in run_workload(e, wl)]
             e.check_invariants()
     assert outs["triton"] == outs["torch"] == expected_greedy(ckpt, wl)
@@ -1981,13 +2001,15 @@ def test_openmp_spin_set_by_a_restart_never_by_import_and_never_over_the_user():
 
 
 def test_bench_quick_runs(tmp_path):
-    """bench.py all --quick: sim, overhead and throughput on a tiny model keep working."""
+    """bench.py all --quick: sim, overhead, throughput and mixed on a tiny model keep working."""
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "bench.py", "all", "--quick", "--json", str(out)],
                        capture_output=True, text=True, timeout=300,
                        cwd=os.path.dirname(os.path.abspath(__file__)))
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
-    assert {"sim", "overhead", "throughput"} <= set(res)
+    assert {"sim", "overhead", "throughput", "mixed"} <= set(res)
     assert all(row["overlap_ms"] > 0 for row in res["sim"])
-    assert "overlap / max(G,C)" in r.stdout and "TTFT p50" in r.stdout
+    assert "overlap / max(G,C)" in r.stdout and "TTFT p50" in r.stdout and "ITL p99" in r.stdout
+    mixed = res["mixed"]
+    assert mixed["mixed chunks on"]["mixed_steps"] > 0 == mixed["mixed chunks off"]["mixed_steps"]
