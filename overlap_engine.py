@@ -34,7 +34,7 @@ Reading guide: the sections, in the order they teach.
     CPU tuning, CLI           allocator and OpenMP settings; the chat and one-shot prompts
 
 One decode step in the overlap loop, function by function, with the moment each one works in
-(a sync point in 1 or 3 may commit step n early; then 7 has nothing to do):
+(planning never waits for the device; only 7 does):
 
     Scheduler.event_loop_overlap                      step n is in flight; this iteration plans n+1, commits n
     1 get_next_batch_to_run                planned    from committed state plus last_batch (step n)
@@ -131,8 +131,9 @@ class Req:
     While a request holds a row: cache_protected_len <= kv_committed_len <= kv_allocated_len, and
     kv_allocated_len <= len(fill_ids) + 1 (in overlap mode one planned token is not committed yet).
     After a prompt's last chunk and at every decode commit, kv_committed_len == len(fill_ids) - 1: the
-    newest token's KV is written by the step that feeds it. Retraction resets both KV counters to 0,
-    and a result launched in an older epoch is stale at commit.
+    newest token's KV is written by the step that feeds it; in the middle of a prompt it counts the
+    chunks committed so far (what cache_unfinished_req may share). Retraction resets both KV counters
+    to 0, and a result launched in an older epoch is stale at commit.
     """
 
     def __init__(self, rid: str, input_ids: list, sp: SamplingParams, seed: int, eos_ids: tuple):
