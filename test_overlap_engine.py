@@ -300,6 +300,30 @@ def test_retraction_with_a_step_in_flight(ckpt, overlap_off, monkeypatch):
         assert max(in_flight) == 1 and stats["stale_results"] > 0, (in_flight, stats["stale_results"])
 
 
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_retraction_picks_victims_in_sglang_order(ckpt, overlap_off, monkeypatch):
+    """Victims go in SGLang's order: the fewest committed output tokens first, then the longest prompt;
+    not simply the last request of the running batch (here the 25-token prompt, not the 30-token one)."""
+    victims, real_retract = [], oe.Scheduler.retract
+
+    def spy(self, r):
+        others = [x for x in self.running_batch.reqs if x is not r]
+        victims.append(((len(r.output_ids), -len(r.origin_input_ids)),
+                        [(len(x.output_ids), -len(x.origin_input_ids)) for x in others]))
+        real_retract(self, r)
+    monkeypatch.setattr(oe.Scheduler, "retract", spy)
+    prompts = [random_prompts(1, seed=160 + n, lo=n, hi=n)[0] for n in (10, 30, 20, 25)]
+    wl = greedy_workload(prompts, [12] * 4)
+    with make_engine(ckpt, overlap_off, max_total_tokens=100, schedule_conservativeness=0.0,
+                     chunked_prefill_size=-1, schedule_policy="fcfs") as e:
+        outs = run_workload(e, wl)
+        e.check_invariants()
+    assert [o["output_ids"] for o in outs] == expected_greedy(ckpt, wl)
+    assert victims, "the pool should force a retraction"
+    assert victims[0][0] == (victims[0][0][0], -30)
+    assert all(key <= min(others, default=key) for key, others in victims), victims
+
+
 INTERRUPT_POINTS = {  # where a KeyboardInterrupt lands: (class, method, before or after the real call)
     "waiting for a result": (oe.StepHandle, "wait", "before"),
     "before the launch": (oe.ModelWorker, "launch", "before"),
