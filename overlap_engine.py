@@ -66,6 +66,7 @@ import platform
 import queue
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -274,8 +275,8 @@ class ScheduleBatch:
                              list(self.seq_lens), list(self.is_last_chunk), self.n_prefill)
 
     def prepare_for_decode(self, use_future_map: bool):
-        """One new slot per request. In overlap mode the input token is still in flight: leave input_ids
-        None and let the step gather it from the FutureMap on the device."""
+        """One new slot per request. In overlap mode the input token is still in flight: input_ids stays
+        empty and future_input_rows tells the step to gather the tokens from the FutureMap."""
         req_to_token = self.scheduler.req_to_token_pool.req_to_token_host  # (rows, ctx)
         B = len(self.reqs)
         rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)     # (B,)
@@ -375,6 +376,7 @@ class PrefillAdder:
 
     rem_total_tokens: free + evictable KV minus the headroom reserved for the running requests' decode;
     rem_input_tokens: max_prefill_tokens; rem_chunk_tokens: chunked_prefill_size (one chunked request).
+    With mixed chunks, the decode rows that ride along take one token of each budget per request.
     """
 
     def __init__(self, scheduler: Scheduler, running: list, mixed_decode_tokens: int = 0):
@@ -922,7 +924,8 @@ class Scheduler:
 
     def merge_prefilled_requests(self):
         """Prompts whose last chunk was in last_batch join the running batch (once; a chunk in the
-        middle of a prompt does not). Their first output token may still be in flight."""
+        middle of a prompt does not), and so do the decode rows of a mixed last_batch, which took them
+        out of it. Their latest output token may still be in flight."""
         last = self.last_batch
         if last is None or not last.forward_mode.is_extend() or last.merged:
             return
@@ -1003,8 +1006,9 @@ class Scheduler:
         self.worker.poison_row(row)  # last: on a broken device stream it raises, with the books settled
 
     def cache_unfinished_req(self, r: Req):
-        """After a prompt is prefilled (and committed), publish its KV to the radix cache so later
-        requests share it; the request then holds the tree's slots, locked, instead of private ones."""
+        """After each committed chunk of a prompt, the last one included, publish its KV to the radix
+        cache so later requests share it; the request then holds the tree's slots, locked, instead of
+        private ones."""
         if self.tree_cache.disable:
             return
         k, row = r.kv_committed_len, r.req_pool_idx
@@ -1026,8 +1030,9 @@ class Scheduler:
         (lpm: longest cached prefix first), as many as the PrefillAdder's budgets admit."""
         if not self.waiting and self.chunked_req is None:
             return None
-        decoding = [r for r in self.running_batch.reqs if r.needs_decode()]
-        mixed = len(decoding) if self.server_args.enable_mixed_chunk else 0  # decode rows to ride along
+        mixed = 0  # decode rows to ride along (enable_mixed_chunk)
+        if self.server_args.enable_mixed_chunk:
+            mixed = sum(r.needs_decode() for r in self.running_batch.reqs)
         adder = PrefillAdder(self, self.running_batch.reqs, mixed_decode_tokens=mixed)
         if self.chunked_req is not None and not adder.add_chunked_req(self.chunked_req):
             return None
@@ -1108,19 +1113,21 @@ class Scheduler:
         """The pool cannot give every running request its next slot. No sync first: a step may be in
         flight, and what it frees is used one iteration later. A half-prefilled prompt gives way first;
         then running requests are retracted (recomputed later) in SGLang's order, fewest output tokens
-        first, then the longest prompt. A request alone that still cannot grow is aborted. False:
-        nothing is left to decode."""
+        first, then the longest prompt. False: no decode step this iteration."""
         rb = self.running_batch
         if self.chunked_req is not None and self.chunked_req.req_pool_idx is not None:
             r, self.chunked_req = self.chunked_req, None
             self.retract(r)
         rb.reqs.sort(key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
         while self.kv_available() < len(rb.reqs):
-            if len(rb.reqs) == 1:
+            if len(rb.reqs) > 1:
+                self.retract(rb.reqs.pop())
+            elif self.result_queue:
+                return False  # alone, it fits the pool (add_request checked): the commit frees the rest
+            else:  # nothing in flight holds the memory it needs: never spin
                 self.abort_req(rb.reqs[0], "the KV pool is too small for this request")
                 rb.filter(Req.needs_decode)
                 return False
-            self.retract(rb.reqs.pop())
         return True
 
     def plan_when_blocked(self) -> Optional[ScheduleBatch]:
@@ -1279,6 +1286,8 @@ class ServerArgs:
         for f in dataclasses.fields(self):
             v, kind = getattr(self, f.name), f.type.removeprefix("Optional[").rstrip("]")
             optional = f.type.startswith("Optional[")
+            if kind == "int" and _is_int(v) and not -2**63 <= v < 2**63:
+                raise ValueError(f"{f.name}: an integer of {len(str(abs(v)))} digits does not fit in 64 bits")
             if not (is_type[kind](v) or (v is None and optional)):
                 want = "a finite number" if kind == "float" else f"of type {kind}"
                 raise ValueError(f"{f.name}={v!r} must be {want}{' or None' if optional else ''}")
@@ -1379,6 +1388,26 @@ class SamplingParams:
         seed = self.sampling_seed
         if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
             bad("sampling_seed", "must be an integer in [0, 2**63) or None")
+
+
+@contextlib.contextmanager
+def ctrl_c_after_the_iteration():
+    """Holds a Ctrl-C (SIGINT) that arrives during a scheduler iteration until the iteration ends, so it
+    never lands half-way through a plan or a commit; then it is raised as usual (KeyboardInterrupt).
+    Signals reach the main thread only, so elsewhere there is nothing to hold."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught and callable(previous):
+        previous(signal.SIGINT, caught[0])  # Python's default handler raises KeyboardInterrupt
+    elif caught and previous != signal.SIG_IGN:
+        raise KeyboardInterrupt
 
 
 class Engine:
@@ -1521,7 +1550,8 @@ class Engine:
         if self._closed:
             raise RuntimeError("the engine was shut down")
         try:
-            next(self._loop)
+            with ctrl_c_after_the_iteration():
+                next(self._loop)
         except BaseException:
             self._loop = self._new_loop()  # a generator that raised is finished: start a fresh one
             raise

@@ -260,6 +260,45 @@ def test_retraction_recomputes_same_tokens(ckpt, overlap_off):
     assert [o["output_ids"] for o in outs] == expected_greedy(ckpt, wl)
 
 
+CTRL_C_POINTS = {  # a real SIGINT sent from inside planning and committing code
+    "planning a decode step": (oe.ScheduleBatch, "prepare_for_decode"),
+    "mixing decodes into a prefill": (oe.ScheduleBatch, "mix_with_running"),
+    "building a step's plan": (oe.ScheduleBatch, "forward_batch"),
+    "committing a token": (oe.Req, "update_finish_state"),
+}
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+@pytest.mark.parametrize("point", list(CTRL_C_POINTS))
+def test_ctrl_c_is_held_until_the_iteration_ends(ckpt, monkeypatch, overlap_off, point):
+    """Ctrl-C in the middle of a plan or a commit would leave it half done; it is raised when the
+    iteration ends instead, and stepping on gives every request the reference tokens."""
+    import signal
+    cls, name = CTRL_C_POINTS[point]
+    real, calls = getattr(cls, name), []
+
+    def ctrl_c(*args, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kw)
+    monkeypatch.setattr(cls, name, ctrl_c)
+    wl = greedy_workload(random_prompts(5, seed=171, lo=3, hi=20), [7, 3, 9, 5, 6])
+    with make_engine(ckpt, overlap_off, enable_mixed_chunk=True, chunked_prefill_size=8) as e:
+        rids = [e.add_request(input_ids=p, sampling_params=sp) for p, sp in wl]
+        done, interrupts = {}, 0
+        for _ in range(200):
+            try:
+                done.update({o["meta_info"]["id"]: o for o in e.step()})
+            except KeyboardInterrupt:
+                interrupts += 1
+            if len(done) == len(rids):
+                break
+        assert interrupts == 1 and len(calls) >= 3
+        e.check_invariants()
+    assert [done[r]["output_ids"] for r in rids] == expected_greedy(ckpt, wl)
+
+
 @pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
 @pytest.mark.parametrize("config", ["chunked", "squeezed"])
 def test_mixed_chunks_give_the_reference_tokens(ckpt, mixed_workload, overlap_off, config):
@@ -322,6 +361,18 @@ def test_retraction_picks_victims_in_sglang_order(ckpt, overlap_off, monkeypatch
     assert victims, "the pool should force a retraction"
     assert victims[0][0] == (victims[0][0][0], -30)
     assert all(key <= min(others, default=key) for key, others in victims), victims
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_a_request_alone_waits_for_memory_a_step_in_flight_frees(ckpt, overlap_off):
+    """B's last token is in flight when A, now alone in the running batch, finds the pool full: A must
+    wait for that step's commit (which frees B's KV), not be aborted as too big for the pool."""
+    wl = greedy_workload(random_prompts(2, seed=170, lo=10, hi=10), [20, 8])
+    with make_engine(ckpt, overlap_off, max_total_tokens=34, schedule_conservativeness=0.0) as e:
+        outs = run_workload(e, wl)
+        e.check_invariants()
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["length", "length"]
+    assert [o["output_ids"] for o in outs] == expected_greedy(ckpt, wl)
 
 
 INTERRUPT_POINTS = {  # where a KeyboardInterrupt lands: (class, method, before or after the real call)
@@ -603,8 +654,8 @@ def test_random_workloads_match_an_unconstrained_serial_run(ckpt, wl):
         if i in too_big:
             continue
         out = done[rids[i]]
-        if out["meta_info"]["finish_reason"]["type"] == "abort":
-            assert abort_at is not None or "KV pool" in out["meta_info"]["finish_reason"].get("message", "")
+        if out["meta_info"]["finish_reason"]["type"] == "abort":  # only when asked: admitted ones fit
+            assert abort_at is not None, out["meta_info"]["finish_reason"]
             assert out["output_ids"] == expected[i][:len(out["output_ids"])]
         else:
             assert out["output_ids"] == expected[i]
@@ -1685,7 +1736,7 @@ def first_printable_stop(free, start=1):
     for i in range(start, len(free)):
         if 32 <= free[i] < 127 and free[i] not in free[:i] and 257 not in free[:i + 1]:
             return i
-    pytest.skip("the random model emits no printable first-time token here")  # never seen with seed 0
+    raise AssertionError("the random model emits no printable first-time token here: pick another prompt")
 
 
 @pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
@@ -1818,8 +1869,8 @@ def test_bad_engine_arguments(ckpt):
         Engine(model_path=os.path.dirname(ckpt) + "/nope")
 
 
-WRONG_TYPES = {"bool": ["no", 1, None], "int": [2.5, "16", True, None], "float": ["x", True, None, 10**400],
-               "str": [5, True, None]}
+WRONG_TYPES = {"bool": ["no", 1, None], "int": [2.5, "16", True, None, 2**64],
+               "float": ["x", True, None, 10**400], "str": [5, True, None]}
 
 
 def test_every_engine_argument_is_type_checked(ckpt):
