@@ -50,6 +50,7 @@ One decode step in the overlap loop, function by function, with the moment each 
 """
 from __future__ import annotations
 
+import _signal  # the C module under signal: see CtrlCHeld
 import argparse
 import contextlib
 import ctypes
@@ -1390,24 +1391,35 @@ class SamplingParams:
             bad("sampling_seed", "must be an integer in [0, 2**63) or None")
 
 
-@contextlib.contextmanager
-def ctrl_c_after_the_iteration():
+class CtrlCHeld:
     """Holds a Ctrl-C (SIGINT) that arrives during a scheduler iteration until the iteration ends, so it
-    never lands half-way through a plan or a commit; then it is raised as usual (KeyboardInterrupt).
-    Signals reach the main thread only, so elsewhere there is nothing to hold."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if caught and callable(previous):
-        previous(signal.SIGINT, caught[0])  # Python's default handler raises KeyboardInterrupt
-    elif caught and previous != signal.SIG_IGN:
-        raise KeyboardInterrupt
+    never lands half-way through a plan or a commit; then the handler that was there runs as usual
+    (Python's raises KeyboardInterrupt). Signals reach the main thread only: elsewhere it does nothing.
+    It swaps handlers with the C-level `_signal.signal`: `signal.signal` converts each handler to an enum
+    on the way, which costs more than a whole host iteration's bookkeeping at batch 1."""
+
+    def __init__(self):
+        self.previous, self.held = None, []
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = _signal.signal(signal.SIGINT, self.hold)
+        return self
+
+    def hold(self, signum, frame):
+        self.held.append(frame)
+
+    def __exit__(self, *exc):
+        if self.previous is None:
+            return
+        previous, self.previous = self.previous, None
+        _signal.signal(signal.SIGINT, previous)
+        if self.held:
+            frame, self.held = self.held[0], []
+            if callable(previous):
+                previous(signal.SIGINT, frame)  # Python's default handler raises KeyboardInterrupt
+            elif previous != signal.SIG_IGN:
+                raise KeyboardInterrupt
 
 
 class Engine:
@@ -1443,6 +1455,7 @@ class Engine:
         self._reqs: dict[str, Req] = {}
         self._backlog: list[dict] = []  # outputs of add_request()s that finished while generate() stepped
         self._streamed: set[str] = set()  # requests of generate(): it reads their Req, not their output
+        self._ctrl_c_held = CtrlCHeld()
         self._closed = False
 
     @staticmethod
@@ -1550,7 +1563,7 @@ class Engine:
         if self._closed:
             raise RuntimeError("the engine was shut down")
         try:
-            with ctrl_c_after_the_iteration():
+            with self._ctrl_c_held:
                 next(self._loop)
         except BaseException:
             self._loop = self._new_loop()  # a generator that raised is finished: start a fresh one
