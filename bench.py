@@ -5,6 +5,7 @@ Benchmarks for overlap_engine. One subcommand per benchmark:
   python bench.py overhead           # host microseconds per running request per decode step, zero-cost device
   python bench.py throughput         # SmolLM2 on CPU: overlap vs serial vs transformers generate
   python bench.py mixed              # decode ITL while a long prompt prefills: enable_mixed_chunk off/on
+  python bench.py gpu --out DIR      # on a GPU: CUDA tests, kernels, overlap vs serial, timeline -> DIR
   python bench.py kernels            # decode attention: achieved HBM GB/s vs torch SDPA (needs CUDA)
   python bench.py all --quick        # a small version of everything (a test runs this)
 
@@ -17,6 +18,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections import deque
 
 import torch
 import torch.nn.functional as F
@@ -158,9 +160,9 @@ def cmd_kernels(args):
     print("gathered dense; gather+sdpa = k_cache[req_to_token] gather then SDPA. "
           "Same bytes for every column.")
     print(f"mean of {args.iters} back-to-back calls after {args.warmup} warm-up calls; "
-          f"peak = {peak or '?'} GB/s\n")
+          f"peak = {f'{peak:.0f}' if peak else '?'} GB/s\n")
     configs = [(B, ctx) for B in batches for ctx in contexts]
-    rows = []  # printed after the loop, so the progress bar does not cut through the table
+    rows, results = [], []  # printed after the loop, so the progress bar does not cut through the table
     for B, ctx in _progress(configs):
         nbytes = decode_bytes(B, ctx, args.hq, args.hkv, args.head_dim, elem)
         r = bench_decode(B, ctx, args, k_cache, v_cache, device, dtype)
@@ -169,10 +171,13 @@ def cmd_kernels(args):
         rows.append(f"| {B} | {ctx} | {nbytes / 1e6:.1f} | {r['triton']:.1f} | {gbps['triton']:.0f} | {pct} "
                     f"| {gbps['sdpa']:.0f} | {gbps['gather_sdpa']:.0f} | {r['sdpa'] / r['triton']:.2f}x "
                     f"| {r['err']:.1e} |")
+        results.append({"B": B, "ctx": ctx, "bytes": nbytes, **r,
+                        **{f"{k}_gbps": v for k, v in gbps.items()}})
     print("| B | ctx | MB | triton µs | triton GB/s | % peak | sdpa GB/s | gather+sdpa GB/s | triton / sdpa "
           "| max err |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
+    return results
 
 
 def _progress(configs, desc="decode configs"):
@@ -300,8 +305,10 @@ def cmd_sim(args):
         if r == 2.0 or timeline is None:
             timeline = (r, ser["stats"], ovl["stats"])
     if args.timeline:
-        draw_timeline(args.timeline, *timeline)
-        print(f"timeline of G/C = {timeline[0]:g} written to {args.timeline}")
+        ratio, ser_st, ovl_st = timeline
+        spans = {"serial": timeline_spans(ser_st), "overlap": timeline_spans(ovl_st)}
+        draw_timeline(args.timeline, spans, f"simulated device, G/C = {ratio:g}")
+        print(f"timeline of G/C = {ratio:g} written to {args.timeline}")
     return rows
 
 
@@ -318,29 +325,42 @@ def host_busy_spans(st):
     return spans
 
 
-def draw_timeline(path, ratio, serial_st, overlap_st, n_steps=8):
-    """Host and device lanes of both loops over the same number of steady decode steps."""
+def timeline_spans(st, n_steps=8) -> dict:
+    """Device and host busy spans (seconds from the first launch) over n_steps steady decode steps."""
+    steps = [x for x in st["steps"] if x["forward_mode"] == "decode"][10:10 + n_steps]
+    t0, t1 = steps[0]["t_launch"], steps[-1]["t_end"]
+    return {"device": [(x["t_start"] - t0, x["t_end"] - t0) for x in steps],
+            "host": [(max(a, t0) - t0, min(b, t1) - t0)
+                     for a, b in host_busy_spans(st) if b > t0 and a < t1],
+            "steps": len(steps), "end": t1 - t0}
+
+
+def draw_timeline(path, spans, device_label):
+    """Host and device lanes of both loops ({"serial": spans, "overlap": spans}) over the same steps."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(2, 1, figsize=(10, 3.6), sharex=True)
-    loops = [("serial (event_loop_normal)", serial_st), ("overlap (event_loop_overlap)", overlap_st)]
-    for ax, (name, st) in zip(axes, loops):
-        steps = [x for x in st["steps"] if x["forward_mode"] == "decode"][10:10 + n_steps]
-        t0, t1 = steps[0]["t_launch"], steps[-1]["t_end"]
-        dev = [(x["t_start"] - t0, x["t_end"] - x["t_start"]) for x in steps]
-        host = [(max(a, t0) - t0, min(b, t1) - max(a, t0))
-                for a, b in host_busy_spans(st) if b > t0 and a < t1]
-        ax.broken_barh(host, (10, 8), facecolors="tab:green")
-        ax.broken_barh(dev, (0, 8), facecolors="tab:orange",
+    names = {"serial": "serial (event_loop_normal)", "overlap": "overlap (event_loop_overlap)"}
+    for ax, (loop, name) in zip(axes, names.items()):
+        s = spans[loop]
+        ax.broken_barh([(a, b - a) for a, b in s["host"]], (10, 8), facecolors="tab:green")
+        ax.broken_barh([(a, b - a) for a, b in s["device"]], (0, 8), facecolors="tab:orange",
                        edgecolors="white", linewidth=1.5)  # one bar a step
         ax.set_yticks([4, 14], ["device", "host"])
-        ax.set_title(f"{name}: {n_steps} decode steps in {(t1 - t0) * 1e3:.1f} ms", fontsize=10)
-    axes[-1].set_xlabel(f"ms (simulated device, G/C = {ratio:g}; measured timestamps; "
-                        "host gaps = blocked on a result)")
+        ax.set_title(f"{name}: {s['steps']} decode steps in {s['end'] * 1e3:.1f} ms", fontsize=10)
+    axes[-1].set_xlabel(f"ms ({device_label}; measured timestamps; host gaps = blocked on a result)")
     axes[-1].xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x * 1e3:.1f}"))
     fig.tight_layout()
     fig.savefig(path, dpi=80)
+
+
+def cmd_timeline(args):
+    """Draws a timeline.json written by `bench.py gpu` (on a machine without matplotlib) as a PNG."""
+    with open(args.input) as f:
+        data = json.load(f)
+    draw_timeline(args.png, data["seconds"], data["label"])
+    print(f"timeline written to {args.png}")
 
 
 def cmd_overhead(args):
@@ -574,6 +594,161 @@ def itl_during_prefill(engine, n, plen, out_len, seed) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
+# gpu: what the GPU issue measures, as one prepared command
+#
+# A GPU machine is lent for minutes, with no network and only a copy of the repository: this runs
+# without a checkpoint (load_format="dummy"), goes on when one stage fails, and writes what it measures
+# to --out as it goes: tests.txt, kernels.txt, engine.txt, results.json, timeline.json and, where
+# matplotlib is installed, timeline.png.
+
+GPU_PRESETS = "smollm2-135m,llama-3.2-1b"  # dummy-weight models (overlap_engine.DUMMY_PRESETS)
+GPU_BATCHES = "64,256"                     # requests decoding together
+GPU_INPUT, GPU_OUTPUT = 128, 128           # tokens in and out per request
+GPU_TESTS = "cuda or kernel or triton or failed_launch"  # pytest -k: the tests that use a GPU
+
+
+class Tee:
+    """stdout into a file as well: each stage's file holds what it printed."""
+
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text):
+        for s in self.streams:
+            s.write(text)
+
+    def flush(self):
+        for s in self.streams:
+            s.flush()
+
+
+def cmd_gpu(args):
+    import contextlib
+    import sys
+    import traceback
+    os.makedirs(args.out, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    results = {"device": torch.cuda.get_device_name() if device == "cuda" else "CPU",
+               "torch": torch.__version__}
+    stages = [("tests", gpu_tests), ("kernels", gpu_kernels), ("engine", gpu_engine_runs)]
+    for name, stage in stages:
+        if name == "tests" and args.no_tests:
+            continue
+        t0 = time.perf_counter()
+        with open(os.path.join(args.out, f"{name}.txt"), "w") as f:
+            with contextlib.redirect_stdout(Tee(sys.stdout, f)):
+                try:
+                    results[name] = stage(args, device)
+                except Exception:  # the next stages still run; the error is in this stage's file
+                    traceback.print_exc(file=sys.stdout)
+                    results[name] = {"error": traceback.format_exc(limit=4)}
+        results[f"{name}_seconds"] = time.perf_counter() - t0
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    return results
+
+
+def gpu_tests(args, device):
+    """The tests that exercise CUDA paths and kernels, in a subprocess; its output goes to tests.txt."""
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-k", GPU_TESTS,
+           "test_overlap_engine.py"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.tests_timeout,
+                       cwd=os.path.dirname(os.path.abspath(__file__)))
+    print(r.stdout[-200_000:], r.stderr[-50_000:], sep="\n")
+    return {"returncode": r.returncode, "summary": (r.stdout.strip().splitlines() or [""])[-1]}
+
+
+def copy_gbps(device) -> float:
+    """This device's memory bandwidth, measured: one large copy reads and writes every byte."""
+    n = (1 << 30) if device == "cuda" else (1 << 24)  # floats: 4 GiB on a GPU, 64 MiB on a CPU
+    x = torch.empty(n, device=device)
+    y = torch.empty_like(x)
+    us = time_us(lambda: y.copy_(x), 2, 10 if device == "cuda" else 3, device)
+    return 2 * x.numel() * x.element_size() / (us * 1e-6) / 1e9
+
+
+def gpu_kernels(args, device):
+    """Decode attention GB/s at B=64..256, context 1k-8k, against SDPA and the measured bandwidth."""
+    gbps = copy_gbps(device)
+    print(f"measured copy bandwidth: {gbps:.0f} GB/s (device to device, read + write); "
+          f"spec sheet: {peak_gbps(device, None) or '?'} GB/s")
+    kargs = argparse.Namespace(batches=KERNEL_BATCHES, contexts=KERNEL_CONTEXTS, hq=KERNEL_HQ, hkv=KERNEL_HKV,
+                               head_dim=KERNEL_D, dtype=KERNEL_DTYPE, splits=KERNEL_SPLITS,
+                               warmup=KERNEL_WARMUP, iters=KERNEL_ITERS, contiguous_slots=False,
+                               peak_gbps=gbps, quick=args.quick)
+    return {"copy_gbps": gbps, "decode": cmd_kernels(kargs)}
+
+
+def gpu_engine_runs(args, device):
+    """Overlap against serial on dummy-weight models: output tok/s, the decode step interval against the
+    device's own step time, host ms per iteration, device idle; and the timeline of both loops."""
+    presets = ["tiny"] if args.quick else GPU_PRESETS.split(",")
+    batches = [4] if args.quick else [int(b) for b in GPU_BATCHES.split(",")]
+    in_len, out_len = (16, 16) if args.quick else (GPU_INPUT, GPU_OUTPUT)
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    print(f"## engine on {'CUDA' if device == 'cuda' else 'CPU'}: dummy weights, {dtype}, {in_len} tokens "
+          f"in, {out_len} out, greedy; step = median interval between full-batch decode launches")
+    print("| model | B | loop | out tok/s | step ms | device ms/step | step / device | host ms/iter "
+          "| device idle |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    rows, timeline = [], {}
+    for preset in presets:
+        path = tiny_checkpoint() if preset == "tiny" else preset
+        for B in batches:
+            for loop in ("overlap", "serial"):
+                r, st = dummy_engine_run(path, loop == "serial", B, in_len, out_len, dtype, device, args.seed)
+                rows.append({"model": preset, "B": B, "loop": loop, **r})
+                print(f"| {preset} | {B} | {loop} | {r['out_tok_s']:.0f} | {r['step_ms']:.2f} "
+                      f"| {r['device_ms']:.2f} | {r['step_ms'] / r['device_ms']:.2f} | {r['host_ms']:.2f} "
+                      f"| {r['device_idle']:.2f} |")
+                if preset == presets[0] and B == batches[-1]:
+                    timeline[loop] = st
+    write_gpu_timeline(args.out, timeline, f"{presets[0]}, B={batches[-1]}, {device}")
+    return rows
+
+
+def dummy_engine_run(path, serial, B, in_len, out_len, dtype, device, seed):
+    """One batch of B requests through an engine with dummy weights; timings of its steady decode."""
+    ctx = in_len + out_len + 8
+    with oe.Engine(model_path=path, load_format="dummy", device=device, dtype=dtype,
+                   disable_overlap_schedule=serial, max_running_requests=B, max_total_tokens=B * ctx,
+                   context_length=ctx, max_prefill_tokens=max(8192, 4 * in_len)) as e:
+        vocab = e.model_config.vocab_size
+        sp = {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True}
+        e.generate(input_ids=random_requests(2, in_len, in_len, seed + 1, vocab),
+                   sampling_params={**sp, "max_new_tokens": 4})  # warm-up: kernels compile here
+        e.flush_cache()
+        for v in e.scheduler.stats.values():
+            if isinstance(v, deque):
+                v.clear()
+        t0 = time.perf_counter()
+        e.generate(input_ids=random_requests(B, in_len, in_len, seed, vocab), sampling_params=sp)
+        wall = time.perf_counter() - t0
+        st = e.stats()
+    decode = [s for s in st["steps"] if s["forward_mode"] == "decode" and s["bs"] == B][4:-4]
+    launches = [s["t_launch"] for s in decode]
+    return {"out_tok_s": B * out_len / wall, "wall_s": wall,
+            "step_ms": 1e3 * statistics.median(b - a for a, b in zip(launches, launches[1:])),
+            "device_ms": 1e3 * statistics.median(s["device_time"] for s in decode),
+            "host_ms": 1e3 * statistics.median(st["host_times"]),
+            "device_idle": max(0.0, 1 - sum(s["device_time"] for s in st["steps"]) / wall)}, st
+
+
+def write_gpu_timeline(out, timeline, label):
+    """timeline.json: host and device spans of both loops over steady decode steps; a PNG if it can
+    (else `bench.py timeline --input timeline.json --png timeline.png` draws it elsewhere)."""
+    data = {"label": label, "seconds": {loop: timeline_spans(st) for loop, st in timeline.items()}}
+    with open(os.path.join(out, "timeline.json"), "w") as f:
+        json.dump(data, f)
+    try:
+        draw_timeline(os.path.join(out, "timeline.png"), data["seconds"], label)
+    except ImportError:
+        print("matplotlib is not installed: timeline.json only")
+
+
+# ----------------------------------------------------------------------------------------------
 # command line
 
 
@@ -635,6 +810,19 @@ def main():
     m.add_argument("--seed", type=int, default=TP_SEED)
     m.add_argument("--quick", action="store_true")
     m.set_defaults(fn=cmd_mixed)
+
+    g = sub.add_parser("gpu", help="everything the GPU issue measures, written to --out (dummy weights)")
+    g.add_argument("--out", required=True, help="folder for the result files")
+    g.add_argument("--seed", type=int, default=TP_SEED)
+    g.add_argument("--no-tests", action="store_true", help="skip the pytest stage")
+    g.add_argument("--tests-timeout", type=int, default=240, help="seconds for the pytest stage")
+    g.add_argument("--quick", action="store_true", help="tiny shapes: a dry run of the command on a CPU")
+    g.set_defaults(fn=cmd_gpu)
+
+    tl = sub.add_parser("timeline", help="draw the timeline.json of `bench.py gpu` as a PNG")
+    tl.add_argument("--input", required=True, help="the timeline.json to draw")
+    tl.add_argument("--png", required=True)
+    tl.set_defaults(fn=cmd_timeline)
 
     a = sub.add_parser("all", help="sim, overhead, throughput and mixed (--quick: a small version, ~1 min)")
     a.add_argument("--quick", action="store_true")

