@@ -5,6 +5,7 @@ Benchmarks for overlap_engine. One subcommand per benchmark:
   python bench.py overhead           # host microseconds per running request per decode step, zero-cost device
   python bench.py throughput         # SmolLM2 on CPU: overlap vs serial vs transformers generate
   python bench.py mixed              # decode ITL while a long prompt prefills: enable_mixed_chunk off/on
+  python bench.py serve              # load on the HTTP server: req/s, tok/s, TTFT, ITL, both loops
   python bench.py gpu --out DIR      # on a GPU: CUDA tests, kernels, overlap vs serial, timeline -> DIR
   python bench.py kernels            # decode attention: achieved HBM GB/s vs torch SDPA (needs CUDA)
   python bench.py all --quick        # a small version of everything (a test runs this)
@@ -594,6 +595,113 @@ def itl_during_prefill(engine, n, plen, out_len, seed) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
+# serve: load on the HTTP server, in the manner of sglang.bench_serving
+#
+# Each loop gets its own server process (`overlap_engine.py --serve`), so the load generator's threads
+# do not share a GIL with the scheduler. Requests stream from /generate with ignore_eos; a client
+# records when each chunk with tokens arrives: TTFT is the first, ITL the gaps between the others.
+
+SERVE_REQUESTS = 96          # requests per run
+SERVE_CONCURRENCY = 16       # requests in flight at once (unless --rate)
+SERVE_INPUT = "32,256"       # prompt length range
+SERVE_OUTPUT = "16,128"      # output length range
+
+
+def start_server_process(model_path, extra=()) -> tuple:
+    """(process, url) of `overlap_engine.py --serve --port 0`, once it prints that it is ready."""
+    import subprocess
+    import sys
+    import threading
+    cmd = [sys.executable, "overlap_engine.py", "--serve", "--port", "0", *extra]
+    if model_path:
+        cmd += ["--model-path", model_path]
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=here)
+    line = []
+    reader = threading.Thread(target=lambda: line.append(p.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(600)  # the first run may download the default model
+    if not line or "serving" not in line[0]:
+        p.kill()
+        raise RuntimeError(f"the server did not start: {line}")
+    return p, line[0].split()[-1]
+
+
+def stream_one(url, input_ids, out_len, t_sent) -> dict:
+    """One streamed /generate request; token arrival times relative to when it was sent."""
+    import http.client
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+    body = {"input_ids": input_ids, "stream": True,
+            "sampling_params": {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True}}
+    conn.request("POST", "/generate", body=json.dumps(body).encode())
+    resp = conn.getresponse()
+    arrivals, tokens = [], 0
+    for line in resp:
+        if line.startswith(b"data: {"):
+            n = len(json.loads(line[6:])["output_ids"])
+            if n:
+                arrivals.append(time.perf_counter() - t_sent)
+                tokens += n
+    conn.close()
+    return {"arrivals": arrivals, "tokens": tokens}
+
+
+def serve_load(url, reqs, out_lens, concurrency, rate, seed) -> dict:
+    """Sends every request (`concurrency` at a time, or at a Poisson `rate` per second)."""
+    import concurrent.futures
+    import random
+    rng = random.Random(seed)
+    workers = concurrency if not rate else min(len(reqs), 256)
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = []
+        for ids, n in zip(reqs, out_lens):
+            if rate:
+                time.sleep(rng.expovariate(rate))
+            futures.append(pool.submit(lambda i=ids, m=n: stream_one(url, i, m, time.perf_counter())))
+        results = [f.result() for f in futures]
+    wall = time.perf_counter() - t0
+    ttft = [r["arrivals"][0] for r in results if r["arrivals"]]
+    itl = [b - a for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:])]
+    return {"wall_s": wall, "req_s": len(reqs) / wall, "out_tok_s": sum(r["tokens"] for r in results) / wall,
+            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+            "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99)}
+
+
+def cmd_serve(args):
+    import random
+    path = args.model_path or (tiny_checkpoint() if args.quick else None)
+    n, conc = (12, 4) if args.quick else (args.requests, args.concurrency)
+    lo, hi = (4, 24) if args.quick else map(int, args.input.split(","))
+    olo, ohi = (4, 16) if args.quick else map(int, args.output.split(","))
+    rng = random.Random(args.seed)
+    reqs = [[rng.randrange(100, 200) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    out_lens = [rng.randint(olo, ohi) for _ in range(n)]
+    results = {}
+    targets = [("server at " + args.url, None)] if args.url else [("overlap", []), ("serial", [
+        "--disable-overlap-schedule"])]
+    for name, extra in targets:
+        proc, url = (None, args.url) if args.url else start_server_process(path, extra)
+        try:
+            stream_one(url, reqs[0][:4], 2, time.perf_counter())  # warm-up
+            results[name] = serve_load(url, reqs, out_lens, conc, args.rate, args.seed)
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=60)
+    mode = f"Poisson rate {args.rate}/s" if args.rate else f"concurrency {conc}"
+    print(f"## serve: {n} streamed /generate requests, {mode}, input {lo}-{hi}, output {olo}-{ohi} "
+          f"tokens (ignore_eos), model {os.path.basename(path) if path else 'SmolLM2-135M-Instruct'}")
+    print("| server | req/s | out tok/s | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['req_s']:.2f} | {r['out_tok_s']:.1f} | {r['ttft_p50_s']:.2f} | "
+              f"{r['ttft_p99_s']:.2f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} |")
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
 # gpu: what the GPU issue measures, as one prepared command
 #
 # A GPU machine is lent for minutes, with no network and only a copy of the repository: this runs
@@ -810,6 +918,19 @@ def main():
     m.add_argument("--seed", type=int, default=TP_SEED)
     m.add_argument("--quick", action="store_true")
     m.set_defaults(fn=cmd_mixed)
+
+    s = sub.add_parser("serve", help="load on the HTTP server (both loops, or --url), like bench_serving")
+    s.add_argument("--url", default=None, help="a running server; default: start one per loop")
+    s.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    s.add_argument("--requests", type=int, default=SERVE_REQUESTS)
+    s.add_argument("--concurrency", type=int, default=SERVE_CONCURRENCY)
+    s.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second instead")
+    s.add_argument("--input", default=SERVE_INPUT, help="prompt length range lo,hi")
+    s.add_argument("--output", default=SERVE_OUTPUT, help="output length range lo,hi")
+    s.add_argument("--seed", type=int, default=TP_SEED)
+    s.add_argument("--quick", action="store_true")
+    s.add_argument("--json", default=None, help="also write the results as JSON here")
+    s.set_defaults(fn=cmd_serve)
 
     g = sub.add_parser("gpu", help="everything the GPU issue measures, written to --out (dummy weights)")
     g.add_argument("--out", required=True, help="folder for the result files")

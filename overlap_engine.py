@@ -32,6 +32,7 @@ Reading guide: the sections, in the order they teach.
     Model and attention       Llama (math only), sampling, the torch and triton attention backends
     Checkpoint loading        HF directories, GGUF, tokenizer, chat template, the default model
     CPU tuning, CLI           allocator and OpenMP settings; the chat and one-shot prompts
+    Serving                   the HTTP server: a scheduler thread that owns the Engine, FastAPI routes
 
 One decode step in the overlap loop, function by function, with the moment each one works in
 (planning never waits for the device; only 7 does):
@@ -1554,6 +1555,16 @@ class Engine:
         """Queues one request; returns its id (later meta_info['id'])."""
         return self._submit(self._make_req(self._to_ids(prompt, input_ids), sampling_params, rid))
 
+    def add_requests(self, input_ids: list, sampling_params: list) -> list[str]:
+        """Queues several requests, all validated before any is queued (a server's batch); their ids."""
+        reqs = [self._make_req(ids, sp) for ids, sp in zip(input_ids, sampling_params)]
+        return [self._submit(r) for r in reqs]
+
+    def request(self, rid: str) -> Req:
+        """The live Req of a queued or running request (its committed tokens and text), for a server that
+        streams it with stream_chunk(); the engine lets go of it once it has finished."""
+        return self._reqs[rid]
+
     def _to_ids(self, prompt, input_ids):
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt and input_ids")
@@ -1635,7 +1646,7 @@ class Engine:
                         self._backlog.append(o)  # for the caller of step()
                 for r in reqs:
                     if r.rid in pending:
-                        chunk = self._stream_chunk(r)
+                        chunk = self.stream_chunk(r)
                         if chunk is not None:
                             if r.finished():
                                 pending.discard(r.rid)
@@ -1647,7 +1658,9 @@ class Engine:
             for rid in pending:
                 self.abort(rid)
 
-    def _stream_chunk(self, r: Req) -> Optional[dict]:
+    def stream_chunk(self, r: Req) -> Optional[dict]:
+        """What a request committed since its last chunk: text (held back while a stop string may still
+        be forming), output ids and meta_info; None when there is nothing new."""
         if self.tokenizer is not None and not r.finished():
             r.detokenize(self.tokenizer)  # catch the text up with the committed tokens
         hold = 0 if r.finished() else max(map(len, r.sampling_params.stop), default=1) - 1
@@ -2562,6 +2575,10 @@ def cli_parser() -> argparse.ArgumentParser:
                                                            "none: an interactive chat")
     prompts.add_argument("--raw", action="store_true", help="send prompts as they are, without the "
                                                             "chat template")
+    serving = p.add_argument_group("serving")
+    serving.add_argument("--serve", action="store_true", help="run the HTTP server (OpenAI-compatible)")
+    serving.add_argument("--host", default="127.0.0.1", help="address to bind")
+    serving.add_argument("--port", type=int, default=30000, help="port to bind; 0: any free port")
     return p
 
 
@@ -2575,6 +2592,8 @@ def main(argv=None):
         engine = Engine(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerArgs)})
     except (ValueError, DefaultModelUnavailable) as e:
         cli_error(e)
+    if args.serve:
+        return serve(engine, args.host, args.port)
     try:
         if args.prompt:
             run_prompts(engine, args.prompt, sp, args.raw)
@@ -2663,6 +2682,434 @@ def chat(engine: Engine, sp: dict, raw: bool):
         print()
         history += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
     print(meter.summary())
+
+
+# ----------------------------------------------------------------------------------------------------
+# Serving: an OpenAI-compatible HTTP server, with the scheduler on a thread of its own
+#
+# The HTTP handlers (FastAPI on uvicorn's event loop) never touch the Engine: they tokenize, hand the
+# requests to the scheduler thread through a queue, and read committed text from a queue of their own.
+# The scheduler thread is the only caller of the Engine; it blocks on its inbox when there is no work.
+
+MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused
+
+
+class HTTPError(Exception):
+    """An error the client caused (400) or the engine had (500, 503), as OpenAI shapes it."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class RequestChannel:
+    """One HTTP request's outputs, from the scheduler thread to the handler's event loop."""
+
+    def __init__(self, loop):
+        import asyncio
+        self.loop, self.queue = loop, asyncio.Queue()
+
+    def put(self, item: tuple):
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class SchedulerThread(threading.Thread):
+    """Owns the Engine. Takes requests, aborts and calls from its inbox (new requests join the next
+    plan, with a step still in flight), steps the engine while there is work, and sends each request's
+    committed text to its channel. With nothing to do it blocks on the inbox."""
+
+    def __init__(self, engine: Engine):
+        super().__init__(name="overlap-engine-scheduler", daemon=True)
+        self.engine, self.inbox = engine, queue.Queue()
+        self.live: dict[str, tuple] = {}  # rid -> (Req, channel, index in its HTTP request)
+        self.error: Optional[Exception] = None  # a step failed: the engine cannot continue
+        self.stopping = False
+
+    # -- called from the HTTP side (any thread) --
+    def submit(self, input_ids: list, sampling_params: list, channel: RequestChannel):
+        self.inbox.put(("add", input_ids, sampling_params, channel))
+
+    def abort(self, rids: list):
+        self.inbox.put(("abort", rids))
+
+    def call(self, fn: Callable):
+        """Runs fn(engine) on the scheduler thread; returns a concurrent.futures.Future of its result."""
+        import concurrent.futures
+        future = concurrent.futures.Future()
+        self.inbox.put(("call", fn, future))
+        return future
+
+    def stop(self):
+        self.inbox.put(("stop",))
+        self.join()
+
+    # -- the thread --
+    def run(self):
+        try:
+            while not (self.stopping and self.nothing_to_do()):
+                self.take_commands(block=self.nothing_to_do())
+                if not self.nothing_to_do():
+                    self.step()
+        finally:
+            self.engine.shutdown()
+
+    def nothing_to_do(self) -> bool:
+        """No request to serve and nothing in flight (or a broken engine that can do nothing more)."""
+        return not self.live and (self.error is not None or self.engine.scheduler.is_idle())
+
+    def take_commands(self, block: bool):
+        command = self.inbox.get() if block else self.inbox.get_nowait() if self.inbox.qsize() else None
+        while command is not None:
+            self.handle(*command)
+            command = self.inbox.get_nowait() if self.inbox.qsize() else None
+
+    def handle(self, kind, *args):
+        if kind == "add":
+            self.add(*args)
+        elif kind == "abort":
+            for rid in args[0]:
+                self.engine.abort(rid)
+        elif kind == "call":
+            fn, future = args
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as e:
+                future.set_exception(e)
+        elif kind == "stop":  # graceful: what runs is aborted, its memory comes back, then the thread ends
+            self.stopping = True
+            for rid in list(self.live):
+                self.engine.abort(rid)
+
+    def add(self, input_ids, sampling_params, channel):
+        if self.error is not None or self.stopping:
+            return channel.put(("error", 503, f"the engine cannot take requests: {self.error or 'stopping'}"))
+        try:
+            rids = self.engine.add_requests(input_ids, sampling_params)
+        except ValueError as e:
+            return channel.put(("error", 400, str(e)))
+        for i, rid in enumerate(rids):
+            self.live[rid] = (self.engine.request(rid), channel, i)
+        channel.put(("rids", rids))
+
+    def step(self):
+        try:
+            self.engine.step()
+        except Exception as e:  # a failure inside a step breaks the device stream for good
+            self.error = e
+            for _, channel, _ in self.live.values():
+                channel.put(("error", 500, f"a step failed: {type(e).__name__}: {e}"))
+            self.live.clear()
+            return
+        for rid, (req, channel, i) in list(self.live.items()):
+            chunk = self.engine.stream_chunk(req)
+            if chunk is not None:
+                channel.put(("chunk", i, chunk))
+            if req.finished():
+                del self.live[rid]
+
+
+def served_model_name(engine: Engine) -> str:
+    path = engine.server_args.model_path
+    return os.path.basename(path.rstrip("/")) if path else "SmolLM2-135M-Instruct"
+
+
+# -- request bodies: every field checked, a 400 naming it otherwise --
+
+OPENAI_FIELDS = {"model": str, "max_tokens": int, "temperature": float, "top_p": float, "stop": (str, list),
+                 "seed": int, "stream": bool, "n": int, "user": str, "stream_options": dict}
+
+
+def parse_body(raw: bytes, fields: dict, required: tuple) -> dict:
+    if len(raw) > MAX_BODY_BYTES:
+        raise HTTPError(400, f"the request body has {len(raw)} bytes; at most {MAX_BODY_BYTES} are accepted")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise HTTPError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "the request body must be a JSON object")
+    for key, value in body.items():
+        if key not in fields:
+            raise HTTPError(400, f"unknown field {key!r}; known: {sorted(fields)}")
+        kinds = fields[key] if isinstance(fields[key], tuple) else (fields[key],)
+        ok = any(isinstance(value, k) and not (isinstance(value, bool) and k in (int, float))
+                 or (k is float and _is_real(value)) for k in kinds)
+        if value is not None and not ok:
+            raise HTTPError(400, f"field {key!r} has the wrong type: {value!r:.80}")
+    for key in required:
+        if body.get(key) is None:
+            raise HTTPError(400, f"field {key!r} is required")
+    if body.get("n", 1) != 1:
+        raise HTTPError(400, f"n={body['n']}: only n = 1 is served")
+    return body
+
+
+def openai_sampling(body: dict, default_max_tokens: Optional[int]) -> dict:
+    sp = {k: body[o] for o, k in (("max_tokens", "max_new_tokens"), ("temperature", "temperature"),
+                                   ("top_p", "top_p"), ("stop", "stop"), ("seed", "sampling_seed"))
+          if body.get(o) is not None}
+    if "max_new_tokens" not in sp and default_max_tokens is not None:
+        sp["max_new_tokens"] = default_max_tokens
+    return sp
+
+
+def build_app(scheduler: SchedulerThread):
+    """The FastAPI app: SGLang's /generate and OpenAI's /v1/completions and /v1/chat/completions."""
+    import asyncio
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    engine, name = scheduler.engine, served_model_name(scheduler.engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield  # on the way out uvicorn has stopped accepting and closed the connections
+        await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
+    app = FastAPI(title="overlap_engine", lifespan=lifespan)
+
+    def route(path: str, method: str = "POST"):
+        """A plain Starlette route: the handler gets the request and returns a dict, a list or a Response."""
+        def register(handler):
+            async def endpoint(request):
+                out = await handler(request)
+                return out if isinstance(out, Response) else JSONResponse(out)
+            app.add_route(path, endpoint, methods=[method])
+            return handler
+        return register
+
+    @app.exception_handler(HTTPError)
+    async def http_error(request, e: HTTPError):
+        kind = "invalid_request_error" if e.status == 400 else "server_error"
+        return JSONResponse({"error": {"message": str(e), "type": kind, "code": e.status}}, e.status)
+
+    def tokenize(text: str) -> list:
+        if engine.tokenizer is None:
+            raise HTTPError(400, "this checkpoint has no tokenizer: send token ids instead of text")
+        return engine.tokenizer.encode(text)
+
+    async def outputs(request, input_ids: list, sampling_params: list):
+        """Submits the requests and yields (index, chunk) as text is committed; aborts them if the
+        client goes away first."""
+        loop = asyncio.get_running_loop()
+        channel = RequestChannel(loop)
+        scheduler.submit(input_ids, sampling_params, channel)
+        rids, left, next_check = [], len(input_ids), loop.time() + 0.5
+        try:
+            while left:
+                try:
+                    item = await asyncio.wait_for(channel.queue.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    item = None
+                if loop.time() >= next_check:  # twice a second: is the client still there?
+                    next_check = loop.time() + 0.5
+                    if await request.is_disconnected():
+                        raise HTTPError(499, "the client disconnected")
+                if item is None:
+                    continue
+                if item[0] == "error":
+                    raise HTTPError(item[1], item[2])
+                if item[0] == "rids":
+                    rids = item[1]
+                    continue
+                _, index, chunk = item
+                left -= chunk["meta_info"]["finish_reason"] is not None
+                yield index, chunk
+        finally:
+            if left and rids:  # the client went away (or the stream was cancelled): free its memory
+                scheduler.abort(rids)
+
+    async def collect(request, input_ids, sampling_params) -> list:
+        texts, ids = [""] * len(input_ids), [[] for _ in input_ids]
+        finals = [None] * len(input_ids)
+        async for i, chunk in outputs(request, input_ids, sampling_params):
+            texts[i] += chunk["text"]
+            ids[i] += chunk["output_ids"]
+            finals[i] = chunk["meta_info"]
+        return [{"text": t, "output_ids": o, "meta_info": m} for t, o, m in zip(texts, ids, finals)]
+
+    def sse(events):
+        async def stream():
+            async for event in events:
+                yield f"data: {json.dumps(event)}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    async def first_item(gen):
+        """Runs a stream up to its first output, so that a 400 is still an HTTP status, not an event."""
+        first = await gen.__anext__()
+
+        async def rest():
+            try:
+                yield first
+                async for item in gen:
+                    yield item
+            finally:  # the client went away mid-stream: close the inner generators now (they abort)
+                await gen.aclose()
+        return rest()
+
+    @route("/health", "GET")
+    async def health(request):
+        ok = scheduler.is_alive() and scheduler.error is None
+        return JSONResponse({"status": "ok" if ok else f"unavailable: {scheduler.error}"}, 200 if ok else 503)
+
+    @route("/v1/models", "GET")
+    async def models(request):
+        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "overlap_engine"}]}
+
+    @route("/get_server_info", "GET")
+    async def server_info(request):
+        return {**dataclasses.asdict(engine.server_args), "served_model_name": name,
+                "max_total_tokens": engine.max_total_tokens, "context_length": engine.context_len}
+
+    @route("/flush_cache")
+    async def flush_cache(request):
+        try:
+            await asyncio.wrap_future(scheduler.call(lambda e: e.flush_cache()))
+        except AssertionError:
+            raise HTTPError(400, "the cache can be flushed only when no request is running") from None
+        return {"status": "flushed"}
+
+    @route("/generate")
+    async def generate(request):
+        body = parse_body(await request.body(), {"text": (str, list), "input_ids": list,
+                                                 "sampling_params": (dict, list), "stream": bool}, ())
+        if (body.get("text") is None) == (body.get("input_ids") is None):
+            raise HTTPError(400, "give exactly one of 'text' and 'input_ids'")
+        given = body["text"] if body.get("text") is not None else body["input_ids"]
+        batched = isinstance(given, list) and bool(given) and not isinstance(given[0], int)
+        prompts = given if batched else [given]
+        input_ids = [tokenize(p) if isinstance(p, str) else p for p in prompts]
+        sp = body.get("sampling_params") or {}
+        sps = sp if isinstance(sp, list) else [sp] * len(prompts)
+        if len(sps) != len(prompts):
+            raise HTTPError(400, f"sampling_params has {len(sps)} entries for {len(prompts)} prompts")
+        if body.get("stream"):
+            async def chunks():
+                async for i, chunk in outputs(request, input_ids, sps):
+                    yield {**chunk, "index": i} if batched else chunk
+            return sse(await first_item(chunks()))
+        outs = await collect(request, input_ids, sps)
+        return outs if batched else outs[0]
+
+    def finish_reason(meta: dict) -> Optional[str]:
+        reason = meta["finish_reason"]
+        return None if reason is None else reason["type"]  # stop | length | abort
+
+    def usage(meta: dict) -> dict:
+        return {"prompt_tokens": meta["prompt_tokens"], "completion_tokens": meta["completion_tokens"],
+                "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"]}
+
+    async def openai_response(request, body, input_ids, sp, chat: bool):
+        kind = "chat.completion" if chat else "text_completion"
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{os.urandom(8).hex()}", "created": int(time.time()),
+                "model": body.get("model") or name}
+
+        def choice(text, reason, first=False):
+            if not chat:
+                return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+
+        if not body.get("stream"):
+            out = (await collect(request, [input_ids], [sp]))[0]
+            reason = finish_reason(out["meta_info"])
+            if chat:
+                choices = [{"index": 0, "message": {"role": "assistant", "content": out["text"]},
+                            "logprobs": None, "finish_reason": reason}]
+            else:
+                choices = [choice(out["text"], reason)]
+            return {**head, "object": kind, "choices": choices, "usage": usage(out["meta_info"])}
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+        async def events():
+            first = True
+            async for _, chunk in outputs(request, [input_ids], [sp]):
+                meta = chunk["meta_info"]
+                yield {**head, "object": kind + ("" if not chat else ".chunk"),
+                       "choices": [choice(chunk["text"], finish_reason(meta), first)]}
+                first = False
+                if include_usage and meta["finish_reason"] is not None:
+                    yield {**head, "object": kind + ("" if not chat else ".chunk"), "choices": [],
+                           "usage": usage(meta)}
+        return sse(await first_item(events()))
+
+    @route("/v1/completions")
+    async def completions(request):
+        fields = {**OPENAI_FIELDS, "prompt": (str, list)}
+        body = parse_body(await request.body(), fields, ("prompt",))
+        prompt = body["prompt"]
+        input_ids = tokenize(prompt) if isinstance(prompt, str) else prompt
+        return await openai_response(request, body, input_ids, openai_sampling(body, 16), chat=False)
+
+    @route("/v1/chat/completions")
+    async def chat_completions(request):
+        fields = {**OPENAI_FIELDS, "messages": list, "max_completion_tokens": int}
+        body = parse_body(await request.body(), fields, ("messages",))
+        messages = body["messages"]
+        if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                   and isinstance(m.get("content"), str) for m in messages):
+            raise HTTPError(400, "messages must be a non-empty list of {'role': str, 'content': str}")
+        if engine.tokenizer is None or not engine.tokenizer.chat_template:
+            raise HTTPError(400, "this checkpoint has no chat template: use /v1/completions")
+        if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
+            body["max_tokens"] = body["max_completion_tokens"]
+        input_ids = tokenize(engine.tokenizer.apply_chat_template(messages))
+        return await openai_response(request, body, input_ids, openai_sampling(body, None), chat=True)
+
+    return app
+
+
+class Server:
+    """The scheduler thread and the HTTP app on uvicorn; `start()` serves from a background thread
+    (tests, bench), `run()` in the foreground (the CLI), where SIGINT and SIGTERM stop it gracefully."""
+
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 30000):
+        import uvicorn
+        self.scheduler = SchedulerThread(engine)
+        config = uvicorn.Config(build_app(self.scheduler), host=host, port=port, log_level="warning",
+                                timeout_graceful_shutdown=5)
+        self.uvicorn = uvicorn.Server(config)
+        self.thread: Optional[threading.Thread] = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.uvicorn.servers[0].sockets[0].getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    def start(self, timeout: float = 60.0) -> Server:
+        self.scheduler.start()
+        self.thread = threading.Thread(target=self.uvicorn.run, name="overlap-engine-http", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.uvicorn.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self):
+        """Stops accepting, aborts what is running (its streams end at once), joins both threads."""
+        self.uvicorn.should_exit = True
+        if self.scheduler.is_alive():
+            self.scheduler.stop()
+        if self.thread is not None:
+            self.thread.join()
+
+    def run(self):
+        """Serves in the foreground until SIGINT or SIGTERM, then stops gracefully (uvicorn's own signal
+        handling would re-raise the signal at the end and exit with its status instead of 0)."""
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: stop.set())
+        self.start()
+        print(f"overlap_engine: serving {served_model_name(self.scheduler.engine)} on {self.url}", flush=True)
+        while not stop.wait(0.2) and self.thread.is_alive():
+            pass
+        self.stop()
+
+
+def serve(engine: Engine, host: str, port: int):
+    """`python overlap_engine.py --serve`: serves until SIGINT or SIGTERM, then exits 0."""
+    Server(engine, host, port).run()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Tests for overlap_engine: overlap == serial == a plain reference, nothing leaked, bad input refused.
 
 Sections: shared helpers; the two loops; KV memory and the radix cache; sampling; FutureMap and device
-streams; attention backends and Triton kernels; checkpoints and tokenizer; Engine API; command line; bench.
+streams; attention backends and Triton kernels; checkpoints and tokenizer; Engine API; command line;
+HTTP server; bench.
 
 Tiny random Llama checkpoints are written by the tests (float64, so near-ties cannot flip a token);
 the reference forward below is written independently of the engine: no KV cache, no batching.
@@ -14,6 +15,7 @@ import platform
 import random
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -2129,7 +2131,269 @@ def test_openmp_spin_set_by_a_restart_never_by_import_and_never_over_the_user():
 
 
 # ----------------------------------------------------------------------------------------------------
+# The HTTP server: a real uvicorn on 127.0.0.1, a free port, every request bounded in time
+
+
+@pytest.fixture(scope="module")
+def chat_ckpt(tmp_path_factory):
+    """The tiny checkpoint with a chat template, for /v1/chat/completions."""
+    path = oe.write_random_checkpoint(str(tmp_path_factory.mktemp("chat")))
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+        f.write("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}[assistant]{% endif %}")
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(chat_ckpt):
+    """A server on the tiny float64 model (ledger checked every iteration) and an offline engine."""
+    pytest.importorskip("fastapi")
+    server = oe.Server(make_engine(chat_ckpt, False), port=0).start()
+    offline = make_engine(chat_ckpt, True)
+    yield server, offline
+    server.stop()
+    offline.shutdown()
+
+
+def http_call(server, method, path, body=None, timeout=60):
+    """(status, parsed JSON) of one request; body is a dict, or bytes sent as they are."""
+    import http.client
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        raw = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+        conn.request(method, path, body=raw, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"null")
+    finally:
+        conn.close()
+
+
+def sse_events(server, path, body, timeout=60, stop_after=None):
+    """The parsed `data:` events of a streamed request (up to [DONE], or the first stop_after events)."""
+    import http.client
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        conn.request("POST", path, body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        events = []
+        for line in resp:
+            line = line.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                break
+            events.append(json.loads(line[len("data: "):]))
+            if stop_after is not None and len(events) >= stop_after:
+                break
+        return events
+    finally:
+        conn.close()  # with stop_after: the client goes away mid-stream
+
+
+def wait_idle_and_check(server, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not server.scheduler.call(lambda e: e.scheduler.is_idle()).result(timeout=timeout):
+        assert time.monotonic() < deadline, "the server did not become idle"
+        time.sleep(0.05)
+    server.scheduler.call(lambda e: e.check_invariants()).result(timeout=timeout)
+
+
+def test_server_openai_client_gets_the_offline_text(served):
+    """The official openai client, chat and completions, streamed and not, greedy: the text and token
+    counts of Engine.generate offline."""
+    import openai
+    server, offline = served
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=60, max_retries=0)
+    sp = {"max_new_tokens": 9, "temperature": 0}
+    want = offline.generate(prompt="hello there", sampling_params=sp)
+    r = client.completions.create(model="tiny", prompt="hello there", max_tokens=9, temperature=0)
+    assert r.choices[0].text == want["text"] and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (11, 9)
+    stream = client.completions.create(model="tiny", prompt="hello there", max_tokens=9, temperature=0,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in stream) == want["text"]
+    messages = [{"role": "user", "content": "what is a KV cache?"}]
+    want = offline.generate(prompt=offline.tokenizer.apply_chat_template(messages), sampling_params=sp)
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=9, temperature=0)
+    assert r.choices[0].message.content == want["text"] and r.usage.completion_tokens == 9
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=9, temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == want["text"]
+    assert [m.id for m in client.models.list()] == [os.path.basename(offline.server_args.model_path)]
+    wait_idle_and_check(server)
+
+
+def test_server_32_concurrent_streams_get_their_offline_tokens(served):
+    """32 clients stream at once, prompts of 1-60 tokens and 1-24 outputs each: every one receives
+    exactly its offline tokens; /health answers 200 under load; nothing leaks."""
+    import concurrent.futures
+    server, offline = served
+    prompts = random_prompts(32, seed=181, lo=1, hi=60)
+    sps = [{"max_new_tokens": 1 + 23 * i // 31, "temperature": 0, "ignore_eos": True} for i in range(32)]
+    want = [o["output_ids"] for o in offline.generate(input_ids=prompts, sampling_params=sps)]
+
+    def client(i):
+        events = sse_events(server, "/generate", {"input_ids": prompts[i], "sampling_params": sps[i],
+                                                  "stream": True})
+        return sum((e["output_ids"] for e in events), [])
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        futures = [pool.submit(client, i) for i in range(32)]
+        assert http_call(server, "GET", "/health")[0] == 200
+        got = [f.result(timeout=120) for f in futures]
+    assert got == want
+    assert http_call(server, "GET", "/health")[0] == 200
+    wait_idle_and_check(server)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "no stream"])
+def test_server_client_that_disconnects_is_aborted(served, monkeypatch, stream):
+    """A client that goes away (mid-stream, or while waiting for a whole answer) aborts its request:
+    it does not run its 400 tokens, and its KV and row come back."""
+    import http.client
+    server, _ = served
+    aborted, real_abort = [], oe.Scheduler.abort_req
+
+    def spy(self, r, message="aborted"):
+        aborted.append(r.rid)
+        real_abort(self, r, message)
+    monkeypatch.setattr(oe.Scheduler, "abort_req", spy)
+    slow_forward(monkeypatch, 0.005)  # 400 steps would take 2 s or more
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True},
+            "stream": stream}
+    if stream:
+        assert len(sse_events(server, "/generate", body, stop_after=2)) == 2
+    else:
+        host, port = server.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("POST", "/generate", body=json.dumps(body).encode())
+        time.sleep(0.3)
+        conn.close()
+    deadline = time.monotonic() + 10
+    while not aborted:
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.05)
+    wait_idle_and_check(server)
+
+
+def test_an_idle_server_does_not_spin(served):
+    """With no requests the scheduler thread blocks on its inbox: the process uses no measurable CPU."""
+    server, _ = served
+    wait_idle_and_check(server)
+    t0 = time.process_time()
+    time.sleep(1.0)
+    assert time.process_time() - t0 < 0.05
+
+
+BAD_REQUESTS = [  # (path, body, words the 400's message must contain)
+    ("/v1/completions", b"{not json", "not valid JSON"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_token": 3}, "unknown field 'max_token'"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": "3"}, "'max_tokens'"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x" * 600}, "context length"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user"}]}, "messages"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2}, "n=2"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stream": True, "top_p": 0}, "top_p"),
+    ("/generate", {"text": "hi", "input_ids": [1]}, "exactly one"),
+    ("/v1/completions", b'{"prompt": "' + b"a" * (5 << 20) + b'"}', "at most"),
+]
+
+
+def test_server_bad_input_is_400_and_the_server_goes_on(served):
+    server, offline = served
+    for path, body, words in BAD_REQUESTS:
+        status, out = http_call(server, "POST", path, body)
+        assert status == 400 and words in out["error"]["message"], (path, status, out)
+    status, out = http_call(server, "POST", "/v1/completions",
+                            {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0})
+    want = offline.generate(prompt="hello", sampling_params={"max_new_tokens": 4, "temperature": 0})
+    assert status == 200 and out["choices"][0]["text"] == want["text"]
+    assert http_call(server, "POST", "/flush_cache")[0] == 200
+    info = http_call(server, "GET", "/get_server_info")[1]
+    assert info["dtype"] == "float64" and info["max_total_tokens"] == 2048
+    wait_idle_and_check(server)
+
+
+def test_server_failed_step_is_a_500_and_health_turns_503(chat_ckpt, monkeypatch):
+    """A failure inside a step is reported to its requests (500 with the message); this engine cannot
+    continue after it (its device stream is broken), so /health says 503 and new requests get 503."""
+    pytest.importorskip("fastapi")
+    server = oe.Server(make_engine(chat_ckpt, False), port=0).start()
+    try:
+        assert http_call(server, "GET", "/health")[0] == 200
+        real = oe.ModelWorker.forward_step
+
+        def failing(self, fb):
+            if len(fb.seq_lens) and max(fb.seq_lens) > 8:
+                raise RuntimeError("injected device failure")
+            return real(self, fb)
+        monkeypatch.setattr(oe.ModelWorker, "forward_step", failing)
+        status, out = http_call(server, "POST", "/generate",
+                                {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 20}})
+        assert status == 500 and "injected device failure" in out["error"]["message"]
+        assert http_call(server, "GET", "/health")[0] == 503
+        assert http_call(server, "POST", "/generate", {"input_ids": [1], "sampling_params": {}})[0] == 503
+    finally:
+        server.stop()
+
+
+def test_server_cli_sigterm_stops_cleanly(tmp_path):
+    """`python overlap_engine.py --serve --port 0` prints its URL once ready, serves, and on SIGTERM
+    stops accepting, aborts what runs, joins the scheduler and exits 0."""
+    import signal
+    import threading
+    pytest.importorskip("fastapi")
+    ckpt = oe.write_random_checkpoint(str(tmp_path / "long"), max_pos=4096)  # room for a long answer
+    p = subprocess.Popen([sys.executable, "overlap_engine.py", "--serve", "--port", "0", "--model-path",
+                          ckpt, "--dtype", "float64"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+    try:
+        line = []
+        reader = threading.Thread(target=lambda: line.append(p.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(60)
+        assert line and "serving" in line[0], (line, p.poll())
+        url = line[0].split()[-1]
+        server = type("Remote", (), {"url": url})()
+        assert http_call(server, "GET", "/health")[0] == 200
+        status, out = http_call(server, "POST", "/generate", {"text": "hi", "sampling_params":
+                                                               {"max_new_tokens": 3}})
+        assert status == 200 and len(out["output_ids"]) == 3
+        long_stream = []  # still running at SIGTERM: aborted, its stream ends
+        body = {"input_ids": [1] * 8, "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True},
+                "stream": True}
+        streamer = threading.Thread(target=lambda: long_stream.extend(sse_events(server, "/generate", body)))
+        streamer.start()
+        time.sleep(0.5)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 0, p.stderr.read()
+        streamer.join(10)
+        assert long_stream and long_stream[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+# ----------------------------------------------------------------------------------------------------
 # The bench
+
+
+def test_bench_serve_quick_runs(tmp_path):
+    """bench.py serve --quick: a server process per loop, streamed load, the bench_serving figures."""
+    pytest.importorskip("fastapi")
+    out = tmp_path / "serve.json"
+    r = subprocess.run([sys.executable, "bench.py", "serve", "--quick", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert set(res) == {"overlap", "serial"} and all(x["out_tok_s"] > 0 for x in res.values())
+    assert "TTFT p50" in r.stdout and "ITL p99" in r.stdout
 
 
 def test_bench_gpu_dry_run_writes_its_files(tmp_path):
