@@ -762,8 +762,13 @@ def gpu_tests(args, device):
     import sys
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-k", GPU_TESTS,
            "test_overlap_engine.py"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.tests_timeout,
-                       cwd=os.path.dirname(os.path.abspath(__file__)))
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.tests_timeout,
+                           cwd=os.path.dirname(os.path.abspath(__file__)))
+    except subprocess.TimeoutExpired as e:  # keep what it printed until then
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        print(out[-200_000:], f"\npytest stopped after {args.tests_timeout} s")
+        return {"returncode": "timeout", "summary": (out.strip().splitlines() or [""])[-1]}
     print(r.stdout[-200_000:], r.stderr[-50_000:], sep="\n")
     return {"returncode": r.returncode, "summary": (r.stdout.strip().splitlines() or [""])[-1]}
 
@@ -806,14 +811,21 @@ def gpu_engine_runs(args, device):
         path = tiny_checkpoint() if preset == "tiny" else preset
         for B in batches:
             for loop in ("overlap", "serial"):
-                r, st = dummy_engine_run(path, loop == "serial", B, in_len, out_len, dtype, device, args.seed)
+                try:
+                    r, st = dummy_engine_run(path, loop == "serial", B, in_len, out_len, dtype, device,
+                                             args.seed)
+                except Exception as e:  # the other runs still run
+                    print(f"| {preset} | {B} | {loop} | failed: {type(e).__name__}: {e} |")
+                    rows.append({"model": preset, "B": B, "loop": loop, "error": repr(e)})
+                    continue
                 rows.append({"model": preset, "B": B, "loop": loop, **r})
                 print(f"| {preset} | {B} | {loop} | {r['out_tok_s']:.0f} | {r['step_ms']:.2f} "
                       f"| {r['device_ms']:.2f} | {r['step_ms'] / r['device_ms']:.2f} | {r['host_ms']:.2f} "
                       f"| {r['device_idle']:.2f} |")
                 if preset == presets[0] and B == batches[-1]:
                     timeline[loop] = st
-    write_gpu_timeline(args.out, timeline, f"{presets[0]}, B={batches[-1]}, {device}")
+    if len(timeline) == 2:
+        write_gpu_timeline(args.out, timeline, f"{presets[0]}, B={batches[-1]}, {device}")
     return rows
 
 

@@ -1411,10 +1411,13 @@ class CtrlCHeld:
     on the way, which costs more than a whole host iteration's bookkeeping at batch 1."""
 
     def __init__(self):
-        self.previous, self.held = None, []
+        self.active, self.previous, self.held = False, None, []
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
+        # a handler installed outside Python (getsignal gives None) could not be put back: leave it be
+        self.active = (threading.current_thread() is threading.main_thread()
+                       and _signal.getsignal(signal.SIGINT) is not None)
+        if self.active:
             self.previous = _signal.signal(signal.SIGINT, self.hold)
         return self
 
@@ -1422,9 +1425,9 @@ class CtrlCHeld:
         self.held.append(frame)
 
     def __exit__(self, *exc):
-        if self.previous is None:
+        if not self.active:
             return
-        previous, self.previous = self.previous, None
+        previous, self.active = self.previous, False
         _signal.signal(signal.SIGINT, previous)
         if self.held:
             frame, self.held = self.held[0], []
@@ -2446,7 +2449,7 @@ def load_dummy(path: str, device: str) -> tuple[ModelConfig, dict, Optional[Toke
         config_file = path if os.path.isfile(path) else os.path.join(path, "config.json")
         with open(config_file) as f:
             hf_cfg = json.load(f)
-        tokenizer_dir = os.path.dirname(config_file)
+        tokenizer_dir = os.path.dirname(os.path.abspath(config_file))
     else:
         raise ValueError(f"load_format='dummy' needs model_path to be one of {sorted(DUMMY_PRESETS)}, a "
                          f"config.json or a directory with one; got {path!r}")
@@ -2729,8 +2732,10 @@ class SchedulerThread(threading.Thread):
     def submit(self, input_ids: list, sampling_params: list, channel: RequestChannel):
         self.inbox.put(("add", input_ids, sampling_params, channel))
 
-    def abort(self, rids: list):
-        self.inbox.put(("abort", rids))
+    def cancel(self, channel: RequestChannel):
+        """The client went away: abort whatever that channel's requests are by now (they may not even
+        be queued yet: the inbox keeps its order, so their "add" comes first)."""
+        self.inbox.put(("cancel", channel))
 
     def call(self, fn: Callable):
         """Runs fn(engine) on the scheduler thread; returns a concurrent.futures.Future of its result."""
@@ -2766,9 +2771,10 @@ class SchedulerThread(threading.Thread):
     def handle(self, kind, *args):
         if kind == "add":
             self.add(*args)
-        elif kind == "abort":
-            for rid in args[0]:
-                self.engine.abort(rid)
+        elif kind == "cancel":
+            for rid, (_, channel, _) in self.live.items():
+                if channel is args[0]:
+                    self.engine.abort(rid)
         elif kind == "call":
             fn, future = args
             try:
@@ -2789,7 +2795,6 @@ class SchedulerThread(threading.Thread):
             return channel.put(("error", 400, str(e)))
         for i, rid in enumerate(rids):
             self.live[rid] = (self.engine.request(rid), channel, i)
-        channel.put(("rids", rids))
 
     def step(self):
         try:
@@ -2824,7 +2829,7 @@ def parse_body(raw: bytes, fields: dict, required: tuple) -> dict:
         raise HTTPError(400, f"the request body has {len(raw)} bytes; at most {MAX_BODY_BYTES} are accepted")
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise HTTPError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise HTTPError(400, "the request body must be a JSON object")
@@ -2839,7 +2844,7 @@ def parse_body(raw: bytes, fields: dict, required: tuple) -> dict:
     for key in required:
         if body.get(key) is None:
             raise HTTPError(400, f"field {key!r} is required")
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):
         raise HTTPError(400, f"n={body['n']}: only n = 1 is served")
     return body
 
@@ -2881,6 +2886,12 @@ def build_app(scheduler: SchedulerThread):
         kind = "invalid_request_error" if e.status == 400 else "server_error"
         return JSONResponse({"error": {"message": str(e), "type": kind, "code": e.status}}, e.status)
 
+    async def read_body(request) -> bytes:
+        size = request.headers.get("content-length", "")
+        if size.isdigit() and int(size) > MAX_BODY_BYTES:  # refused before it is read into memory
+            raise HTTPError(400, f"the request body has {size} bytes; at most {MAX_BODY_BYTES} are accepted")
+        return await request.body()
+
     def tokenize(text: str) -> list:
         if engine.tokenizer is None:
             raise HTTPError(400, "this checkpoint has no tokenizer: send token ids instead of text")
@@ -2892,7 +2903,7 @@ def build_app(scheduler: SchedulerThread):
         loop = asyncio.get_running_loop()
         channel = RequestChannel(loop)
         scheduler.submit(input_ids, sampling_params, channel)
-        rids, left, next_check = [], len(input_ids), loop.time() + 0.5
+        left, next_check = len(input_ids), loop.time() + 0.5
         try:
             while left:
                 try:
@@ -2907,15 +2918,12 @@ def build_app(scheduler: SchedulerThread):
                     continue
                 if item[0] == "error":
                     raise HTTPError(item[1], item[2])
-                if item[0] == "rids":
-                    rids = item[1]
-                    continue
                 _, index, chunk = item
                 left -= chunk["meta_info"]["finish_reason"] is not None
                 yield index, chunk
         finally:
-            if left and rids:  # the client went away (or the stream was cancelled): free its memory
-                scheduler.abort(rids)
+            if left:  # the client went away (or the stream was cancelled): free its memory
+                scheduler.cancel(channel)
 
     async def collect(request, input_ids, sampling_params) -> list:
         texts, ids = [""] * len(input_ids), [[] for _ in input_ids]
@@ -2928,8 +2936,11 @@ def build_app(scheduler: SchedulerThread):
 
     def sse(events):
         async def stream():
-            async for event in events:
-                yield f"data: {json.dumps(event)}\n\n"
+            try:
+                async for event in events:
+                    yield f"data: {json.dumps(event)}\n\n"
+            except HTTPError as e:  # the status line has gone out already: the error becomes an event
+                yield f"data: {json.dumps({'error': {'message': str(e), 'code': e.status}})}\n\n"
             yield "data: [DONE]\n\n"
         return StreamingResponse(stream(), media_type="text/event-stream")
 
@@ -2962,6 +2973,8 @@ def build_app(scheduler: SchedulerThread):
 
     @route("/flush_cache")
     async def flush_cache(request):
+        if scheduler.error is not None:
+            raise HTTPError(503, f"the engine cannot continue: {scheduler.error}")
         try:
             await asyncio.wrap_future(scheduler.call(lambda e: e.flush_cache()))
         except AssertionError:
@@ -2970,11 +2983,13 @@ def build_app(scheduler: SchedulerThread):
 
     @route("/generate")
     async def generate(request):
-        body = parse_body(await request.body(), {"text": (str, list), "input_ids": list,
+        body = parse_body(await read_body(request), {"text": (str, list), "input_ids": list,
                                                  "sampling_params": (dict, list), "stream": bool}, ())
         if (body.get("text") is None) == (body.get("input_ids") is None):
             raise HTTPError(400, "give exactly one of 'text' and 'input_ids'")
         given = body["text"] if body.get("text") is not None else body["input_ids"]
+        if isinstance(body.get("text"), list) and not all(isinstance(t, str) for t in body["text"]):
+            raise HTTPError(400, "field 'text' must be a string or a list of strings")
         batched = isinstance(given, list) and bool(given) and not isinstance(given[0], int)
         prompts = given if batched else [given]
         input_ids = [tokenize(p) if isinstance(p, str) else p for p in prompts]
@@ -3035,7 +3050,7 @@ def build_app(scheduler: SchedulerThread):
     @route("/v1/completions")
     async def completions(request):
         fields = {**OPENAI_FIELDS, "prompt": (str, list)}
-        body = parse_body(await request.body(), fields, ("prompt",))
+        body = parse_body(await read_body(request), fields, ("prompt",))
         prompt = body["prompt"]
         input_ids = tokenize(prompt) if isinstance(prompt, str) else prompt
         return await openai_response(request, body, input_ids, openai_sampling(body, 16), chat=False)
@@ -3043,7 +3058,7 @@ def build_app(scheduler: SchedulerThread):
     @route("/v1/chat/completions")
     async def chat_completions(request):
         fields = {**OPENAI_FIELDS, "messages": list, "max_completion_tokens": int}
-        body = parse_body(await request.body(), fields, ("messages",))
+        body = parse_body(await read_body(request), fields, ("messages",))
         messages = body["messages"]
         if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                    and isinstance(m.get("content"), str) for m in messages):
@@ -3052,7 +3067,11 @@ def build_app(scheduler: SchedulerThread):
             raise HTTPError(400, "this checkpoint has no chat template: use /v1/completions")
         if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
             body["max_tokens"] = body["max_completion_tokens"]
-        input_ids = tokenize(engine.tokenizer.apply_chat_template(messages))
+        try:
+            prompt = engine.tokenizer.apply_chat_template(messages)
+        except jinja2.exceptions.TemplateError as e:  # e.g. roles that do not alternate
+            raise HTTPError(400, f"the chat template refused these messages: {e}") from None
+        input_ids = tokenize(prompt)
         return await openai_response(request, body, input_ids, openai_sampling(body, None), chat=True)
 
     return app

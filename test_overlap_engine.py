@@ -2288,6 +2288,39 @@ def test_an_idle_server_does_not_spin(served):
     assert time.process_time() - t0 < 0.05
 
 
+def test_server_client_gone_before_its_request_was_queued_is_aborted(served, monkeypatch):
+    """Steps of 0.8 s: a client that disconnects before the scheduler thread has even queued its
+    request (it is busy with a step) must still have it aborted, not run to the end unread."""
+    import http.client
+    import threading
+    server, _ = served
+    aborted, real_abort = [], oe.Scheduler.abort_req
+
+    def spy(self, r, message="aborted"):
+        aborted.append(r.rid)
+        real_abort(self, r, message)
+    monkeypatch.setattr(oe.Scheduler, "abort_req", spy)
+    slow_forward(monkeypatch, 0.8)
+    busy = threading.Thread(target=sse_events, args=(server, "/generate", {
+        "input_ids": [1, 2], "stream": True, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}))
+    busy.start()
+    time.sleep(0.3)  # the scheduler thread is inside a step now
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("POST", "/generate", body=json.dumps({"input_ids": [3, 4], "sampling_params": {
+        "max_new_tokens": 50, "ignore_eos": True}}).encode())
+    time.sleep(0.2)
+    conn.close()
+    busy.join(30)
+    deadline = time.monotonic() + 10
+    while not aborted:
+        assert time.monotonic() < deadline, "the request of the departed client was not aborted"
+        time.sleep(0.05)
+    assert len(aborted) == 1
+    monkeypatch.undo()
+    wait_idle_and_check(server)
+
+
 BAD_REQUESTS = [  # (path, body, words the 400's message must contain)
     ("/v1/completions", b"{not json", "not valid JSON"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_token": 3}, "unknown field 'max_token'"),
@@ -2300,6 +2333,8 @@ BAD_REQUESTS = [  # (path, body, words the 400's message must contain)
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stream": True, "top_p": 0}, "top_p"),
     ("/generate", {"text": "hi", "input_ids": [1]}, "exactly one"),
     ("/v1/completions", b'{"prompt": "' + b"a" * (5 << 20) + b'"}', "at most"),
+    ("/v1/completions", b"[" * 100_000, "not valid JSON"),
+    ("/generate", {"text": [1, 2, 3]}, "'text'"),
 ]
 
 
@@ -2319,8 +2354,9 @@ def test_server_bad_input_is_400_and_the_server_goes_on(served):
 
 
 def test_server_failed_step_is_a_500_and_health_turns_503(chat_ckpt, monkeypatch):
-    """A failure inside a step is reported to its requests (500 with the message); this engine cannot
-    continue after it (its device stream is broken), so /health says 503 and new requests get 503."""
+    """A failure inside a step is reported to its requests (as an error event once their stream has
+    started, else a 500 with the message); this engine cannot continue after it (its device stream is
+    broken), so /health says 503 and new requests get 503."""
     pytest.importorskip("fastapi")
     server = oe.Server(make_engine(chat_ckpt, False), port=0).start()
     try:
@@ -2332,11 +2368,12 @@ def test_server_failed_step_is_a_500_and_health_turns_503(chat_ckpt, monkeypatch
                 raise RuntimeError("injected device failure")
             return real(self, fb)
         monkeypatch.setattr(oe.ModelWorker, "forward_step", failing)
-        status, out = http_call(server, "POST", "/generate",
-                                {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 20}})
-        assert status == 500 and "injected device failure" in out["error"]["message"]
+        events = sse_events(server, "/generate", {"input_ids": [1, 2, 3], "stream": True,
+                                                  "sampling_params": {"max_new_tokens": 20}})
+        assert events[0]["output_ids"] and "injected device failure" in events[-1]["error"]["message"]
         assert http_call(server, "GET", "/health")[0] == 503
         assert http_call(server, "POST", "/generate", {"input_ids": [1], "sampling_params": {}})[0] == 503
+        assert http_call(server, "POST", "/flush_cache")[0] == 503
     finally:
         server.stop()
 
