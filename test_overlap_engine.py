@@ -141,6 +141,21 @@ def run_workload(engine, workload, max_steps=5000):
     return [done[r] for r in rids]
 
 
+def run_through_interrupts(engine, workload, max_steps=200):
+    """Like run_workload, but a KeyboardInterrupt from step() is counted and stepping goes on: (outputs
+    in workload order, interrupts)."""
+    rids = [engine.add_request(input_ids=ids, sampling_params=sp) for ids, sp in workload]
+    done, interrupts = {}, 0
+    for _ in range(max_steps):
+        try:
+            done.update({o["meta_info"]["id"]: o for o in engine.step()})
+        except KeyboardInterrupt:
+            interrupts += 1
+        if len(done) == len(rids):
+            return [done[r] for r in rids], interrupts
+    raise AssertionError(f"workload did not finish ({len(done)} of {len(rids)}, {interrupts} interrupts)")
+
+
 def run_both_loops(ckpt, wl, **kw):
     """{disable_overlap_schedule: output ids} for the workload in each loop; invariants checked after each."""
     outs = {}
@@ -292,18 +307,10 @@ def test_ctrl_c_is_held_until_the_iteration_ends(ckpt, monkeypatch, overlap_off,
     monkeypatch.setattr(cls, name, ctrl_c)
     wl = greedy_workload(random_prompts(5, seed=171, lo=3, hi=20), [7, 3, 9, 5, 6])
     with make_engine(ckpt, overlap_off, enable_mixed_chunk=True, chunked_prefill_size=8) as e:
-        rids = [e.add_request(input_ids=p, sampling_params=sp) for p, sp in wl]
-        done, interrupts = {}, 0
-        for _ in range(200):
-            try:
-                done.update({o["meta_info"]["id"]: o for o in e.step()})
-            except KeyboardInterrupt:
-                interrupts += 1
-            if len(done) == len(rids):
-                break
+        outs, interrupts = run_through_interrupts(e, wl)
         assert interrupts == 1 and len(calls) >= 3
         e.check_invariants()
-    assert [done[r]["output_ids"] for r in rids] == expected_greedy(ckpt, wl)
+    assert [o["output_ids"] for o in outs] == expected_greedy(ckpt, wl)
 
 
 @pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
@@ -410,18 +417,10 @@ def test_an_interrupt_in_a_step_loses_nothing(ckpt, monkeypatch, overlap_off, po
     monkeypatch.setattr(cls, name, interrupted)
     wl = greedy_workload(random_prompts(4, seed=141, lo=3, hi=20), [7, 3, 9, 5])
     with make_engine(ckpt, overlap_off) as e:
-        rids = [e.add_request(input_ids=p, sampling_params=sp) for p, sp in wl]
-        done, interrupts = {}, 0
-        for _ in range(200):
-            try:
-                done.update({o["meta_info"]["id"]: o for o in e.step()})
-            except KeyboardInterrupt:
-                interrupts += 1
-            if len(done) == len(rids):
-                break
-        assert interrupts == 1 and len(done) == len(rids), (interrupts, len(done))
+        outs, interrupts = run_through_interrupts(e, wl)
+        assert interrupts == 1
         e.check_invariants()
-    assert [done[r]["output_ids"] for r in rids] == expected_greedy(ckpt, wl)
+    assert [o["output_ids"] for o in outs] == expected_greedy(ckpt, wl)
 
 
 def test_overshoot_counted_skipped_and_returned(ckpt):
@@ -2194,6 +2193,17 @@ def sse_events(server, path, body, timeout=60, stop_after=None):
         conn.close()  # with stop_after: the client goes away mid-stream
 
 
+def spy_on_aborts(monkeypatch) -> list:
+    """The ids of the requests the scheduler aborts from now on (the list fills as they happen)."""
+    aborted, real_abort = [], oe.Scheduler.abort_req
+
+    def spy(self, r, message="aborted"):
+        aborted.append(r.rid)
+        real_abort(self, r, message)
+    monkeypatch.setattr(oe.Scheduler, "abort_req", spy)
+    return aborted
+
+
 def wait_idle_and_check(server, timeout=30.0):
     deadline = time.monotonic() + timeout
     while not server.scheduler.call(lambda e: e.scheduler.is_idle()).result(timeout=timeout):
@@ -2255,12 +2265,7 @@ def test_server_client_that_disconnects_is_aborted(served, monkeypatch, stream):
     it does not run its 400 tokens, and its KV and row come back."""
     import http.client
     server, _ = served
-    aborted, real_abort = [], oe.Scheduler.abort_req
-
-    def spy(self, r, message="aborted"):
-        aborted.append(r.rid)
-        real_abort(self, r, message)
-    monkeypatch.setattr(oe.Scheduler, "abort_req", spy)
+    aborted = spy_on_aborts(monkeypatch)
     slow_forward(monkeypatch, 0.005)  # 400 steps would take 2 s or more
     body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True},
             "stream": stream}
@@ -2294,12 +2299,7 @@ def test_server_client_gone_before_its_request_was_queued_is_aborted(served, mon
     import http.client
     import threading
     server, _ = served
-    aborted, real_abort = [], oe.Scheduler.abort_req
-
-    def spy(self, r, message="aborted"):
-        aborted.append(r.rid)
-        real_abort(self, r, message)
-    monkeypatch.setattr(oe.Scheduler, "abort_req", spy)
+    aborted = spy_on_aborts(monkeypatch)
     slow_forward(monkeypatch, 0.8)
     busy = threading.Thread(target=sse_events, args=(server, "/generate", {
         "input_ids": [1, 2], "stream": True, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}))
@@ -2420,14 +2420,19 @@ def test_server_cli_sigterm_stops_cleanly(tmp_path):
 # The bench
 
 
+def run_bench(*args) -> subprocess.CompletedProcess:
+    """`python bench.py ARGS` from this folder, within 5 minutes; it must succeed."""
+    r = subprocess.run([sys.executable, "bench.py", *args], capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r
+
+
 def test_bench_serve_quick_runs(tmp_path):
     """bench.py serve --quick: a server process per loop, streamed load, the bench_serving figures."""
     pytest.importorskip("fastapi")
     out = tmp_path / "serve.json"
-    r = subprocess.run([sys.executable, "bench.py", "serve", "--quick", "--json", str(out)],
-                       capture_output=True, text=True, timeout=300,
-                       cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_bench("serve", "--quick", "--json", str(out))
     res = json.loads(out.read_text())
     assert set(res) == {"overlap", "serial"} and all(x["out_tok_s"] > 0 for x in res.values())
     assert "TTFT p50" in r.stdout and "ITL p99" in r.stdout
@@ -2437,10 +2442,7 @@ def test_bench_gpu_dry_run_writes_its_files(tmp_path):
     """bench.py gpu, the command prepared for a lent GPU, run on the CPU with tiny shapes (--quick, no
     pytest stage): every stage writes its file and results.json holds both loops' figures."""
     out = tmp_path / "gpu"
-    r = subprocess.run([sys.executable, "bench.py", "gpu", "--quick", "--no-tests", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300,
-                       cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert r.returncode == 0, r.stderr[-2000:]
+    run_bench("gpu", "--quick", "--no-tests", "--out", str(out))
     assert {"kernels.txt", "engine.txt", "results.json", "timeline.json"} <= set(os.listdir(out))
     res = json.loads((out / "results.json").read_text())
     assert "error" not in res["kernels"] and res["kernels"]["copy_gbps"] > 0
@@ -2452,10 +2454,7 @@ def test_bench_gpu_dry_run_writes_its_files(tmp_path):
 def test_bench_quick_runs(tmp_path):
     """bench.py all --quick: sim, overhead, throughput and mixed on a tiny model keep working."""
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "bench.py", "all", "--quick", "--json", str(out)],
-                       capture_output=True, text=True, timeout=300,
-                       cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_bench("all", "--quick", "--json", str(out))
     res = json.loads(out.read_text())
     assert {"sim", "overhead", "throughput", "mixed"} <= set(res)
     assert all(row["overlap_ms"] > 0 for row in res["sim"])
