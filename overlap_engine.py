@@ -232,7 +232,7 @@ class ForwardBatch:
     positions: torch.Tensor            # (N,) N = len(input_ids) + len(future_input_rows)
     req_pool_indices: torch.Tensor     # (B,) each request's row
     seq_lens: list                     # (B,) KV length of each request after this step
-    prefix_lens: list                  # (B,) positions already in the pool (used by extend attention)
+    prefix_lens: list                  # extend: (B,) positions already in the pool; decode: []
     extend_lens: list                  # (B,) tokens fed per request (1 in decode)
     out_cache_loc: torch.Tensor        # (N,) slots this step writes
     req_to_token_writes: tuple         # (rows, cols, slots): req_to_token[rows, cols] = slots, in the step
@@ -296,7 +296,7 @@ class ScheduleBatch:
             ids, future_rows = torch.tensor([r.output_ids[-1] for r in self.reqs], dtype=torch.int64), None
         self.fb = self.forward_batch(
             input_ids=ids, future_input_rows=future_rows, positions=pos, req_pool_indices=rows,
-            prefix_lens=pos.tolist(), extend_lens=[1] * B, out_cache_loc=loc,
+            prefix_lens=[], extend_lens=[1] * B, out_cache_loc=loc,
             req_to_token_writes=(rows, pos, loc), logit_rows=torch.arange(B))
 
     def prepare_for_extend(self):
@@ -349,7 +349,7 @@ class ScheduleBatch:
             input_ids=torch.cat((ext.input_ids, dec.input_ids)), future_input_rows=dec.future_input_rows,
             positions=torch.cat((ext.positions, dec.positions)),
             req_pool_indices=torch.cat((ext.req_pool_indices, dec.req_pool_indices)),
-            prefix_lens=ext.prefix_lens + dec.prefix_lens, extend_lens=extend_lens,
+            prefix_lens=ext.prefix_lens + dec.positions.tolist(), extend_lens=extend_lens,
             out_cache_loc=torch.cat((ext.out_cache_loc, dec.out_cache_loc)), req_to_token_writes=writes,
             logit_rows=torch.tensor(extend_lens).cumsum(0) - 1)
 
@@ -691,7 +691,7 @@ class StepHandle:
             self.device_time = self.ev_start.elapsed_time(self.ev_end) / 1e3
             clock_event, clock_host = self.clock  # the step's events on the host clock, for timelines
             self.t_start = clock_host + clock_event.elapsed_time(self.ev_start) / 1e3
-            self.t_end = clock_host + clock_event.elapsed_time(self.ev_end) / 1e3
+            self.t_end = self.t_start + self.device_time
         else:
             self.done.wait()
         if self.error is not None:
@@ -1622,11 +1622,9 @@ class Engine:
         if len(sps) != n:
             raise ValueError(f"sampling_params has {len(sps)} entries for {n} prompts")
         use_prompt = prompt is not None
-        reqs = [self._make_req(self._to_ids(p if use_prompt else None, None if use_prompt else p), sp)
-                for p, sp in zip(prompts, sps)]  # all validated before any is queued
-        for r in reqs:
-            self._submit(r)
-            self._streamed.add(r.rid)
+        ids = [self._to_ids(p if use_prompt else None, None if use_prompt else p) for p in prompts]
+        reqs = [self._reqs[rid] for rid in self.add_requests(ids, sps)]
+        self._streamed.update(r.rid for r in reqs)
         it = self._drive(reqs, batched)
         if stream:
             return it
@@ -2708,9 +2706,10 @@ class HTTPError(Exception):
 class RequestChannel:
     """One HTTP request's outputs, from the scheduler thread to the handler's event loop."""
 
-    def __init__(self, loop):
+    def __init__(self, loop, stream: bool):
         import asyncio
         self.loop, self.queue = loop, asyncio.Queue()
+        self.stream = stream  # False: only the final output is wanted, so text is decoded once, at the end
 
     def put(self, item: tuple):
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -2751,9 +2750,12 @@ class SchedulerThread(threading.Thread):
     # -- the thread --
     def run(self):
         try:
-            while not (self.stopping and self.nothing_to_do()):
-                self.take_commands(block=self.nothing_to_do())
-                if not self.nothing_to_do():
+            while True:
+                idle = self.nothing_to_do()
+                if self.stopping and idle:
+                    break
+                self.take_commands(block=idle)
+                if not self.nothing_to_do():  # commands may have brought work
                     self.step()
         finally:
             self.engine.shutdown()
@@ -2806,7 +2808,7 @@ class SchedulerThread(threading.Thread):
             self.live.clear()
             return
         for rid, (req, channel, i) in list(self.live.items()):
-            chunk = self.engine.stream_chunk(req)
+            chunk = self.engine.stream_chunk(req) if channel.stream or req.finished() else None
             if chunk is not None:
                 channel.put(("chunk", i, chunk))
             if req.finished():
@@ -2897,11 +2899,11 @@ def build_app(scheduler: SchedulerThread):
             raise HTTPError(400, "this checkpoint has no tokenizer: send token ids instead of text")
         return engine.tokenizer.encode(text)
 
-    async def outputs(request, input_ids: list, sampling_params: list):
+    async def outputs(request, input_ids: list, sampling_params: list, stream: bool = True):
         """Submits the requests and yields (index, chunk) as text is committed; aborts them if the
         client goes away first."""
         loop = asyncio.get_running_loop()
-        channel = RequestChannel(loop)
+        channel = RequestChannel(loop, stream)
         scheduler.submit(input_ids, sampling_params, channel)
         left, next_check = len(input_ids), loop.time() + 0.5
         try:
@@ -2928,7 +2930,7 @@ def build_app(scheduler: SchedulerThread):
     async def collect(request, input_ids, sampling_params) -> list:
         texts, ids = [""] * len(input_ids), [[] for _ in input_ids]
         finals = [None] * len(input_ids)
-        async for i, chunk in outputs(request, input_ids, sampling_params):
+        async for i, chunk in outputs(request, input_ids, sampling_params, stream=False):
             texts[i] += chunk["text"]
             ids[i] += chunk["output_ids"]
             finals[i] = chunk["meta_info"]
