@@ -2542,7 +2542,7 @@ def keep_freed_memory_in_process() -> bool:
 
 
 @functools.cache
-def cpu_has_native_bf16() -> bool:
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU multiplies bf16 in hardware (x86 AMX or AVX512-BF16, Arm BF16), read from the
     flags the OS reports. Where it does, bf16 matmuls ran 2.2x faster than fp32 here (AVX512-BF16);
     without it, oneDNN emulates bf16 and float32 is the faster choice."""
@@ -2550,7 +2550,7 @@ def cpu_has_native_bf16() -> bool:
         out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16"], capture_output=True, text=True)
         return out.stdout.strip() == "1"
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             flags = {w for line in f if line.startswith(("flags", "Features")) for w in line.split()}
     except OSError:
         return False

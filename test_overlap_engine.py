@@ -1221,6 +1221,55 @@ def test_decode_in_small_length_groups_gives_same_tokens(ckpt, mixed_workload, o
     assert any(len(s) > 1 and max(s) > 1 for s in sizes), sizes  # several groups, some with several requests
 
 
+# Precision and compilation on the CPU: bf16 where the CPU has it, torch.compile's fused layers
+
+
+@pytest.mark.parametrize("flags, native", [
+    ("flags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_bf16 avx512_vnni", True),   # Zen 4, Cooper Lake
+    ("flags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile amx_int8", True),      # Sapphire Rapids
+    ("flags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_vnni", False),              # Cascade Lake
+    ("Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 bf16 i8mm", True),     # Graviton 3
+    ("Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32", False),              # Graviton 2
+    ("model name\t: a CPU whose model name says bf16_avx512 but no flags", False),  # names do not count
+])
+@pytest.mark.skipif(sys.platform == "darwin", reason="macOS answers through sysctl, not /proc/cpuinfo")
+def test_native_bf16_is_read_from_the_cpu_flags(tmp_path, flags, native):
+    path = tmp_path / "cpuinfo"
+    path.write_text(f"processor\t: 0\n{flags}\n\nprocessor\t: 1\n{flags}\n")
+    assert oe.cpu_has_native_bf16(str(path)) is native
+    assert oe.cpu_has_native_bf16(str(tmp_path / "missing")) is False
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_dtype_auto_on_cpu_follows_native_bf16(ckpt, monkeypatch, native):
+    monkeypatch.setattr(oe, "cpu_has_native_bf16", lambda: native)
+    with Engine(model_path=ckpt, device="cpu", max_total_tokens=64) as e:
+        want = torch.bfloat16 if native else torch.float32
+        assert e.server_args.dtype == str(want).removeprefix("torch.")
+        assert e.model.lm_head.weight.dtype == want and e.scheduler.kv_pool.kv_buffer[0].dtype == want
+
+
+def test_bf16_overlap_equals_serial(ckpt, mixed_workload, monkeypatch):
+    """In bf16 rounding differs from the float64 reference, but both loops run the same batches through
+    the same kernels, so they agree token for token; sampling sees fp32 logits."""
+    seen, sample = set(), oe.sample
+    monkeypatch.setattr(oe, "sample", lambda logits, sampling: seen.add(logits.dtype) or sample(logits, sampling))
+    outs = run_both_loops(ckpt, mixed_workload[0], dtype="bfloat16")
+    assert outs[False] == outs[True] and seen == {torch.float32}
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_torch_compile_gives_the_reference_tokens(ckpt, mixed_workload, overlap_off):
+    """enable_torch_compile: the fused dense layers (prefill, decode, batch sizes from 1 up, one
+    dynamic graph each) give the reference's tokens; the attention backend stays eager."""
+    wl, expected = mixed_workload
+    with make_engine(ckpt, overlap_off, enable_torch_compile=True) as e:
+        layer = e.model.model.layers[0]
+        assert hasattr(layer.attention_inputs, "_torchdynamo_orig_callable")  # really compiled
+        assert [o["output_ids"] for o in run_workload(e, wl)] == expected
+        e.check_invariants()
+
+
 # ----------------------------------------------------------------------------------------------------
 # Checkpoints and the tokenizer
 
@@ -1662,6 +1711,41 @@ def test_default_model_greedy_matches_transformers(smollm_engines, hf_model, ove
                 logits = hf_model(torch.tensor([ids + ref[:d]])).logits[0, -1]
             gap = float(logits[ref[d]] - logits[o["output_ids"][d]])
             assert 0 <= gap < 1e-3, f"diverged at token {d} with a logit gap of {gap}"
+
+
+def bf16_ulp(x: float) -> float:
+    """The spacing of bfloat16 numbers at x (8 significant bits): 0.125 for logits in [16, 32)."""
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7)
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_default_model_in_bf16_matches_transformers_in_bf16(smollm, overlap_off):
+    """Both in bf16, greedy: token for token until transformers' own bf16 logits cannot tell our token
+    from its own (within two bf16 steps of each other; measured here: 0 or one step, 0.125 at ~16-32)."""
+    from transformers import AutoModelForCausalLM
+    path = smollm[0]
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                              dtype=torch.bfloat16).eval()
+    with Engine(model_path=path, disable_overlap_schedule=overlap_off, device="cpu", dtype="bfloat16",
+                max_total_tokens=4096) as e:
+        prompts = [e.tokenizer.encode(e.tokenizer.apply_chat_template([{"role": "user", "content": p}]))
+                   for p in CHAT_PROMPTS]
+        outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params={
+            "max_new_tokens": 24, "temperature": 0})]
+        e.check_invariants()
+    agreed = 0
+    for ids, out in zip(prompts, outs):
+        ref = hf_greedy(hf, ids, 24)
+        d = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+        agreed += d
+        if d < min(len(out), len(ref)):
+            with torch.no_grad():
+                logits = hf(torch.tensor([ids + ref[:d]])).logits[0, -1].float()
+            gap = float(logits[ref[d]] - logits[out[d]])
+            assert 0 <= gap <= 2 * bf16_ulp(float(logits.max())), f"diverged at token {d}, logit gap {gap}"
+        else:
+            assert out == ref  # neither stopped early where the other went on
+    assert agreed >= 24  # the comparison covers real text, not only a first-token tie
 
 
 @pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
