@@ -15,6 +15,7 @@ Without CUDA `kernels` says so and runs one tiny shape under the Triton interpre
 
 import argparse
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -242,8 +243,9 @@ def cmd_all(args):
     return {"sim": cmd_sim(ns(batch=SIM_BATCH, output=SIM_OUTPUT, ratios=SIM_RATIOS, timeline=None)),
             "overhead": cmd_overhead(ns(batches=OVERHEAD_BATCHES)),
             "throughput": cmd_throughput(ns(model_path=None, requests=TP_REQUESTS, input=TP_INPUT,
-                                            output=TP_OUTPUT, seed=TP_SEED, max_total_tokens=24576,
-                                            hf_batch=1, no_hf=False, repeat=1)),
+                                            dtypes=TP_DTYPES, workloads=",".join(TP_WORKLOADS),
+                                            seed=TP_SEED, max_total_tokens=24576, hf_batch=TP_HF_BATCH,
+                                            no_hf=False, repeat=1, torch_compile=False)),
             "mixed": cmd_mixed(ns(model_path=None, decoders=MIXED_DECODERS, prompt=MIXED_PROMPT,
                                   chunk=MIXED_CHUNK, output=MIXED_OUTPUT, seed=TP_SEED))}
 
@@ -382,10 +384,16 @@ def cmd_overhead(args):
 # ----------------------------------------------------------------------------------------------
 # throughput: a real model on this CPU, overlap vs serial vs transformers generate
 #
-# Output tok/s, total tok/s (prompt + output), TTFT, TPOT and ITL per request from the time each token
+# The peer is what a transformers user with these prompts runs: one `generate` over all of them, left-
+# padded, greedy, same dtype. Such a batch runs until its longest request is done; only the tokens each
+# request asked for are counted. Two workloads: every request wants the same number of tokens (fixed),
+# or a uniform 8-256 (serving). Output tok/s, TTFT, TPOT and ITL per request from the time each token
 # was streamed; device idle fraction from the device's own busy time; host ms per loop iteration.
 
-TP_REQUESTS, TP_INPUT, TP_OUTPUT = 64, "32,256", 64
+TP_REQUESTS, TP_INPUT = 64, "32,256"
+TP_WORKLOADS = {"fixed": (64, 64), "serving": (8, 256)}  # output tokens per request: uniform in [lo, hi]
+TP_DTYPES = "float32,bfloat16"
+TP_HF_BATCH = 64  # requests per transformers generate call: all of them
 TP_SEED = 0
 PREFIX_REQUESTS, PREFIX_LEN, PREFIX_TAIL = 64, 1024, 32
 MIXED_DECODERS = 16     # requests decoding when the long prompt arrives
@@ -406,17 +414,25 @@ def random_requests(n, lo, hi, seed, vocab, prefix=()):
             for _ in range(n)]
 
 
-def engine_run(engine, reqs, out_len, desc) -> dict:
-    """All requests at once, streamed; per-token commit times give TTFT / TPOT / ITL."""
+def output_lengths(n, lo, hi, seed) -> list:
+    import random
+    rng = random.Random(seed)
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def engine_run(engine, reqs, out_lens, desc) -> dict:
+    """All requests at once, streamed; per-token commit times give TTFT / TPOT / ITL. out_lens: one
+    output length for all, or one per request."""
     from tqdm import tqdm
-    sp = {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True}
+    out_lens = out_lens if isinstance(out_lens, list) else [out_lens] * len(reqs)
+    sps = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in out_lens]
     engine.flush_cache()  # a repeated run must not find its prompts already cached
     engine.scheduler.stats["steps"].clear(), engine.scheduler.stats["host_times"].clear()
     over0 = engine.scheduler.stats["overshoot_tokens"]
     times = [[] for _ in reqs]
-    bar = tqdm(total=len(reqs) * out_len, desc=desc, leave=False, unit="tok")
+    bar = tqdm(total=sum(out_lens), desc=desc, leave=False, unit="tok")
     t0 = time.perf_counter()
-    for chunk in engine.generate(input_ids=reqs, sampling_params=sp, stream=True):
+    for chunk in engine.generate(input_ids=reqs, sampling_params=sps, stream=True):
         now = time.perf_counter()
         times[chunk["index"]] += [now] * len(chunk["output_ids"])
         bar.update(len(chunk["output_ids"]))
@@ -436,88 +452,148 @@ def engine_run(engine, reqs, out_len, desc) -> dict:
             "steps": len(st["steps"]), "overshoot_tokens": st["overshoot_tokens"] - over0}
 
 
-def hf_run(model, reqs, out_len, batch) -> dict:
-    """transformers generate, greedy, `batch` requests at a time (left-padded when batch > 1)."""
+def hf_run(model, reqs, out_lens, batch) -> dict:
+    """transformers generate, greedy, `batch` requests at a time (left-padded when batch > 1). Each call
+    generates the longest request's tokens for all of its requests; only the requested ones count."""
     from tqdm import tqdm
     t0, ttft = time.perf_counter(), []
-    n_out = 0
     for i in tqdm(range(0, len(reqs), batch), desc=f"transformers (batch {batch})", leave=False):
-        group = reqs[i:i + batch]
+        group, n_new = reqs[i:i + batch], max(out_lens[i:i + batch])
         L = max(map(len, group))
         ids = torch.tensor([[0] * (L - len(r)) + r for r in group])
         mask = torch.tensor([[0] * (L - len(r)) + [1] * len(r) for r in group])
         t_start = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=out_len, min_new_tokens=out_len,
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new,
                                  do_sample=False, pad_token_id=0)
-        n_out += (out.shape[1] - L) * len(group)
+        assert out.shape[1] - L == n_new
         ttft += [t_start - t0] * len(group)  # a lower bound: the first token comes after its prefill
     wall = time.perf_counter() - t0
+    n_out = sum(out_lens)
     return {"wall_s": wall, "out_tok_s": n_out / wall, "total_tok_s": (n_out + sum(map(len, reqs))) / wall,
             "ttft_p50_s": pct(ttft, 50)}
 
 
-def gemm_flops(n=1024, iters=10) -> float:
-    """This machine's fp32 GEMM rate (FLOP/s), measured here: the roofline for a matmul-bound model."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        a @ b
-    return 2 * n ** 3 * iters / (time.perf_counter() - t0)
+def linear_flops(dtype, M, K=576, N=1536, iters=10) -> float:
+    """This machine's F.linear rate (FLOP/s) in dtype for an (M, K) x (K, N) product, measured here
+    (defaults: SmolLM2's MLP shape); the best of three timings."""
+    x, w = torch.randn(M, K, dtype=dtype), torch.randn(N, K, dtype=dtype)
+    F.linear(x, w)
+    best = math.inf
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            F.linear(x, w)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * M * K * N * iters / best
+
+
+def flop_bound_tok_s(params, n_in, n_out, dtype) -> float:
+    """Output tok/s if every matmul ran at this CPU's measured rate and nothing else took time: the
+    prompts at the large-batch rate (M=2048), the decode steps at the batch-64 rate."""
+    seconds = 2 * params * (n_in / linear_flops(dtype, 2048) + n_out / linear_flops(dtype, 64))
+    return n_out / seconds
 
 
 def cmd_throughput(args):
     path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
-    n, out_len = (8, 8) if args.quick else (args.requests, args.output)
+    n = 8 if args.quick else args.requests
     lo, hi = (8, 32) if args.quick else map(int, args.input.split(","))
-    kw = {"device": "cpu", "dtype": "float32", "max_total_tokens": args.max_total_tokens}
-    engines = {name: oe.Engine(model_path=path, disable_overlap_schedule=(name == "serial"), **kw)
-               for name in ("overlap", "serial")}
-    vocab = engines["overlap"].model_config.vocab_size
-    params = sum(p.numel() for p in engines["overlap"].model.parameters())
+    dtypes, workloads = args.dtypes.split(","), args.workloads.split(",")
+    for w in workloads:
+        if w not in TP_WORKLOADS:
+            raise SystemExit(f"bench.py throughput: unknown workload {w!r}; "
+                             f"choose from {sorted(TP_WORKLOADS)}")
+    vocab = oe.load_checkpoint(path)[0].vocab_size
     reqs = random_requests(n, lo, hi, args.seed, vocab)
-    for name, e in engines.items():
-        engine_run(e, reqs[:4], 4, f"warm-up {name}")
-    results = {}
-    for rep in range(args.repeat):  # alternate the order; keep each loop's best run (noise only slows a run)
-        for name in (["overlap", "serial"] if rep % 2 == 0 else ["serial", "overlap"]):
-            r = engine_run(engines[name], reqs, out_len, name)
-            if name not in results or r["out_tok_s"] > results[name]["out_tok_s"]:
-                results[name] = r
+    out_lens = {w: output_lengths(n, *((2, 12) if args.quick else TP_WORKLOADS[w]), args.seed + 1)
+                for w in workloads}
+    results, info = {}, {}
+    for dtype in dtypes:
+        kw = {"device": "cpu", "dtype": dtype, "max_total_tokens": args.max_total_tokens}
+        runs, params, compile_s = engine_runs(path, kw, reqs, out_lens, args)
+        info[dtype] = {"compile_s": compile_s}
+        if not args.no_hf and path.endswith(".gguf"):
+            runs.update(hf_runs(path, dtype, reqs, out_lens, args.hf_batch, args.repeat))
+        results[dtype] = runs
+    print_throughput(results, info, path, n, lo, hi, out_lens, params, reqs)
+    prefix = prefix_run(path, args, vocab, {"device": "cpu", "dtype": dtypes[-1],
+                                            "max_total_tokens": args.max_total_tokens})
+    return {"runs": {f"{d} {k}": r for d, runs in results.items() for k, r in runs.items()},
+            "summary": info, "shared_prefix": prefix}
+
+
+def engine_runs(path, kw, reqs, out_lens, args) -> tuple:
+    """{"workload run": result} for the overlap and serial loops (and overlap with torch.compile if
+    asked), each workload run `repeat` times in alternating order, the best kept; also the model's
+    parameter count and the compile time."""
+    names = ["overlap", "serial"] + (["overlap + torch.compile"] if args.torch_compile else [])
+    engines, start_s = {}, {}
+    for name in names:
+        t0 = time.perf_counter()
+        engines[name] = oe.Engine(model_path=path, disable_overlap_schedule=(name == "serial"),
+                                  enable_torch_compile=("compile" in name), **kw)
+        engine_run(engines[name], reqs[:4], [4, 4, 4, 12], f"warm-up {name}")  # the tail decodes alone
+        start_s[name] = time.perf_counter() - t0
+    compile_s = start_s["overlap + torch.compile"] - start_s["overlap"] if args.torch_compile else None
+    params = sum(p.numel() for p in engines["overlap"].model.parameters())
+    runs = {}
+    for w, lens in out_lens.items():
+        for rep in range(args.repeat):  # noise only slows a run: the best of each is kept
+            for name in (names if rep % 2 == 0 else names[::-1]):
+                r = engine_run(engines[name], reqs, lens, f"{kw['dtype']} {w} {name}")
+                if f"{w} {name}" not in runs or r["out_tok_s"] > runs[f"{w} {name}"]["out_tok_s"]:
+                    runs[f"{w} {name}"] = r
     for e in engines.values():
         e.shutdown()
-    del engines  # free their KV pools before the next engines are built
-    if not args.no_hf and path.endswith(".gguf"):
-        from transformers import AutoModelForCausalLM
-        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                  dtype=torch.float32).eval()
-        runs = [hf_run(hf, reqs, out_len, args.hf_batch) for _ in range(args.repeat)]  # best of as many runs
-        results[f"transformers (batch {args.hf_batch})"] = max(runs, key=lambda r: r["out_tok_s"])
-        del hf
-    flops = gemm_flops()
-    n_tok = sum(map(len, reqs)) + n * out_len
-    print(f"## throughput: {os.path.basename(path)}, fp32, CPU ({torch.get_num_threads()} threads), "
-          f"{n} requests, input {lo}-{hi}, output {out_len}; "
-          f"GEMM roofline {flops / 1e9:.0f} GFLOP/s measured, "
-          f"{params / 1e6:.0f}M params, 2 FLOP/param/token")
-    print("| run | out tok/s | total tok/s | % of GEMM roofline | TTFT p50 s | TPOT ms | ITL p50/p99 ms "
+    return runs, params, compile_s
+
+
+def hf_runs(path, dtype, reqs, out_lens, batch, repeat) -> dict:
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                              dtype=getattr(torch, dtype)).eval()
+    runs = {}
+    for w, lens in out_lens.items():
+        best = max((hf_run(hf, reqs, lens, batch) for _ in range(repeat)), key=lambda r: r["out_tok_s"])
+        runs[f"{w} transformers (batch {batch})"] = best
+    return runs
+
+
+def print_throughput(results, info, path, n, lo, hi, out_lens, params, reqs):
+    print(f"## throughput: {os.path.basename(path)}, CPU ({torch.get_num_threads()} threads), {n} requests, "
+          f"input {lo}-{hi}; outputs per request: " + ", ".join(
+              f"{w} {min(v)}-{max(v)}" for w, v in out_lens.items()))
+    print("| dtype | workload | run | out tok/s | vs transformers | TTFT p50 s | TPOT ms | ITL p50/p99 ms "
           "| device idle | host ms/step | overshoot |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, r in results.items():
-        roof = 2 * params * n_tok / r["wall_s"] / flops
-        r["roofline_frac"] = roof
-        print(f"| {name} | {r['out_tok_s']:.1f} | {r['total_tok_s']:.1f} | {100 * roof:.0f}% "
-              f"| {r['ttft_p50_s']:.2f} | {r.get('tpot_ms', float('nan')):.1f} "
-              f"| {r.get('itl_p50_ms', float('nan')):.1f} / "
-              f"{r.get('itl_p99_ms', float('nan')):.1f} | {r.get('device_idle', float('nan')):.2f} "
-              f"| {r.get('host_ms_per_step', float('nan')):.2f} | {r.get('overshoot_tokens', '-')} |")
-    hf = [k for k in results if k.startswith("transformers")]
-    if hf:
-        speedup = results["overlap"]["out_tok_s"] / results[hf[0]]["out_tok_s"]
-        print(f"overlap vs {hf[0]}: {speedup:.1f}x output tok/s")
-    prefix = prefix_run(path, args, vocab, kw)
-    return {"workload": results, "shared_prefix": prefix, "gemm_gflops": flops / 1e9}
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    nan = float("nan")
+    for dtype, runs in results.items():
+        for key, r in runs.items():
+            w, name = key.split(" ", 1)
+            hf = next((v for k, v in runs.items() if k.startswith(f"{w} transformers")), None)
+            r["vs_transformers"] = r["out_tok_s"] / hf["out_tok_s"] if hf else nan
+            print(f"| {dtype} | {w} | {name} | {r['out_tok_s']:.1f} | {r['vs_transformers']:.2f}x "
+                  f"| {r['ttft_p50_s']:.2f} | {r.get('tpot_ms', nan):.1f} | {r.get('itl_p50_ms', nan):.1f} / "
+                  f"{r.get('itl_p99_ms', nan):.1f} | {r.get('device_idle', nan):.2f} "
+                  f"| {r.get('host_ms_per_step', nan):.2f} | {r.get('overshoot_tokens', '-')} |")
+    for dtype in results:
+        s = info[dtype]
+        if s["compile_s"] is not None:
+            print(f"{dtype}: torch.compile took {s['compile_s']:.0f} s at start (two graphs per dtype)")
+        for w, lens in out_lens.items():
+            bound = flop_bound_tok_s(params, sum(map(len, reqs)), sum(lens), getattr(torch, dtype))
+            s[f"{w} flop_bound_tok_s"] = bound
+            share = results[dtype][f"{w} overlap"]["out_tok_s"] / bound
+            s[f"{w} overlap_share_of_bound"] = share
+            print(f"{dtype} {w}: matmul FLOP bound {bound:.0f} out tok/s ({params / 1e6:.0f}M params at this "
+                  f"CPU's measured {dtype} rates); overlap reaches {100 * share:.0f}% of it")
+    if {"float32", "bfloat16"} <= set(results):
+        for w in out_lens:
+            bf16, fp32 = (results[d][f"{w} overlap"]["out_tok_s"] for d in ("bfloat16", "float32"))
+            ratio = bf16 / fp32
+            info["bfloat16"][f"{w} vs_float32"] = ratio
+            print(f"{w}: overlap in bfloat16 gives {ratio:.2f}x its float32 output tok/s")
 
 
 def prefix_run(path, args, vocab, kw) -> dict:
@@ -537,6 +613,61 @@ def prefix_run(path, args, vocab, kw) -> dict:
     gain = out["no radix"]["ttft_p50_s"] / out["radix"]["ttft_p50_s"]
     print(f"TTFT p50: {gain:.1f}x lower with the radix cache")
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# profile: where one decode step's time goes (the real model, batch 64, the device thread's view)
+
+PROFILE_CATEGORIES = {  # aten op -> what it is in a decode step
+    "aten::mm": "matmul (weights)", "aten::addmm": "matmul (weights)",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)", "aten::bmm": "attention (SDPA)",
+    "aten::_softmax": "attention (SDPA)", "aten::index_select": "KV gather (index_select)",
+    "aten::argmax": "sampling", "aten::index_copy_": "KV write",
+}
+
+
+def cmd_profile(args):
+    """One decode step of `batch` requests, `steps` tokens into their outputs, replayed on its own: the
+    best of five timings, then torch.profiler self time by op, grouped."""
+    from torch.profiler import ProfilerActivity, profile
+    path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
+    B, steps = (4, 3) if args.quick else (args.batch, args.steps)
+    captured = []
+    with oe.Engine(model_path=path, device="cpu", dtype=args.dtype, disable_overlap_schedule=True,
+                   max_total_tokens=args.max_total_tokens, enable_torch_compile=args.torch_compile) as e:
+        worker, forward_step = e.scheduler.worker, e.scheduler.worker.forward_step
+        worker.forward_step = lambda fb: captured.append(fb) or forward_step(fb)
+        reqs = random_requests(B, *((8, 32) if args.quick else map(int, args.input.split(","))), args.seed,
+                               e.model_config.vocab_size)
+        e.add_requests(reqs, [{"max_new_tokens": steps + 2, "ignore_eos": True}] * B)
+        while not (captured and captured[-1].forward_mode.is_decode() and len(captured[-1].seq_lens) == B
+                   and min(len(r.output_ids) for r in e.scheduler.running_batch.reqs) >= steps):
+            e.step()
+        worker.forward_step = forward_step
+        fb = captured[-1]
+        ms = 1e3 * min(timed(lambda: forward_step(fb)) for _ in range(5))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            forward_step(fb)
+    total = sum(ev.self_cpu_time_total for ev in prof.key_averages())
+    groups = {}
+    for ev in prof.key_averages():
+        cat = PROFILE_CATEGORIES.get(ev.key, "other (elementwise, norms, rotary, copies)")
+        groups[cat] = groups.get(cat, 0) + ev.self_cpu_time_total
+    mean_len = sum(fb.seq_lens) / len(fb.seq_lens)
+    print(f"## profile: one decode step, {os.path.basename(path)}, {args.dtype}, batch {len(fb.seq_lens)}, "
+          f"mean context {mean_len:.0f} tokens: {ms:.1f} ms (best of 5)"
+          f"{', torch.compile' if args.torch_compile else ''}")
+    print("| part | share of the step | ms |")
+    print("|---|---|---|")
+    for cat, us in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"| {cat} | {100 * us / total:.0f}% | {ms * us / total:.1f} |")
+    return {"step_ms": ms, "shares": {k: v / total for k, v in groups.items()}}
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def cmd_mixed(args):
@@ -910,16 +1041,33 @@ def main():
     t.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
     t.add_argument("--requests", type=int, default=TP_REQUESTS)
     t.add_argument("--input", default=TP_INPUT, help="input length range lo,hi")
-    t.add_argument("--output", type=int, default=TP_OUTPUT)
+    t.add_argument("--dtypes", default=TP_DTYPES, help="comma-separated; each gets every run")
+    t.add_argument("--workloads", default=",".join(TP_WORKLOADS),
+                   help="fixed: 64 output tokens each; serving: 8-256 each (uniform)")
+    t.add_argument("--torch-compile", action="store_true",
+                   help="also the overlap loop with enable_torch_compile (its compile time is reported)")
     t.add_argument("--seed", type=int, default=TP_SEED)
     t.add_argument("--max-total-tokens", type=int, default=24576,
                    help="KV pool per engine (46 KB a token for SmolLM2)")
-    t.add_argument("--hf-batch", type=int, default=1, help="requests per transformers generate call")
+    t.add_argument("--hf-batch", type=int, default=TP_HF_BATCH,
+                   help="requests per transformers generate call (left-padded)")
     t.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     t.add_argument("--repeat", type=int, default=2,
                    help="runs of each loop (alternating) and of transformers; the best of each is reported")
     t.add_argument("--quick", action="store_true")
     t.set_defaults(fn=cmd_throughput)
+
+    pr = sub.add_parser("profile", help="where one decode step's time goes, op by op (torch.profiler)")
+    pr.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    pr.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    pr.add_argument("--batch", type=int, default=TP_REQUESTS)
+    pr.add_argument("--input", default=TP_INPUT, help="input length range lo,hi")
+    pr.add_argument("--steps", type=int, default=64, help="output tokens before the profiled step")
+    pr.add_argument("--torch-compile", action="store_true", help="with enable_torch_compile")
+    pr.add_argument("--max-total-tokens", type=int, default=24576)
+    pr.add_argument("--seed", type=int, default=TP_SEED)
+    pr.add_argument("--quick", action="store_true")
+    pr.set_defaults(fn=cmd_profile)
 
     m = sub.add_parser("mixed", help="decode ITL while a long prompt prefills, mixed chunks off and on")
     m.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")

@@ -486,7 +486,8 @@ class TokenToKVPool:
     def __init__(self, size: int, cfg: ModelConfig, dtype: torch.dtype, device: str):
         self.size = size
         shape = (size + 1, 2, cfg.num_key_value_heads, cfg.head_dim)  # (num_slots, K|V, n_kv_heads, head_dim)
-        self.kv_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.kv_buffer = [torch.zeros(shape, dtype=dtype, device=device)
+                          for _ in range(cfg.num_hidden_layers)]
         self.k_buffer = [kv[:, 0] for kv in self.kv_buffer]  # (num_slots, n_kv_heads, head_dim) views
         self.v_buffer = [kv[:, 1] for kv in self.kv_buffer]
         self.free_slots = torch.arange(1, size + 1, dtype=torch.int64)  # host tensor: slicing is O(1)

@@ -1253,7 +1253,7 @@ def test_bf16_overlap_equals_serial(ckpt, mixed_workload, monkeypatch):
     """In bf16 rounding differs from the float64 reference, but both loops run the same batches through
     the same kernels, so they agree token for token; sampling sees fp32 logits."""
     seen, sample = set(), oe.sample
-    monkeypatch.setattr(oe, "sample", lambda logits, sampling: seen.add(logits.dtype) or sample(logits, sampling))
+    monkeypatch.setattr(oe, "sample", lambda logits, sp: seen.add(logits.dtype) or sample(logits, sp))
     outs = run_both_loops(ckpt, mixed_workload[0], dtype="bfloat16")
     assert outs[False] == outs[True] and seen == {torch.float32}
 
