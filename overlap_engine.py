@@ -1665,8 +1665,9 @@ class Engine:
         except BaseException as e:
             self._loop = self._new_loop()  # a generator that raised is finished: start a fresh one
             self._tp_record("reset_loop")  # and so must the other ranks' (a Ctrl-C here is rank 0's alone)
-            if self.tp is not None and self.tp.explain(e) is not e:
-                raise self.tp.explain(e) from e  # a rank died or timed out: say which, if we know
+            err = e if self.tp is None else self.tp.explain(e)
+            if err is not e:
+                raise err from e  # a rank died or timed out: say which, if we know
             raise
         out, self.scheduler.finished_outputs = self.scheduler.finished_outputs, []
         for o in out:
@@ -1788,8 +1789,14 @@ class Engine:
     def _on_every_rank(self, method: str) -> list:
         """Runs self.<method>() on every rank (each on its own scheduler); the results in rank order.
         An exception on any rank is raised here, on rank 0, naming the rank."""
-        self._tp_send("call", method)
-        answers = self._answer(method)
+        try:
+            self._tp_send("call", method)
+            answers = self._answer(method)
+        except Exception as e:
+            err = e if self.tp is None else self.tp.explain(e)
+            if err is not e:
+                raise err from e
+            raise
         for rank, (ok, value) in enumerate(answers):
             if not ok and rank == 0:
                 raise value
@@ -1895,12 +1902,14 @@ class TPGroup:
                    on CPU, where the device thread calls them)
     cpu_group      the host's control messages: broadcasts, plan hashes, answers (gloo, dist_timeout)
     idle_group     only the length of rank 0's next broadcast (gloo, no practical timeout): a follower
-                   waits on it while rank 0 is idle, for as long as the user takes to send a request
+                   waits on it while rank 0 is idle, for as long as the user takes to send a request;
+                   rank 0, the sender, waits on it for dist_timeout at most
     """
 
     def __init__(self, args: ServerArgs, rank: int):
         self.rank, self.size, self.args = rank, args.tp_size, args
         self.pending: list = []  # rank 0: commands recorded since the last broadcast
+        self.failed = False      # a collective failed: close() waits only briefly for the ranks
         self.procs = None        # rank 0: the local ranks it started (a torch ProcessContext)
         if dist.is_initialized():
             raise ValueError("tensor parallelism: one Engine per process (a process group already exists)")
@@ -1929,12 +1938,18 @@ class TPGroup:
     def broadcast(self, obj=None):
         """Rank 0's object on every rank, pickled (SGLang's broadcast_pyobj): the length goes on the
         idle group, which a follower may wait on indefinitely, the bytes on the timed cpu group."""
+        if self.failed:  # after a failed collective the ranks are out of step: never wait on them again
+            raise TPError("tensor parallelism failed earlier; the engine cannot continue")
         if self.rank == 0:
             data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
             size = torch.tensor([len(data)], dtype=torch.int64)
         else:
             size = torch.zeros(1, dtype=torch.int64)
-        dist.broadcast(size, 0, group=self.idle_group)
+        work = dist.broadcast(size, 0, group=self.idle_group, async_op=True)
+        if self.rank == 0:
+            work.wait(timeout=timedelta(seconds=self.args.dist_timeout))
+        else:
+            work.wait()  # the idle group's own timeout: a year
         if self.rank != 0:
             data = torch.empty(int(size), dtype=torch.uint8)
         dist.broadcast(data, 0, group=self.cpu_group)
@@ -1949,12 +1964,14 @@ class TPGroup:
     def explain(self, e: BaseException) -> BaseException:
         """For an error of a collective: a TPError naming the local rank that died or raised, if one
         did (it has just closed its sockets), else the peer that failed or timed out. Others: e."""
-        if not isinstance(e, Exception) or not any(k in str(e) for k in ("gloo", "NCCL", "Connection")):
+        collective = any(k in str(e).lower() for k in ("gloo", "nccl", "connection", "timed out"))
+        if not isinstance(e, Exception) or isinstance(e, TPError) or not collective:
             return e
+        self.failed = True
         why = f"a peer failed or did not answer within dist_timeout={self.args.dist_timeout} s ({e})"
         try:
             if self.procs is not None:
-                self.procs.join(timeout=2)  # raises for a local rank that exited: which one, and how
+                self.procs.join(timeout=1)  # raises for a local rank that exited: which one, and how
         except torch.multiprocessing.ProcessRaisedException as dead:
             why = f"rank {dead.error_index + 1} raised:\n{dead}"
         except torch.multiprocessing.ProcessExitedException as dead:
@@ -1968,7 +1985,7 @@ class TPGroup:
             dist.destroy_process_group()
         if self.procs is None:
             return
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + (2 if self.failed else 30)
         for p in self.procs.processes:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():  # stuck in a collective with a dead peer: nothing more to wait for
@@ -2092,18 +2109,22 @@ class TPShard:
     group: Optional[object] = None
 
 
+class TPLayoutError(ValueError):
+    """The model's heads or MLP cannot be split over tp_size ranks."""
+
+
 def tp_heads(cfg: ModelConfig, tp: TPShard) -> tuple[int, int, int]:
     """(query heads, KV heads, first KV head) of this rank. KV heads are split when tp_size divides
     them; when tp_size is a multiple of them they are replicated, as SGLang does: each rank keeps the
     one KV head its query heads read."""
     H, Hkv, n = cfg.num_attention_heads, cfg.num_key_value_heads, tp.size
     if H % n or cfg.intermediate_size % n:
-        raise ValueError(f"tp_size={n} must divide num_attention_heads={H} and "
+        raise TPLayoutError(f"tp_size={n} must divide num_attention_heads={H} and "
                          f"intermediate_size={cfg.intermediate_size}")
     if Hkv % n == 0:
         return H // n, Hkv // n, tp.rank * (Hkv // n)
     if n % Hkv:
-        raise ValueError(f"tp_size={n} must divide num_key_value_heads={Hkv} or be a multiple of it "
+        raise TPLayoutError(f"tp_size={n} must divide num_key_value_heads={Hkv} or be a multiple of it "
                          f"(then each KV head is replicated on tp_size / {Hkv} ranks)")
     return H // n, 1, tp.rank // (n // Hkv)
 
@@ -2544,6 +2565,8 @@ def load_checkpoint(path: str, tp: Optional[TPShard] = None) -> tuple[ModelConfi
     from safetensors import SafetensorError
     try:
         return load_gguf_checkpoint(path, tp) if is_gguf else load_hf_dir(path, tp)
+    except TPLayoutError:
+        raise  # the checkpoint is fine; tp_size does not fit it
     except (OSError, ValueError, KeyError, TypeError, IndexError, SafetensorError) as e:
         raise ValueError(f"model_path={path!r} cannot be read: {type(e).__name__}: {e}") from e
 
