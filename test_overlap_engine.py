@@ -2076,6 +2076,60 @@ def test_tp_layouts_and_arguments_that_cannot_work_are_refused(tmp_path):
             Engine(model_path=ck, **kw)
 
 
+def reassemble(shards: list, name: str, rows: int) -> torch.Tensor:
+    """The whole tensor from its tensor-parallel shards: rows, or columns for a row-parallel layer (a
+    norm is whole on every rank); `rows` cuts off the vocabulary's padding."""
+    if shards[0][name].dim() == 1:
+        return shards[0][name]
+    dim = 1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 0
+    return torch.cat([s[name] for s in shards], dim)[:rows]
+
+
+@pytest.mark.parametrize("fmt", ["hf", pytest.param("gguf", marks=needs_gguf)])
+def test_weights_are_sharded_as_they_load(tmp_path, fmt):
+    """Each rank's tensors, loaded with TPShard(rank, 2), put back together are the whole checkpoint
+    (GGUF: after the Q/K unpermute), and each shard owns only its own bytes. Both vocabularies are odd
+    (257 and 263 rows), so the last rank's slice ends in a zero padding row."""
+    if fmt == "gguf":
+        path = str(tmp_path / "m.gguf")
+        write_tiny_gguf(path, untied=True)
+        load = lambda tp: oe.load_gguf(path, tp)[1]  # noqa: E731
+    else:
+        path = oe.write_random_checkpoint(str(tmp_path), vocab=257)
+        load = lambda tp: oe.load_checkpoint(path, tp)[1]  # noqa: E731
+    whole = load(None)
+    shards = [load(oe.TPShard(rank, 2)) for rank in range(2)]
+    for name, w in whole.items():
+        vocab = len(w) if "embed_tokens" in name or "lm_head" in name else None
+        assert torch.equal(reassemble(shards, name, len(w)), w), name
+        for shard in shards:
+            t = shard[name]
+            assert t.untyped_storage().nbytes() == t.nbytes, f"{name} keeps the whole tensor alive"
+            if w.dim() == 2:
+                expected = (len(w) + 1) // 2 * w.shape[1] if vocab else w.numel() // 2
+                assert t.numel() == expected, name
+    assert not shards[1]["model.embed_tokens.weight"][-1].any()  # the padding row
+
+
+def test_tp_plan_check_catches_ranks_that_disagree(ckpt):
+    """debug_tp_plan: each iteration's plan hash is gathered from the ranks; one that differs stops
+    the engine with an error, equal ones let it run."""
+    class Ranks:  # the group, as the scheduler sees it: rank 1 answers with `other`
+        def __init__(self, other=None):
+            self.other = other
+
+        def all_gather(self, digest):
+            return [digest, self.other or digest]
+    with make_engine(ckpt, False) as e:
+        e.add_request(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 3, "temperature": 0})
+        e.scheduler.tp = Ranks("0" * 64)
+        with pytest.raises(AssertionError, match="tensor-parallel ranks planned different steps"):
+            e.step()
+        e.scheduler.tp = Ranks()
+        assert steps_until_done(e, list(e._reqs))
+        e.check_invariants()
+
+
 def test_tp2_across_two_machines_from_the_command_line(ckpt):
     """Two "machines" on this host: `--node-rank 1` follows, `--node-rank 0` answers the prompt with
     the tokens of one rank, and both exit 0 when it is done."""
