@@ -6,8 +6,9 @@ each sampled token to the next step on the device, keyed by request-pool row; re
 one step late, and snapshots (ScheduleBatch.copy), overshoot handling and stream-ordered reuse of KV
 memory keep the tokens exactly those of the plain serial loop.
 
-It is a reference to read, not a production server: one process, one device, Llama-family models,
-no tensor parallelism, no speculative decoding, no CUDA graphs. Every value has four moments:
+It is a reference to read, not a production server: Llama-family models, one device per process
+(tensor parallelism runs one process, and one scheduler, per rank), no speculative decoding, no CUDA
+graphs. Every value has four moments:
 
     planned       slots and metadata for the next step are allocated on the host; nothing launched
     in flight     the step is queued on the device stream; the host cannot read its results
@@ -28,8 +29,10 @@ Reading guide: the sections, in the order they teach.
     KV memory, radix cache    ReqToTokenPool, TokenToKVPool, RadixCache
     FutureMap, device streams FutureMap, StepHandle, CpuDeviceStream, CudaDeviceStream, ModelWorker
     Scheduler, the two loops  the loops first, then one batch from its plan to its commit
-    Engine API                ServerArgs, SamplingParams, Engine
-    Model and attention       Llama (math only), sampling, the torch and triton attention backends
+    Engine API                ServerArgs, SamplingParams, Engine; tensor parallelism: TPGroup, a process
+                              and a scheduler per rank, rank 0 broadcasting each iteration's inputs
+    Model and attention       Llama (math only; Megatron's tensor-parallel split), sampling, the torch
+                              and triton attention backends
     Checkpoint loading        HF directories, GGUF, tokenizer, chat template, the default model
     CPU tuning, CLI           allocator and OpenMP settings; the chat and one-shot prompts
     Serving                   the HTTP server: a scheduler thread that owns the Engine, FastAPI routes
@@ -1317,7 +1320,7 @@ class ServerArgs:
     debug_future_map: bool = arg(False, "assert each FutureMap row is published before it is read")
     debug_ledger: bool = arg(False, "check the KV, row and lock ledger after every iteration (slow)")
     worker_jitter_ms: float = arg(0.0, "the CPU device thread sleeps up to this at random points (tests)")
-    debug_tp_plan: bool = arg(False, "tensor parallel: the ranks compare a hash of their plan every iteration")
+    debug_tp_plan: bool = arg(False, "tensor parallel: the ranks compare a hash of each iteration's plan")
 
     def __post_init__(self):
         """Each argument has its declared type (None only where Optional) and a value in range."""
@@ -2143,9 +2146,10 @@ def shard_weight(name: str, w: torch.Tensor, cfg: ModelConfig, tp: TPShard) -> t
         rows = padded_vocab(cfg.vocab_size, tp.size) // tp.size
         part = w[r * rows:(r + 1) * rows]
         return F.pad(part, (0, 0, 0, rows - len(part)))  # the last ranks' padding rows are zero
-    parts = {"q_proj": (0, r * H * D, H * D), "k_proj": (0, kv0 * D, Hkv * D), "v_proj": (0, kv0 * D, Hkv * D),
-             "o_proj": (1, r * H * D, H * D), "gate_proj": (0, r * inter, inter),
-             "up_proj": (0, r * inter, inter), "down_proj": (1, r * inter, inter)}
+    parts = {"q_proj": (0, r * H * D, H * D), "o_proj": (1, r * H * D, H * D),  # (dim, start, length)
+             "k_proj": (0, kv0 * D, Hkv * D), "v_proj": (0, kv0 * D, Hkv * D),
+             "gate_proj": (0, r * inter, inter), "up_proj": (0, r * inter, inter),
+             "down_proj": (1, r * inter, inter)}
     if kind not in parts:
         return w  # not a Llama weight: build_model leaves it out
     dim, start, length = parts[kind]
@@ -2887,7 +2891,7 @@ def load_dummy(path: str, device: str, tp: Optional[TPShard] = None) -> tuple[Mo
     cfg = ModelConfig.from_hf(hf_cfg)
     state = random_state_dict(hf_cfg, scale=hf_cfg["hidden_size"] ** -0.5, device=device,
                               draw_dtype=torch.float32)
-    state = {k: shard_weight(k, v, cfg, tp or TPShard()) for k, v in state.items()}  # same draws on every rank
+    state = {k: shard_weight(k, v, cfg, tp or TPShard()) for k, v in state.items()}  # same draws everywhere
     return cfg, state, load_hf_tokenizer(tokenizer_dir, cfg) if tokenizer_dir else None
 
 

@@ -2066,11 +2066,12 @@ def test_tp_layouts_and_arguments_that_cannot_work_are_refused(tmp_path):
     ck6 = oe.write_random_checkpoint(str(tmp_path / "b"), hidden=48, heads=6, kv_heads=4, inter=48)
     with pytest.raises(ValueError, match="tp_size=3 must divide num_key_value_heads=4"):
         Engine(model_path=ck6, tp_size=3)
-    bad = [({"tp_size": 3, "nnodes": 2}, "multiple of nnodes"), ({"tp_size": 2, "nnodes": 2}, "dist_init_addr"),
+    bad = [({"tp_size": 3, "nnodes": 2}, "multiple of nnodes"),
+           ({"tp_size": 2, "nnodes": 2}, "dist_init_addr"),
            ({"tp_size": 2, "nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"}, "node_rank=2"),
            ({"tp_size": 2, "dist_init_addr": "no-port"}, "dist_init_addr='no-port'"),
            ({"tp_size": 0}, "tp_size"), ({"dist_timeout": 0}, "dist_timeout"),
-           ({"tp_size": 2, "nnodes": 2, "node_rank": 1, "dist_init_addr": "h:1"}, "only node 0 runs an Engine")]
+           ({"tp_size": 2, "nnodes": 2, "node_rank": 1, "dist_init_addr": "h:1"}, "only node 0 runs")]
     for kw, named in bad:
         with pytest.raises(ValueError, match=named):
             Engine(model_path=ck, **kw)
@@ -2137,7 +2138,8 @@ def test_tp2_across_two_machines_from_the_command_line(ckpt):
     cmd = [sys.executable, "overlap_engine.py", "--model-path", ckpt, "--dtype", "float64", "--device", "cpu",
            "--max-total-tokens", "512", "--tp-size", "2", "--nnodes", "2", "--dist-init-addr",
            f"127.0.0.1:{port}", "--dist-timeout", "60"]
-    node1 = subprocess.Popen(cmd + ["--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=HERE)
+    node1 = subprocess.Popen(cmd + ["--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             cwd=HERE)
     try:
         node0 = subprocess.run(cmd + ["--node-rank", "0", "--prompt", "Tensor parallel", "--raw",
                                       "--max-new-tokens", "12"], capture_output=True, timeout=120, cwd=HERE)
@@ -2146,7 +2148,8 @@ def test_tp2_across_two_machines_from_the_command_line(ckpt):
         node1.kill()
     assert node0.returncode == 0 and node1.returncode == 0, (node0.stderr.decode(), err1.decode())
     with make_engine(ckpt, False) as e:
-        expected = e.generate(prompt="Tensor parallel", sampling_params={"max_new_tokens": 12, "temperature": 0})
+        sp = {"max_new_tokens": 12, "temperature": 0}
+        expected = e.generate(prompt="Tensor parallel", sampling_params=sp)
     text, summary = node0.stdout.decode().rsplit("\n[", 1)
     assert text == expected["text"] and summary.startswith(f"{len(expected['output_ids'])} tokens")
 
@@ -2160,7 +2163,8 @@ if __name__ == "__main__":
     e = oe.Engine(model_path=ckpt, dtype="float64", device="cpu", tp_size=2, dist_timeout=timeout,
                   max_total_tokens=512, debug_tp_plan=True)
     for _ in range(4):
-        e.add_request(input_ids=list(range(1, 30)), sampling_params={"max_new_tokens": 100, "ignore_eos": True})
+        e.add_request(input_ids=list(range(1, 30)), sampling_params={"max_new_tokens": 100,
+                                                                     "ignore_eos": True})
     for _ in range(5):
         e.step()
     rank1 = e.tp.procs.processes[0]
