@@ -1995,7 +1995,7 @@ def tp_workload():
     return wl
 
 
-def run_with_an_abort(engine, wl, abort_step=10, victim=2):
+def run_with_an_abort(engine, wl, abort_step=18, victim=2):
     """Steps the workload to the end, aborting request `victim` after `abort_step` steps; outputs in
     workload order."""
     rids = [engine.add_request(input_ids=p, sampling_params=sp) for p, sp in wl]
@@ -2035,7 +2035,7 @@ def test_tp2_gives_the_tokens_of_tp1(ckpt, overlap_off):
     assert two == one
     assert one_stats["retractions"] > 0 and two_stats["retractions"] == one_stats["retractions"]
     assert sum(o["meta_info"]["cached_tokens"] for o in one) > 0
-    assert [o["meta_info"]["finish_reason"]["type"] for o in one].count("abort") == 1
+    assert one[2]["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(one[2]["output_ids"]) < 16
     assert len(two_mem) == 2
     for rank in two_mem:  # Hkv = 2 split in two, every matrix split in two, the norms on both ranks
         assert 2 * rank["kv_cache"] == one_mem[0]["kv_cache"]
