@@ -74,6 +74,7 @@ import queue
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -1504,6 +1505,8 @@ class Engine:
             raise
 
     def _build(self, tp_rank: int):
+        """Loads this rank's shard of the model, starts the other ranks (rank 0 with tp_size > 1),
+        then the pools, the device stream, the worker and the scheduler."""
         args = self.server_args
         dtype = getattr(torch, args.dtype)
         shard = TPShard(tp_rank, args.tp_size)  # tp_size 1: the whole model
@@ -1616,7 +1619,7 @@ class Engine:
         return Req(rid or os.urandom(16).hex(), list(input_ids), sp, seed, eos)
 
     def _submit(self, r: Req) -> str:
-        self._tp_record("add", r)  # before the scheduler touches it: the other ranks get it as it is now
+        self._tp_record("add", pickle.dumps(r))  # as it is now: an abort before the broadcast changes r
         self._reqs[r.rid] = r
         if r.sampling_params.max_new_tokens == 0:  # nothing to generate: finished without touching the device
             r.finished_reason = {"type": "length", "length": 0}
@@ -1776,10 +1779,10 @@ class Engine:
                 for kind, *payload in self.tp.broadcast():
                     if kind == "shutdown":
                         return
-                    elif kind == "step":
+                    if kind == "step":
                         self._iterate()
                     elif kind == "add":
-                        self._submit(payload[0])
+                        self._submit(pickle.loads(payload[0]))
                     elif kind == "abort":
                         self.abort(payload[0])
                     elif kind == "reset_loop":
@@ -1917,6 +1920,7 @@ class TPGroup:
         if dist.is_initialized():
             raise ValueError("tensor parallelism: one Engine per process (a process group already exists)")
         per_node = args.tp_size // args.nnodes
+        self.threads = torch.get_num_threads()  # put back by close(): rank 0 is the user's process
         if args.device == "cpu":  # the ranks of one machine share its cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
         addr = args.dist_init_addr or f"127.0.0.1:{free_port()}"
@@ -1931,6 +1935,7 @@ class TPGroup:
             dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=f"tcp://{addr}",
                                     rank=rank, world_size=self.size, timeout=timeout)
         except BaseException as e:
+            self.failed = True
             self.close()
             raise TPError(f"tensor-parallel ranks did not meet at {addr} within dist_timeout="
                           f"{args.dist_timeout} s: {e}") from e
@@ -1949,11 +1954,10 @@ class TPGroup:
         else:
             size = torch.zeros(1, dtype=torch.int64)
         work = dist.broadcast(size, 0, group=self.idle_group, async_op=True)
-        if self.rank == 0:
+        if self.rank == 0:  # a rank that stopped answering must not hold rank 0 for the group's year
             work.wait(timeout=timedelta(seconds=self.args.dist_timeout))
         else:
-            work.wait()  # the idle group's own timeout: a year
-        if self.rank != 0:
+            work.wait()
             data = torch.empty(int(size), dtype=torch.uint8)
         dist.broadcast(data, 0, group=self.cpu_group)
         return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
@@ -1986,6 +1990,7 @@ class TPGroup:
         """Ends the group; rank 0 then joins the ranks it started (and kills those that do not end)."""
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+        torch.set_num_threads(self.threads)
         if self.procs is None:
             return
         deadline = time.monotonic() + (2 if self.failed else 30)
@@ -1997,7 +2002,8 @@ class TPGroup:
 
 
 def free_port() -> int:
-    with contextlib.closing(__import__("socket").socket()) as sock:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the ranks of one machine meet there)."""
+    with contextlib.closing(socket.socket()) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
@@ -3030,6 +3036,8 @@ def main(argv=None):
     try:
         SamplingParams.from_dict(sp, vocab_size=1)  # before the model loads (no stop ids: any vocab)
         if args.node_rank > 0:  # a machine of tensor-parallel ranks that follow node 0: no prompts here
+            if args.prompt or args.serve:
+                raise ValueError("--prompt and --serve belong on node 0; --node-rank > 0 only follows it")
             return run_tp_node(Engine._check_args(engine_args))
         engine = Engine(**engine_args)
     except (ValueError, DefaultModelUnavailable) as e:

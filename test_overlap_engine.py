@@ -1996,9 +1996,10 @@ def tp_workload():
 
 
 def run_with_an_abort(engine, wl, abort_step=18, victim=2):
-    """Steps the workload to the end, aborting request `victim` after `abort_step` steps; outputs in
-    workload order."""
+    """Steps the workload to the end, aborting request `victim` after `abort_step` steps, and the last
+    one before the first step; outputs in workload order."""
     rids = [engine.add_request(input_ids=p, sampling_params=sp) for p, sp in wl]
+    engine.abort(rids[-1])
     done = {}
     for step in range(2000):
         if step == abort_step:
@@ -2015,10 +2016,12 @@ TP_SQUEEZED = {"max_total_tokens": 96, "chunked_prefill_size": 8, "schedule_cons
 def tp_run(ckpt, overlap_off, tp_size, wl, **kw):
     """(outputs without their random ids, stats, memory per rank) of one engine; invariants checked on
     every rank after the workload."""
+    threads = torch.get_num_threads()  # rank 0 shares the cores with rank 1 while they run
     with make_engine(ckpt, overlap_off, tp_size=tp_size, dist_timeout=60, **kw) as e:
         outs = run_with_an_abort(e, wl)
         e.check_invariants()
         stats, memory = e.stats(), e.memory_usage()
+    assert torch.get_num_threads() == threads
     for o in outs:
         del o["meta_info"]["id"]
     return outs, stats, memory
@@ -2036,6 +2039,7 @@ def test_tp2_gives_the_tokens_of_tp1(ckpt, overlap_off):
     assert one_stats["retractions"] > 0 and two_stats["retractions"] == one_stats["retractions"]
     assert sum(o["meta_info"]["cached_tokens"] for o in one) > 0
     assert one[2]["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(one[2]["output_ids"]) < 16
+    assert one[-1]["meta_info"]["finish_reason"]["type"] == "abort" and one[-1]["output_ids"] == []
     assert len(two_mem) == 2
     for rank in two_mem:  # Hkv = 2 split in two, every matrix split in two, the norms on both ranks
         assert 2 * rank["kv_cache"] == one_mem[0]["kv_cache"]
