@@ -1936,9 +1936,10 @@ class TPGroup:
                                     rank=rank, world_size=self.size, timeout=timeout)
         except BaseException as e:
             self.failed = True
+            why = (self.dead_local_rank()
+                   or f"the ranks did not meet at {addr} within dist_timeout={args.dist_timeout} s ({e})")
             self.close()
-            raise TPError(f"tensor-parallel ranks did not meet at {addr} within dist_timeout="
-                          f"{args.dist_timeout} s: {e}") from e
+            raise TPError(f"tensor parallelism failed to start: {why}") from e
         self.device_group = dist.group.WORLD
         self.cpu_group = dist.new_group(backend="gloo", timeout=timeout)
         self.idle_group = dist.new_group(backend="gloo", timeout=timedelta(days=365))
@@ -1975,16 +1976,21 @@ class TPGroup:
         if not isinstance(e, Exception) or isinstance(e, TPError) or not collective:
             return e
         self.failed = True
-        why = f"a peer failed or did not answer within dist_timeout={self.args.dist_timeout} s ({e})"
+        why = (self.dead_local_rank()
+               or f"a peer failed or did not answer within dist_timeout={self.args.dist_timeout} s ({e})")
+        return TPError(f"tensor parallelism failed: {why}")
+
+    def dead_local_rank(self) -> Optional[str]:
+        """Which rank this process started has ended, and how; None if none has (or none was started)."""
         try:
             if self.procs is not None:
-                self.procs.join(timeout=1)  # raises for a local rank that exited: which one, and how
+                self.procs.join(timeout=1)  # raises for a rank that exited (and ends the others)
         except torch.multiprocessing.ProcessRaisedException as dead:
-            why = f"rank {dead.error_index + 1} raised:\n{dead}"
+            return f"rank {dead.error_index + 1} raised:\n{dead}"
         except torch.multiprocessing.ProcessExitedException as dead:
             how = f"signal {dead.signal_name}" if dead.signal_name else f"exit code {dead.exit_code}"
-            why = f"rank {dead.error_index + 1} died ({how})"
-        return TPError(f"tensor parallelism failed: {why}")
+            return f"rank {dead.error_index + 1} died ({how})"
+        return None
 
     def close(self):
         """Ends the group; rank 0 then joins the ranks it started (and kills those that do not end)."""

@@ -2163,7 +2163,7 @@ import os, signal, sys, time
 import overlap_engine as oe
 
 if __name__ == "__main__":
-    ckpt, sig, timeout = sys.argv[1], getattr(signal, sys.argv[2]), int(sys.argv[3])
+    ckpt, how, timeout = sys.argv[1], sys.argv[2], int(sys.argv[3])
     e = oe.Engine(model_path=ckpt, dtype="float64", device="cpu", tp_size=2, dist_timeout=timeout,
                   max_total_tokens=512, debug_tp_plan=True)
     for _ in range(4):
@@ -2172,7 +2172,10 @@ if __name__ == "__main__":
     for _ in range(5):
         e.step()
     rank1 = e.tp.procs.processes[0]
-    os.kill(rank1.pid, sig)  # in the middle of the run
+    if how == "raise":  # a command rank 1 cannot apply: its follow() raises
+        e.tp.pending.append(("add", b"not a pickle"))
+    else:
+        os.kill(rank1.pid, getattr(signal, how))  # in the middle of the run
     t0 = time.monotonic()
     try:
         for _ in range(1000):
@@ -2187,16 +2190,17 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("sig, named", [("SIGKILL", "rank 1 died (signal SIGKILL)"),
+@pytest.mark.parametrize("how, named", [("SIGKILL", "rank 1 died (signal SIGKILL)"),
+                                        ("raise", "rank 1 raised"),
                                         ("SIGSTOP", "did not answer within dist_timeout=6 s")],
-                         ids=["killed", "hung"])
-def test_tp_a_rank_that_dies_or_hangs_makes_rank_0_raise_in_bounded_time(tmp_path, ckpt, sig, named):
-    """Rank 1 killed (rank 0 sees the closed connection at once) or stopped (the group's timeout):
-    rank 0 raises TPError within dist_timeout, shuts down and its process exits."""
+                         ids=["killed", "raised", "hung"])
+def test_tp_a_rank_that_dies_raises_or_hangs_makes_rank_0_raise_in_bounded_time(tmp_path, ckpt, how, named):
+    """Rank 1 killed or raising (rank 0 sees the closed connection at once) or stopped (the group's
+    timeout): rank 0 raises TPError within dist_timeout, shuts down and its process exits."""
     script = tmp_path / "fail.py"
     script.write_text(TP_FAILURE_SCRIPT)
     env = {**os.environ, "PYTHONPATH": HERE}
-    r = subprocess.run([sys.executable, str(script), ckpt, sig, "6"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, str(script), ckpt, how, "6"], capture_output=True, text=True,
                        timeout=90, env=env)
     assert r.returncode == 0, r.stderr
     assert "raised after" in r.stdout and named in r.stdout, r.stdout
