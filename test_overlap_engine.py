@@ -2027,15 +2027,32 @@ def tp_run(ckpt, overlap_off, tp_size, wl, **kw):
     return outs, stats, memory
 
 
+def threads_calling(monkeypatch, obj, name: str) -> list:
+    """Names of the threads that call obj.name from now on (in this process: rank 0)."""
+    import threading
+    real, names = getattr(obj, name), []
+
+    def spy(*args, **kw):
+        names.append(threading.current_thread().name)
+        return real(*args, **kw)
+    monkeypatch.setattr(obj, name, spy)
+    return names
+
+
 @pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_tp2_gives_the_tokens_of_tp1(ckpt, overlap_off):
+def test_tp2_gives_the_tokens_of_tp1(ckpt, overlap_off, monkeypatch):
     """Two ranks, each planning alone from rank 0's broadcast inputs (plan hashes compared every
     iteration), give the tokens, finish reasons and cache hits of one rank, through chunked prefill,
-    radix hits, retraction, seeded sampling and an abort; each rank holds half the KV and weights."""
+    radix hits, retraction, seeded sampling and an abort; each rank holds half the KV and weights.
+    The all-reduces run in the step, on the device thread; the broadcasts on the host."""
     wl = tp_workload()
     one, one_stats, one_mem = tp_run(ckpt, overlap_off, 1, wl, **TP_SQUEEZED)
+    all_reduces = threads_calling(monkeypatch, oe.dist, "all_reduce")
+    broadcasts = threads_calling(monkeypatch, oe.TPGroup, "broadcast")
     two, two_stats, two_mem = tp_run(ckpt, overlap_off, 2, wl, **TP_SQUEEZED)
     assert two == one
+    assert all_reduces and set(all_reduces) == {"overlap-engine-device"}
+    assert broadcasts and set(broadcasts) == {"MainThread"}
     assert one_stats["retractions"] > 0 and two_stats["retractions"] == one_stats["retractions"]
     assert sum(o["meta_info"]["cached_tokens"] for o in one) > 0
     assert one[2]["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(one[2]["output_ids"]) < 16
