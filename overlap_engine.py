@@ -1499,9 +1499,13 @@ class Engine:
         self.tp: Optional[TPGroup] = None
         try:
             self._build(_tp_rank)
-        except BaseException:
-            if self.tp is not None:  # the ranks already started must not wait for this one forever
-                self.tp.close()
+        except BaseException as e:
+            if self.tp is None:
+                raise
+            err = self.tp.explain(e)  # another rank failed to build: which one, if it is ours
+            self.tp.close()  # the ranks already started must not wait for this one forever
+            if err is not e:
+                raise err from e
             raise
 
     def _build(self, tp_rank: int):

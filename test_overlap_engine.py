@@ -1977,7 +1977,7 @@ def test_prompt_longer_than_context(tmp_path):
 # ----------------------------------------------------------------------------------------------------
 # Tensor parallelism: tp_size=2 (two processes, gloo) gives the tokens of tp_size=1
 #
-# Each tp_size=2 engine spawns one process (a second of start-up on this 2-core machine), so the
+# Each tp_size=2 engine spawns one process (2-3 s of start-up on this 2-core machine), so the
 # workloads are few and small, and every subprocess has a timeout.
 
 HERE = os.path.dirname(os.path.abspath(__file__))
