@@ -1316,7 +1316,8 @@ class ServerArgs:
     node_rank: int = arg(0, "this machine's index: node 0 runs the Engine (rank 0), the others follow it")
     dist_init_addr: Optional[str] = arg(
         None, "host:port on node 0 where the ranks meet; none: a free port on 127.0.0.1 (one machine)")
-    dist_timeout: int = arg(300, "seconds a rank waits for the others before it raises (the groups' timeout)")
+    dist_timeout: int = arg(300, "seconds a rank waits for the others (loading at start-up included) "
+                                 "before it raises")
     # debugging
     debug_future_map: bool = arg(False, "assert each FutureMap row is published before it is read")
     debug_ledger: bool = arg(False, "check the KV, row and lock ledger after every iteration (slow)")
