@@ -2152,8 +2152,7 @@ def tp_heads(cfg: ModelConfig, tp: TPShard) -> tuple[int, int, int]:
 def shard_weight(name: str, w: torch.Tensor, cfg: ModelConfig, tp: TPShard) -> torch.Tensor:
     """This rank's part of one checkpoint tensor (a copy: the whole tensor can be freed). Column
     parallel (q, k, v, gate, up) and vocab parallel (embedding, lm_head) keep rows; row parallel
-    (o, down) keep columns; norms are replicated. The vocabulary is padded with zero rows to a
-    multiple of tp_size (SGLang pads to a multiple of 64 for the same reason)."""
+    (o, down) keep columns; norms are replicated. The vocabulary is padded with zero rows (padded_vocab)."""
     if tp.size == 1 or w.dim() == 1:
         return w
     kind, r, D = name.split(".")[-2], tp.rank, cfg.head_dim  # kind: q_proj, ..., embed_tokens, lm_head
@@ -2174,7 +2173,13 @@ def shard_weight(name: str, w: torch.Tensor, cfg: ModelConfig, tp: TPShard) -> t
 
 
 def padded_vocab(vocab_size: int, tp_size: int) -> int:
-    return -(-vocab_size // tp_size) * tp_size
+    """Rows of a vocab-parallel embedding over all ranks: as SGLang pads it, up to a multiple of 64,
+    and here of tp_size too (64 * 3 for three ranks), so that every rank gets an equal slice.
+    One rank keeps the vocabulary as it is. padded_vocab(257, 2) == 320: 160 rows a rank."""
+    if tp_size == 1:
+        return vocab_size
+    step = math.lcm(64, tp_size)
+    return -(-vocab_size // step) * step
 
 
 class RowParallelLinear(nn.Linear):

@@ -2065,7 +2065,7 @@ def test_tp2_gives_the_tokens_of_tp1(ckpt, overlap_off, monkeypatch):
 
 
 def test_tp2_pads_the_vocabulary_and_replicates_a_kv_head(tmp_path):
-    """An odd vocabulary (257) is padded to 258 rows, 129 a rank, and the logits gathered back to 257;
+    """An odd vocabulary (257) is padded to 320 rows, 160 a rank, and the logits gathered back to 257;
     one KV head is replicated on both ranks (tp_size > num_key_value_heads); embeddings are tied."""
     ck = oe.write_random_checkpoint(str(tmp_path), vocab=257, kv_heads=1, tie=True, seed=5)
     wl = [(p, {**sp, "max_new_tokens": 8}) for p, sp in tp_workload()[:4]]
@@ -2075,7 +2075,7 @@ def test_tp2_pads_the_vocabulary_and_replicates_a_kv_head(tmp_path):
     embedding = 257 * 32 * 8  # (vocab, hidden) float64, tied: counted once
     for rank in two_mem:
         assert rank["kv_cache"] == one_mem[0]["kv_cache"]  # the one KV head, whole, on each rank
-        assert rank["sharded_weights"] - 129 * 32 * 8 == (one_mem[0]["sharded_weights"] - embedding
+        assert rank["sharded_weights"] - 160 * 32 * 8 == (one_mem[0]["sharded_weights"] - embedding
                                                            + 2 * 1 * 16 * 32 * 8) // 2  # k, v unsplit
 
 
@@ -2111,7 +2111,8 @@ def reassemble(shards: list, name: str, rows: int) -> torch.Tensor:
 def test_weights_are_sharded_as_they_load(tmp_path, fmt):
     """Each rank's tensors, loaded with TPShard(rank, 2), put back together are the whole checkpoint
     (GGUF: after the Q/K unpermute), and each shard owns only its own bytes. Both vocabularies are odd
-    (257 and 263 rows), so the last rank's slice ends in a zero padding row."""
+    (257 and 263 rows), padded to 320 (a multiple of 64 and of 2), so the last rank's slice ends in
+    zero rows."""
     if fmt == "gguf":
         path = str(tmp_path / "m.gguf")
         write_tiny_gguf(path, untied=True)
@@ -2128,9 +2129,10 @@ def test_weights_are_sharded_as_they_load(tmp_path, fmt):
             t = shard[name]
             assert t.untyped_storage().nbytes() == t.nbytes, f"{name} keeps the whole tensor alive"
             if w.dim() == 2:
-                expected = (len(w) + 1) // 2 * w.shape[1] if vocab else w.numel() // 2
+                expected = 160 * w.shape[1] if vocab else w.numel() // 2
                 assert t.numel() == expected, name
-    assert not shards[1]["model.embed_tokens.weight"][-1].any()  # the padding row
+    embedding = whole["model.embed_tokens.weight"]
+    assert not shards[1]["model.embed_tokens.weight"][len(embedding) - 160:].any()  # the padding rows
 
 
 def test_tp_plan_check_catches_ranks_that_disagree(ckpt):
