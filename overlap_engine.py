@@ -2140,12 +2140,12 @@ def tp_heads(cfg: ModelConfig, tp: TPShard) -> tuple[int, int, int]:
     H, Hkv, n = cfg.num_attention_heads, cfg.num_key_value_heads, tp.size
     if H % n or cfg.intermediate_size % n:
         raise TPLayoutError(f"tp_size={n} must divide num_attention_heads={H} and "
-                         f"intermediate_size={cfg.intermediate_size}")
+                            f"intermediate_size={cfg.intermediate_size}")
     if Hkv % n == 0:
         return H // n, Hkv // n, tp.rank * (Hkv // n)
     if n % Hkv:
-        raise TPLayoutError(f"tp_size={n} must divide num_key_value_heads={Hkv} or be a multiple of it "
-                         f"(then each KV head is replicated on tp_size / {Hkv} ranks)")
+        raise TPLayoutError(f"tp_size={n} must divide num_key_value_heads={Hkv} or be a multiple of "
+                            f"it (then each KV head is replicated on tp_size / {Hkv} ranks)")
     return H // n, 1, tp.rank // (n // Hkv)
 
 
