@@ -6,8 +6,9 @@ each sampled token to the next step on the device, keyed by request-pool row; re
 one step late, and snapshots (ScheduleBatch.copy), overshoot handling and stream-ordered reuse of KV
 memory keep the tokens exactly those of the plain serial loop.
 
-It is a reference to read, not a production server: one process, one device, Llama-family models,
-no tensor parallelism, no speculative decoding, no CUDA graphs. Every value has four moments:
+It is a reference to read, not a production server: Llama-family models, one device per process
+(tensor parallelism runs one process, and one scheduler, per rank), no speculative decoding, no CUDA
+graphs. Every value has four moments:
 
     planned       slots and metadata for the next step are allocated on the host; nothing launched
     in flight     the step is queued on the device stream; the host cannot read its results
@@ -28,8 +29,10 @@ Reading guide: the sections, in the order they teach.
     KV memory, radix cache    ReqToTokenPool, TokenToKVPool, RadixCache
     FutureMap, device streams FutureMap, StepHandle, CpuDeviceStream, CudaDeviceStream, ModelWorker
     Scheduler, the two loops  the loops first, then one batch from its plan to its commit
-    Engine API                ServerArgs, SamplingParams, Engine
-    Model and attention       Llama (math only), sampling, the torch and triton attention backends
+    Engine API                ServerArgs, SamplingParams, Engine; tensor parallelism: TPGroup, a process
+                              and a scheduler per rank, rank 0 broadcasting each iteration's inputs
+    Model and attention       Llama (math only; Megatron's tensor-parallel split), sampling, the torch
+                              and triton attention backends
     Checkpoint loading        HF directories, GGUF, tokenizer, chat template, the default model
     CPU tuning, CLI           allocator and OpenMP settings; the chat and one-shot prompts
     Serving                   the HTTP server: a scheduler thread that owns the Engine, FastAPI routes
@@ -59,16 +62,19 @@ import dataclasses
 import enum
 import functools
 import glob
+import hashlib
 import heapq
 import itertools
 import json
 import math
 import os
+import pickle
 import platform
 import queue
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -77,13 +83,14 @@ import time
 import zipfile
 from collections import deque
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Callable, Iterator, Optional
 
 import jinja2.ext
 import jinja2.sandbox
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -483,9 +490,11 @@ class TokenToKVPool:
     12% less decode attention time in bf16 at batch 64 here. k_buffer[l] and v_buffer[l] are its halves.
     """
 
-    def __init__(self, size: int, cfg: ModelConfig, dtype: torch.dtype, device: str):
+    def __init__(self, size: int, cfg: ModelConfig, dtype: torch.dtype, device: str,
+                 kv_heads: Optional[int] = None):
         self.size = size
-        shape = (size + 1, 2, cfg.num_key_value_heads, cfg.head_dim)  # (num_slots, K|V, n_kv_heads, head_dim)
+        kv_heads = kv_heads or cfg.num_key_value_heads  # tensor parallel: only this rank's heads
+        shape = (size + 1, 2, kv_heads, cfg.head_dim)  # (num_slots, K|V, n_kv_heads, head_dim)
         self.kv_buffer = [torch.zeros(shape, dtype=dtype, device=device)
                           for _ in range(cfg.num_hidden_layers)]
         self.k_buffer = [kv[:, 0] for kv in self.kv_buffer]  # (num_slots, n_kv_heads, head_dim) views
@@ -864,8 +873,9 @@ class Scheduler:
     """
 
     def __init__(self, args: ServerArgs, tokenizer, worker: ModelWorker, req_to_token_pool: ReqToTokenPool,
-                 kv_pool: TokenToKVPool):
+                 kv_pool: TokenToKVPool, tp: Optional[TPGroup] = None):
         self.server_args, self.tokenizer, self.worker = args, tokenizer, worker
+        self.tp = tp  # tensor parallel: this rank's group; only the debug plan check talks on it here
         self.req_to_token_pool, self.kv_pool = req_to_token_pool, kv_pool
         self.tree_cache = RadixCache(kv_pool, disable=args.disable_radix_cache)
         self.enable_overlap = not args.disable_overlap_schedule
@@ -1216,6 +1226,8 @@ class Scheduler:
         self.stats["iterations"].append((t0, t1))
         if self.server_args.debug_ledger:
             self.check_ledger()
+        if self.tp is not None and self.server_args.debug_tp_plan:
+            self.check_plan_agrees()
 
     def wait_for(self, batch: BatchSnapshot, result: StepHandle) -> list:
         """Waits for a step's copy_done and returns its tokens; records the wait and the step's times."""
@@ -1228,6 +1240,17 @@ class Scheduler:
                                     "device_time": result.device_time, "t_launch": result.t_launch,
                                     "t_start": result.t_start, "t_end": result.t_end})
         return next_ids
+
+    def check_plan_agrees(self):
+        """debug_tp_plan: every rank planned the same step from the same state. Each planned it alone,
+        so a hash of the plan, gathered from all ranks, must be the same everywhere."""
+        b = self.last_batch
+        step = None if b is None else (b.forward_mode.value, [r.rid for r in b.reqs], b.seq_lens,
+                                       b.fb.out_cache_loc.tolist(), b.fb.input_ids.tolist())
+        plan = (step, [r.rid for r in self.waiting], [r.rid for r in self.running_batch.reqs],
+                self.kv_pool.available_size(), self.tree_cache.evictable_size())
+        digests = self.tp.all_gather(hashlib.sha256(repr(plan).encode()).hexdigest())
+        assert len(set(digests)) == 1, f"tensor-parallel ranks planned different steps: {digests}"
 
     def is_idle(self) -> bool:
         batches = [self.running_batch] + ([self.last_batch] if self.last_batch is not None else [])
@@ -1297,10 +1320,19 @@ class ServerArgs:
     schedule_conservativeness: float = arg(1.0, "scales the decode headroom kept when admitting; 0: none")
     mem_fraction_static: float = arg(0.8, "CUDA: share of free memory for weights and KV cache")
     random_seed: int = arg(0, "seeds the requests that give no sampling_seed")
+    # tensor parallelism: one scheduler per rank, in lockstep
+    tp_size: int = arg(1, "tensor-parallel ranks; each holds 1/tp_size of the heads, MLP and vocabulary")
+    nnodes: int = arg(1, "machines the ranks span, tp_size / nnodes ranks on each")
+    node_rank: int = arg(0, "this machine's index: node 0 runs the Engine (rank 0), the others follow it")
+    dist_init_addr: Optional[str] = arg(
+        None, "host:port on node 0 where the ranks meet; none: a free port on 127.0.0.1 (one machine)")
+    dist_timeout: int = arg(300, "seconds a rank waits for the others (loading at start-up included) "
+                                 "before it raises")
     # debugging
     debug_future_map: bool = arg(False, "assert each FutureMap row is published before it is read")
     debug_ledger: bool = arg(False, "check the KV, row and lock ledger after every iteration (slow)")
     worker_jitter_ms: float = arg(0.0, "the CPU device thread sleeps up to this at random points (tests)")
+    debug_tp_plan: bool = arg(False, "tensor parallel: the ranks compare a hash of each iteration's plan")
 
     def __post_init__(self):
         """Each argument has its declared type (None only where Optional) and a value in range."""
@@ -1331,8 +1363,25 @@ class ServerArgs:
             v = getattr(self, key)
             if not lo <= v <= hi:
                 raise ValueError(f"{key} must be a number in [{lo}, {hi}], got {v!r}")
+        self.check_parallelism()
         if os.environ.get("OVERLAP_ENGINE_DEBUG", "") not in ("", "0"):
-            self.debug_future_map = self.debug_ledger = True
+            self.debug_future_map = self.debug_ledger = self.debug_tp_plan = True
+
+    def check_parallelism(self):
+        for key in ("tp_size", "nnodes", "dist_timeout"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be a positive integer, got {getattr(self, key)!r}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size={self.tp_size} must be a multiple of nnodes={self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("dist_init_addr (node 0's host:port) is needed when nnodes > 1")
+        if self.tp_size > 1 and self.enable_torch_compile:  # its all-reduces would sit in compiled code
+            raise ValueError("enable_torch_compile works with tp_size=1 only")
+        host, _, port = (self.dist_init_addr or "x:1").rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"dist_init_addr={self.dist_init_addr!r} must be host:port")
 
 
 def _is_int(x) -> bool:
@@ -1454,23 +1503,50 @@ class Engine:
         engine.generate(prompt="Hello", sampling_params={"max_new_tokens": 16, "temperature": 0})
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, _tp_rank: int = 0, **kwargs):
+        """_tp_rank is set only by tp_rank_main, in the processes of tensor-parallel ranks > 0."""
         self.server_args = args = self._check_args(kwargs)
+        if args.node_rank > 0 and _tp_rank == 0:
+            raise ValueError(f"node_rank={args.node_rank}: only node 0 runs an Engine; start the other "
+                             "machines with `python overlap_engine.py --node-rank N ...` (run_tp_node)")
+        self.tp: Optional[TPGroup] = None
+        try:
+            self._build(_tp_rank)
+        except BaseException as e:
+            if self.tp is None:
+                raise
+            err = self.tp.explain(e)  # another rank failed to build: which one, if it is ours
+            self.tp.close()  # the ranks already started must not wait for this one forever
+            if err is not e:
+                raise err from e
+            raise
+
+    def _build(self, tp_rank: int):
+        """Loads this rank's shard of the model, starts the other ranks (rank 0 with tp_size > 1),
+        then the pools, the device stream, the worker and the scheduler."""
+        args = self.server_args
         dtype = getattr(torch, args.dtype)
+        shard = TPShard(tp_rank, args.tp_size)  # tp_size 1: the whole model
         if args.load_format == "dummy":
-            cfg, state, self.tokenizer = load_dummy(args.model_path or "smollm2-135m", args.device)
+            cfg, state, self.tokenizer = load_dummy(args.model_path or "smollm2-135m", args.device, shard)
         else:
-            cfg, state, self.tokenizer = load_checkpoint(args.model_path or default_model_path())
+            cfg, state, self.tokenizer = load_checkpoint(args.model_path or default_model_path(), shard)
         self.model_config = cfg
-        self.model = build_model(cfg, state, dtype, args.device)
+        self.model = build_model(cfg, state, dtype, args.device, shard)
         del state
         if args.enable_torch_compile:
             compile_decoder_layers(self.model)
+        if args.tp_size > 1:  # rank 0 starts the other local ranks once its own shard has loaded
+            self.tp = TPGroup(args, tp_rank)
+            shard.group = self.tp.device_group
         self.context_len = min(args.context_length or cfg.max_position_embeddings,
                                cfg.max_position_embeddings)
+        self.kv_heads = tp_heads(cfg, shard)[1]  # this rank's KV heads
         self.max_total_tokens = args.max_total_tokens or self._profile_max_total_tokens(cfg, dtype)
+        if self.tp is not None:  # every rank plans with the same pool: the smallest one
+            self.max_total_tokens = min(self.tp.all_gather(self.max_total_tokens))
         req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.context_len + 1, args.device)
-        kv_pool = TokenToKVPool(self.max_total_tokens, cfg, dtype, args.device)
+        kv_pool = TokenToKVPool(self.max_total_tokens, cfg, dtype, args.device, self.kv_heads)
         backend_cls = TritonAttnBackend if args.attention_backend == "triton" else TorchAttnBackend
         backend = backend_cls(kv_pool, req_to_token_pool)
         if args.device == "cuda":
@@ -1479,7 +1555,7 @@ class Engine:
             stream = CpuDeviceStream(args.worker_jitter_ms, args.random_seed)
         self.future_map = FutureMap(args.max_running_requests, args.device, args.debug_future_map)
         worker = ModelWorker(self.model, req_to_token_pool, self.future_map, backend, stream, args.device)
-        self.scheduler = Scheduler(args, self.tokenizer, worker, req_to_token_pool, kv_pool)
+        self.scheduler = Scheduler(args, self.tokenizer, worker, req_to_token_pool, kv_pool, self.tp)
         self._loop = self._new_loop()
         self._rng = random.Random(args.random_seed)
         self._reqs: dict[str, Req] = {}
@@ -1509,6 +1585,10 @@ class Engine:
                              "kernels for the GPU")
         if args.dtype == "auto":
             args.dtype = "bfloat16" if args.device == "cuda" or cpu_has_native_bf16() else "float32"
+        if args.device == "cuda" and args.tp_size // args.nnodes > torch.cuda.device_count():
+            raise ValueError(f"tp_size={args.tp_size} over nnodes={args.nnodes} needs "
+                             f"{args.tp_size // args.nnodes} GPUs per machine; torch sees "
+                             f"{torch.cuda.device_count()}")
         return args
 
     def _new_loop(self):
@@ -1520,7 +1600,7 @@ class Engine:
         if self.server_args.device == "cpu":
             return 16384
         free, total = torch.cuda.mem_get_info()
-        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+        per_token = 2 * cfg.num_hidden_layers * self.kv_heads * cfg.head_dim * dtype.itemsize
         budget = free - total * (1 - self.server_args.mem_fraction_static)
         return max(int(budget // per_token), 2)
 
@@ -1558,6 +1638,7 @@ class Engine:
         return Req(rid or os.urandom(16).hex(), list(input_ids), sp, seed, eos)
 
     def _submit(self, r: Req) -> str:
+        self._tp_record("add", pickle.dumps(r))  # as it is now: an abort before the broadcast changes r
         self._reqs[r.rid] = r
         if r.sampling_params.max_new_tokens == 0:  # nothing to generate: finished without touching the device
             r.finished_reason = {"type": "length", "length": 0}
@@ -1604,9 +1685,14 @@ class Engine:
             raise RuntimeError("the engine was shut down")
         try:
             with self._ctrl_c_held:
+                self._tp_send("step")  # tensor parallel: every rank runs this iteration, same inputs
                 next(self._loop)
-        except BaseException:
+        except BaseException as e:
             self._loop = self._new_loop()  # a generator that raised is finished: start a fresh one
+            self._tp_record("reset_loop")  # and so must the other ranks' (a Ctrl-C here is rank 0's alone)
+            err = e if self.tp is None else self.tp.explain(e)
+            if err is not e:
+                raise err from e  # a rank died or timed out: say which, if we know
             raise
         out, self.scheduler.finished_outputs = self.scheduler.finished_outputs, []
         for o in out:
@@ -1617,6 +1703,7 @@ class Engine:
         """Aborts a queued or running request; its output (finish_reason abort) comes from a later step()."""
         r = self._reqs.get(rid)
         if r is not None:
+            self._tp_record("abort", rid)
             self.scheduler.abort_req(r)
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False):
@@ -1685,11 +1772,83 @@ class Engine:
         r.streamed_text_len, r.streamed_ids_len = text_end, len(r.output_ids)
         return chunk
 
+    # -- tensor parallelism: rank 0 leads, the other ranks follow ---------------------------------------
+    #
+    # Every rank runs this Engine and its own Scheduler. Only rank 0 takes requests and aborts; it records
+    # each change to the scheduler's inputs and broadcasts them with the next iteration (SGLang's
+    # broadcast_pyobj in recv_requests). Planning is deterministic, so from the same inputs every rank
+    # plans the same batches, retractions and radix decisions, with no further messages.
+
+    def _tp_record(self, kind: str, *payload):
+        """Rank 0: a change to the scheduler's inputs, for the other ranks to apply in the same order."""
+        if self.tp is not None and self.tp.rank == 0:
+            self.tp.pending.append((kind, *payload))
+
+    def _tp_send(self, kind: str, *payload):
+        """Rank 0: broadcasts what was recorded since the last time, then this command."""
+        if self.tp is not None and self.tp.rank == 0:
+            self._tp_record(kind, *payload)
+            commands, self.tp.pending = self.tp.pending, []
+            self.tp.broadcast(commands)
+
+    def follow(self):
+        """Ranks > 0: applies rank 0's commands in its order until it says shutdown (tp_rank_main)."""
+        try:
+            while True:
+                for kind, *payload in self.tp.broadcast():
+                    if kind == "shutdown":
+                        return
+                    if kind == "step":
+                        self._iterate()
+                    elif kind == "add":
+                        self._submit(pickle.loads(payload[0]))
+                    elif kind == "abort":
+                        self.abort(payload[0])
+                    elif kind == "reset_loop":
+                        self._loop = self._new_loop()
+                    elif kind == "call":
+                        self._answer(payload[0])
+        finally:
+            self.shutdown()
+
+    def _on_every_rank(self, method: str) -> list:
+        """Runs self.<method>() on every rank (each on its own scheduler); the results in rank order.
+        An exception on any rank is raised here, on rank 0, naming the rank."""
+        try:
+            self._tp_send("call", method)
+            answers = self._answer(method)
+        except Exception as e:
+            err = e if self.tp is None else self.tp.explain(e)
+            if err is not e:
+                raise err from e
+            raise
+        for rank, (ok, value) in enumerate(answers):
+            if not ok and rank == 0:
+                raise value
+            if not ok:
+                kind = AssertionError if isinstance(value, AssertionError) else RuntimeError
+                raise kind(f"tensor-parallel rank {rank}: {type(value).__name__}: {value}")
+        return [value for _, value in answers]
+
+    def _answer(self, method: str) -> list:
+        try:
+            mine = (True, getattr(self, method)())
+        except Exception as e:  # sent to rank 0, which raises it (a follower goes on following)
+            mine = (False, e)
+        if self.tp is None:
+            return [mine]
+        answers = self.tp.all_gather(mine)
+        answers[self.tp.rank] = mine  # our own exception with its traceback, not a pickled copy
+        return answers
+
     # -- checks and shutdown -------------------------------------------------------------------------
 
     def check_invariants(self):
         """At idle: every KV slot is free or owned by the radix cache, every row is free, no lock is
-        held, and the FutureMap is fully poisoned."""
+        held, and the FutureMap is fully poisoned. With tensor parallelism, on every rank."""
+        self._on_every_rank("_check_invariants_here")
+
+    def _check_invariants_here(self):
         scheduler = self._settle_idle("check_invariants()")
         scheduler.worker.stream.synchronize()
         scheduler.check_ledger()  # with no request holding anything: every slot free or in the tree
@@ -1699,8 +1858,23 @@ class Engine:
 
     def flush_cache(self):
         """Empties the radix cache (SGLang's flush_cache); only at idle, when no request holds a prefix."""
+        self._on_every_rank("_flush_cache_here")
+
+    def _flush_cache_here(self):
         tree = self._settle_idle("flush_cache()").tree_cache
         tree.evict(tree.evictable_size())
+
+    def memory_usage(self) -> list[dict]:
+        """Bytes this engine holds on each tensor-parallel rank (one dict per rank): its KV cache, its
+        weight matrices (split across ranks) and its norm weights (every rank has them all)."""
+        return self._on_every_rank("_memory_usage_here")
+
+    def _memory_usage_here(self) -> dict:
+        kv, params = self.scheduler.kv_pool, list(self.model.parameters())  # a tied head counts once
+        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        return {"kv_cache": size(kv.k_buffer + kv.v_buffer),
+                "sharded_weights": size(p for p in params if p.dim() == 2),
+                "replicated_weights": size(p for p in params if p.dim() == 1)}
 
     def _settle_idle(self, caller: str) -> Scheduler:
         """Commits the overshoot steps of finished requests still in flight; the engine must then be idle."""
@@ -1715,9 +1889,16 @@ class Engine:
         return {k: list(v) if isinstance(v, deque) else v for k, v in self.scheduler.stats.items()}
 
     def shutdown(self):
+        """Stops the device stream; with tensor parallelism, tells the other ranks to stop and joins them."""
         if not self._closed:
             self._closed = True
-            self.scheduler.worker.stream.shutdown()
+            with contextlib.suppress(Exception):  # a rank that died cannot hear it: close() ends it
+                self._tp_send("shutdown")
+            try:
+                self.scheduler.worker.stream.shutdown()
+            finally:
+                if self.tp is not None:
+                    self.tp.close()
 
     def __enter__(self):
         return self
@@ -1729,6 +1910,156 @@ class Engine:
         try:
             self.shutdown()
         except Exception:
+            pass
+
+
+# -- tensor parallelism, the processes: every rank runs an Engine; rank 0 is the user's --
+
+
+class TPError(RuntimeError):
+    """A tensor-parallel rank died, raised, or did not answer within dist_timeout."""
+
+
+class TPGroup:
+    """This process's place among the tensor-parallel ranks, and the process groups they talk on.
+
+    device_group   all-reduces and gathers inside the step, on the device stream (NCCL on CUDA, gloo
+                   on CPU, where the device thread calls them)
+    cpu_group      the host's control messages: broadcasts, plan hashes, answers (gloo, dist_timeout)
+    idle_group     only the length of rank 0's next broadcast (gloo, no practical timeout): a follower
+                   waits on it while rank 0 is idle, for as long as the user takes to send a request;
+                   rank 0, the sender, waits on it for dist_timeout at most
+    """
+
+    def __init__(self, args: ServerArgs, rank: int):
+        self.rank, self.size, self.args = rank, args.tp_size, args
+        self.pending: list = []  # rank 0: commands recorded since the last broadcast
+        self.failed = False      # a collective failed: close() waits only briefly for the ranks
+        self.procs = None        # rank 0: the local ranks it started (a torch ProcessContext)
+        if dist.is_initialized():
+            raise ValueError("tensor parallelism: one Engine per process (a process group already exists)")
+        per_node = args.tp_size // args.nnodes
+        self.threads = torch.get_num_threads()  # put back by close(): rank 0 is the user's process
+        if args.device == "cpu":  # the ranks of one machine share its cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+        addr = args.dist_init_addr or f"127.0.0.1:{free_port()}"
+        if rank == 0 and per_node > 1:
+            ranks = list(range(1, per_node))  # node 0's other ranks; other nodes start their own
+            follower_args = dataclasses.replace(args, dist_init_addr=addr)
+            self.procs = torch.multiprocessing.start_processes(
+                tp_rank_main, (follower_args, ranks), nprocs=len(ranks), join=False, daemon=True,
+                start_method="spawn")
+        timeout = timedelta(seconds=args.dist_timeout)
+        try:
+            dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=f"tcp://{addr}",
+                                    rank=rank, world_size=self.size, timeout=timeout)
+        except BaseException as e:
+            self.failed = True
+            why = (self.dead_local_rank()
+                   or f"the ranks did not meet at {addr} within dist_timeout={args.dist_timeout} s ({e})")
+            self.close()
+            raise TPError(f"tensor parallelism failed to start: {why}") from e
+        self.device_group = dist.group.WORLD
+        self.cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.idle_group = dist.new_group(backend="gloo", timeout=timedelta(days=365))
+
+    def broadcast(self, obj=None):
+        """Rank 0's object on every rank, pickled (SGLang's broadcast_pyobj): the length goes on the
+        idle group, which a follower may wait on indefinitely, the bytes on the timed cpu group."""
+        if self.failed:  # after a failed collective the ranks are out of step: never wait on them again
+            raise TPError("tensor parallelism failed earlier; the engine cannot continue")
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            size = torch.tensor([len(data)], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        work = dist.broadcast(size, 0, group=self.idle_group, async_op=True)
+        if self.rank == 0:  # a rank that stopped answering must not hold rank 0 for the group's year
+            work.wait(timeout=timedelta(seconds=self.args.dist_timeout))
+        else:
+            work.wait()
+            data = torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(data, 0, group=self.cpu_group)
+        return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
+
+    def all_gather(self, obj) -> list:
+        """Every rank's object, in rank order, on every rank (cpu group)."""
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
+
+    def explain(self, e: BaseException) -> BaseException:
+        """For an error of a collective: a TPError naming the local rank that died or raised, if one
+        did (it has just closed its sockets), else the peer that failed or timed out. Others: e."""
+        collective = any(k in str(e).lower() for k in ("gloo", "nccl", "connection", "timed out"))
+        if not isinstance(e, Exception) or isinstance(e, TPError) or not collective:
+            return e
+        self.failed = True
+        why = (self.dead_local_rank()
+               or f"a peer failed or did not answer within dist_timeout={self.args.dist_timeout} s ({e})")
+        return TPError(f"tensor parallelism failed: {why}")
+
+    def dead_local_rank(self) -> Optional[str]:
+        """Which rank this process started has ended, and how; None if none has (or none was started)."""
+        try:
+            if self.procs is not None:
+                self.procs.join(timeout=1)  # raises for a rank that exited (and ends the others)
+        except torch.multiprocessing.ProcessRaisedException as dead:
+            return f"rank {dead.error_index + 1} raised:\n{dead}"
+        except torch.multiprocessing.ProcessExitedException as dead:
+            how = f"signal {dead.signal_name}" if dead.signal_name else f"exit code {dead.exit_code}"
+            return f"rank {dead.error_index + 1} died ({how})"
+        return None
+
+    def close(self):
+        """Ends the group; rank 0 then joins the ranks it started (and kills those that do not end)."""
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        torch.set_num_threads(self.threads)
+        if self.procs is None:
+            return
+        deadline = time.monotonic() + (2 if self.failed else 30)
+        for p in self.procs.processes:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+            if p.is_alive():  # stuck in a collective with a dead peer: nothing more to wait for
+                p.kill()
+                p.join()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the ranks of one machine meet there)."""
+    with contextlib.closing(socket.socket()) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def tp_rank_main(i: int, args: ServerArgs, ranks: list):
+    """The process of tensor-parallel rank ranks[i], spawned (torch.multiprocessing re-imports this
+    module, where nothing runs on import)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in rank 0's terminal is rank 0's to handle
+    run_tp_rank(args, ranks[i])
+
+
+def run_tp_rank(args: ServerArgs, rank: int):
+    """A rank > 0: its Engine loads its shard and joins the group, then follows rank 0 until shutdown."""
+    if args.device == "cuda":
+        torch.cuda.set_device(rank % (args.tp_size // args.nnodes))  # one device per local rank
+    Engine(_tp_rank=rank, **dataclasses.asdict(args)).follow()
+
+
+def run_tp_node(args: ServerArgs):
+    """A machine other than node 0 (`--node-rank N`): runs its tp_size / nnodes ranks, the first in
+    this process, until rank 0 shuts them down."""
+    per_node = args.tp_size // args.nnodes
+    ranks = list(range(args.node_rank * per_node, (args.node_rank + 1) * per_node))
+    procs = None
+    if per_node > 1:
+        procs = torch.multiprocessing.start_processes(tp_rank_main, (args, ranks[1:]), nprocs=per_node - 1,
+                                                      join=False, daemon=True, start_method="spawn")
+    try:
+        run_tp_rank(args, ranks[0])
+    finally:
+        while procs is not None and not procs.join():
             pass
 
 
@@ -1800,16 +2131,132 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((-x2, x1), dim=-1).mul_(sin).addcmul_(x, cos)  # x * cos + rotate_half(x) * sin
 
 
+# -- tensor parallelism, the math: Megatron's split of each layer; the engine section starts the ranks --
+
+
+@dataclass
+class TPShard:
+    """Which of `size` tensor-parallel ranks this model is, and the device process group that its
+    all-reduces and gathers run on (None with one rank)."""
+    rank: int = 0
+    size: int = 1
+    group: Optional[object] = None
+
+
+class TPLayoutError(ValueError):
+    """The model's heads or MLP cannot be split over tp_size ranks."""
+
+
+def tp_heads(cfg: ModelConfig, tp: TPShard) -> tuple[int, int, int]:
+    """(query heads, KV heads, first KV head) of this rank. KV heads are split when tp_size divides
+    them; when tp_size is a multiple of them they are replicated, as SGLang does: each rank keeps the
+    one KV head its query heads read."""
+    H, Hkv, n = cfg.num_attention_heads, cfg.num_key_value_heads, tp.size
+    if H % n or cfg.intermediate_size % n:
+        raise TPLayoutError(f"tp_size={n} must divide num_attention_heads={H} and "
+                            f"intermediate_size={cfg.intermediate_size}")
+    if Hkv % n == 0:
+        return H // n, Hkv // n, tp.rank * (Hkv // n)
+    if n % Hkv:
+        raise TPLayoutError(f"tp_size={n} must divide num_key_value_heads={Hkv} or be a multiple of "
+                            f"it (then each KV head is replicated on tp_size / {Hkv} ranks)")
+    return H // n, 1, tp.rank // (n // Hkv)
+
+
+def shard_weight(name: str, w: torch.Tensor, cfg: ModelConfig, tp: TPShard) -> torch.Tensor:
+    """This rank's part of one checkpoint tensor (a copy: the whole tensor can be freed). Column
+    parallel (q, k, v, gate, up) and vocab parallel (embedding, lm_head) keep rows; row parallel
+    (o, down) keep columns; norms are replicated. The vocabulary is padded with zero rows (padded_vocab)."""
+    if tp.size == 1 or w.dim() == 1:
+        return w
+    kind, r, D = name.split(".")[-2], tp.rank, cfg.head_dim  # kind: q_proj, ..., embed_tokens, lm_head
+    H, Hkv, kv0 = tp_heads(cfg, tp)
+    inter = cfg.intermediate_size // tp.size
+    if kind in ("embed_tokens", "lm_head"):
+        rows = padded_vocab(cfg.vocab_size, tp.size) // tp.size
+        part = w[r * rows:(r + 1) * rows]
+        return F.pad(part, (0, 0, 0, rows - len(part)))  # the last ranks' padding rows are zero
+    parts = {"q_proj": (0, r * H * D, H * D), "o_proj": (1, r * H * D, H * D),  # (dim, start, length)
+             "k_proj": (0, kv0 * D, Hkv * D), "v_proj": (0, kv0 * D, Hkv * D),
+             "gate_proj": (0, r * inter, inter), "up_proj": (0, r * inter, inter),
+             "down_proj": (1, r * inter, inter)}
+    if kind not in parts:
+        return w  # not a Llama weight: build_model leaves it out
+    dim, start, length = parts[kind]
+    return w.narrow(dim, start, length).clone()
+
+
+def padded_vocab(vocab_size: int, tp_size: int) -> int:
+    """Rows of a vocab-parallel embedding over all ranks: as SGLang pads it, up to a multiple of 64,
+    and here of tp_size too (64 * 3 for three ranks), so that every rank gets an equal slice.
+    One rank keeps the vocabulary as it is. padded_vocab(257, 2) == 320: 160 rows a rank."""
+    if tp_size == 1:
+        return vocab_size
+    step = math.lcm(64, tp_size)
+    return -(-vocab_size // step) * step
+
+
+class RowParallelLinear(nn.Linear):
+    """A linear layer whose input features are split across ranks: each rank's output is a partial sum,
+    and an all-reduce adds them (o_proj, down_proj). It runs inside the step, on the device stream."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPShard):
+        super().__init__(in_features, out_features, bias=False)
+        self.tp = tp
+
+    def forward(self, x):
+        y = super().forward(x)
+        if self.tp.size > 1:
+            dist.all_reduce(y, group=self.tp.group)
+        return y
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Each rank holds a contiguous slice of the (padded) vocabulary's rows: a token outside it reads
+    zeros, and the all-reduce leaves every token the one row its owner found."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPShard):
+        super().__init__(padded_vocab(vocab_size, tp.size) // tp.size, hidden)
+        self.tp = tp
+
+    def forward(self, ids):
+        if self.tp.size == 1:
+            return super().forward(ids)
+        local = ids - self.tp.rank * self.num_embeddings  # (N,) row in this rank's slice, if it is there
+        mine = (local >= 0) & (local < self.num_embeddings)
+        x = F.embedding(local * mine, self.weight).masked_fill_(~mine[:, None], 0)  # (N, hidden)
+        dist.all_reduce(x, group=self.tp.group)
+        return x
+
+
+class ParallelLMHead(nn.Linear):
+    """The LM head split by vocabulary rows, like the embedding (tied: the same tensor); the logits of
+    all ranks are gathered, so that every rank samples the same token from the full vocabulary."""
+
+    def __init__(self, hidden: int, vocab_size: int, tp: TPShard):
+        super().__init__(hidden, padded_vocab(vocab_size, tp.size) // tp.size, bias=False)
+        self.tp, self.vocab_size = tp, vocab_size
+
+    def forward(self, x):
+        logits = super().forward(x)  # (B, padded vocab / tp_size): this rank's slice
+        if self.tp.size == 1:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.tp.size)]
+        dist.all_gather(parts, logits, group=self.tp.group)
+        return torch.cat(parts, dim=-1)[:, :self.vocab_size]  # (B, vocab): the padding dropped
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPShard):
         super().__init__()
-        H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        H, Hkv, _ = tp_heads(cfg, tp)  # this rank's query and KV heads
+        D = cfg.head_dim
         self.layer_id = layer_id
         self.H, self.Hkv, self.D = H, Hkv, D
-        self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=False)    # column parallel: its heads' rows
         self.k_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=False)
-        self.o_proj = nn.Linear(H * D, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(H * D, cfg.hidden_size, tp)    # row parallel: sums over ranks
 
     def qkv(self, x, cos, sin) -> tuple:
         N = x.shape[0]
@@ -1820,20 +2267,22 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPShard):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = cfg.intermediate_size // tp.size  # gate/up column parallel, down row parallel
+        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))  # SwiGLU
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPShard):
         super().__init__()
-        self.self_attn, self.mlp, self.eps = LlamaAttention(cfg, layer_id), LlamaMLP(cfg), cfg.rms_norm_eps
+        self.self_attn, self.mlp = LlamaAttention(cfg, layer_id, tp), LlamaMLP(cfg, tp)
+        self.eps = cfg.rms_norm_eps
         self.input_layernorm = nn.Module()
         self.input_layernorm.weight = nn.Parameter(torch.ones(cfg.hidden_size))
         self.post_attention_layernorm = nn.Module()
@@ -1856,15 +2305,15 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Parameter names follow HF (model.layers.N.self_attn.q_proj.weight ...) so state dicts load as is."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: Optional[TPShard] = None):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, tp = cfg, tp or TPShard()
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.model.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.model.norm = nn.Module()
         self.model.norm.weight = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
@@ -1884,9 +2333,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(x).to(torch.promote_types(x.dtype, torch.float32))
 
 
-def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str,
+                tp: Optional[TPShard] = None) -> LlamaForCausalLM:
+    """The model from a state dict (this rank's shard of it, with tensor parallelism)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, tp)
     state = dict(state)
     if cfg.tie_word_embeddings:  # one tensor under both names; re-tied after loading
         state["lm_head.weight"] = state.get("model.embed_tokens.weight")
@@ -2117,9 +2568,10 @@ class Tokenizer:
                                     add_generation_prompt)
 
 
-def load_hf_dir(path: str) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
-    """Reads config.json, (sharded) safetensors and tokenizer.json from an HF Llama directory."""
-    from safetensors.torch import load_file
+def load_hf_dir(path: str, tp: Optional[TPShard] = None) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
+    """Reads config.json, (sharded) safetensors and tokenizer.json from an HF Llama directory; with
+    tensor parallelism it keeps only this rank's shard of each tensor."""
+    from safetensors import safe_open
     with open(os.path.join(path, "config.json")) as f:
         hf_cfg = json.load(f)
     cfg = ModelConfig.from_hf(hf_cfg)
@@ -2129,9 +2581,11 @@ def load_hf_dir(path: str) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
             shards = sorted(set(json.load(f)["weight_map"].values()))
     else:
         shards = ["model.safetensors"]
-    state = {}
+    state, tp = {}, tp or TPShard()
     for shard in shards:
-        state.update(load_file(os.path.join(path, shard)))
+        with safe_open(os.path.join(path, shard), "pt") as f:
+            for name in f.keys():  # one tensor at a time: a rank never holds the whole model
+                state[name] = shard_weight(name, f.get_tensor(name), cfg, tp)
     gen_cfg = os.path.join(path, "generation_config.json")
     if os.path.exists(gen_cfg):  # generation_config may list more EOS ids (e.g. Llama 3's <|eot_id|>)
         with open(gen_cfg) as f:
@@ -2159,15 +2613,18 @@ def load_hf_tokenizer(path: str, cfg: ModelConfig) -> Optional[Tokenizer]:
                      token_str(tk_cfg.get("bos_token")), token_str(tk_cfg.get("eos_token")), template)
 
 
-def load_checkpoint(path: str) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
-    """(config, state dict, tokenizer) of a .gguf file or an HF directory. A path that is missing or
-    cannot be read (a truncated file, a config without a key) raises ValueError naming it."""
+def load_checkpoint(path: str, tp: Optional[TPShard] = None) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
+    """(config, state dict, tokenizer) of a .gguf file or an HF directory (the state dict: this rank's
+    shard). A path that is missing or cannot be read (a truncated file, a config without a key) raises
+    ValueError naming it."""
     is_gguf = path.endswith(".gguf")
     if not os.path.isfile(path if is_gguf else os.path.join(path, "config.json")):
         raise ValueError(f"model_path={path!r} is neither a .gguf file nor a directory with config.json")
     from safetensors import SafetensorError
     try:
-        return load_gguf_checkpoint(path) if is_gguf else load_hf_dir(path)
+        return load_gguf_checkpoint(path, tp) if is_gguf else load_hf_dir(path, tp)
+    except TPLayoutError:
+        raise  # the checkpoint is fine; tp_size does not fit it
     except (OSError, ValueError, KeyError, TypeError, IndexError, SafetensorError) as e:
         raise ValueError(f"model_path={path!r} cannot be read: {type(e).__name__}: {e}") from e
 
@@ -2273,16 +2730,17 @@ def _gguf_config(reader, tensors):
     return cfg
 
 
-def load_gguf(path):
+def load_gguf(path, tp: Optional[TPShard] = None):
     """Read a llama.cpp GGUF file into (hf_config, state_dict, reader): an HF Llama config dict,
-    float32 tensors under HF names in HF's Q/K row order, and the open reader for gguf_tokenizer()."""
+    float32 tensors under HF names in HF's Q/K row order (this rank's shard of each), and the open
+    reader for gguf_tokenizer()."""
     import gguf  # reads GGUF files and dequantizes their blocks (vectorized numpy)
     reader = gguf.GGUFReader(path)  # memory-maps the file; tensors are read as they are dequantized
     if (arch := _meta(reader, "general.architecture")) != "llama":
         raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
     tensors = {t.name: t for t in reader.tensors}
     cfg = _gguf_config(reader, tensors)
-    state_dict = {}
+    state_dict, tp, model_cfg = {}, tp or TPShard(), ModelConfig.from_hf(cfg)
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue  # already folded into cfg["rope_scaling"]
@@ -2292,7 +2750,8 @@ def load_gguf(path):
             heads = cfg["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
             w = _unpermute_rotary(w, heads)
         # subtle: F32 tensors come back as read-only views of the memory map, which torch refuses
-        state_dict[name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+        w = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+        state_dict[name] = shard_weight(name, w, model_cfg, tp)  # after the unpermute: whole heads
     return cfg, state_dict, reader
 
 
@@ -2414,8 +2873,8 @@ def default_model_path(cache_dir=None):
     return path
 
 
-def load_gguf_checkpoint(path: str) -> tuple[ModelConfig, dict, Tokenizer]:
-    hf_cfg, state, reader = load_gguf(path)
+def load_gguf_checkpoint(path: str, tp: Optional[TPShard] = None) -> tuple[ModelConfig, dict, Tokenizer]:
+    hf_cfg, state, reader = load_gguf(path, tp)
     cfg = ModelConfig.from_hf(hf_cfg)
     tk, extra = gguf_tokenizer(reader)
     return cfg, state, Tokenizer(tk, cfg.eos_token_ids, extra["bos_token"], extra["eos_token"],
@@ -2468,7 +2927,8 @@ DUMMY_PRESETS = {
 }
 
 
-def load_dummy(path: str, device: str) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
+def load_dummy(path: str, device: str, tp: Optional[TPShard] = None) -> tuple[ModelConfig, dict,
+                                                                                Optional[Tokenizer]]:
     """load_format="dummy" (SGLang's name): the model of a preset name, a config.json file, or an HF
     directory's config.json (and its tokenizer.json, if there is one), with random weights."""
     if path in DUMMY_PRESETS:
@@ -2485,6 +2945,7 @@ def load_dummy(path: str, device: str) -> tuple[ModelConfig, dict, Optional[Toke
     cfg = ModelConfig.from_hf(hf_cfg)
     state = random_state_dict(hf_cfg, scale=hf_cfg["hidden_size"] ** -0.5, device=device,
                               draw_dtype=torch.float32)
+    state = {k: shard_weight(k, v, cfg, tp or TPShard()) for k, v in state.items()}  # same draws everywhere
     return cfg, state, load_hf_tokenizer(tokenizer_dir, cfg) if tokenizer_dir else None
 
 
@@ -2590,7 +3051,8 @@ CLI_GROUPS = {
                               "enable_mixed_chunk",
                               "schedule_policy", "schedule_conservativeness", "mem_fraction_static"),
     "sampling": ("random_seed",),
-    "debugging": ("debug_future_map", "debug_ledger", "worker_jitter_ms"),
+    "tensor parallelism": ("tp_size", "nnodes", "node_rank", "dist_init_addr", "dist_timeout"),
+    "debugging": ("debug_future_map", "debug_ledger", "worker_jitter_ms", "debug_tp_plan"),
 }
 
 
@@ -2635,9 +3097,14 @@ def main(argv=None):
     first download) ends in one line on stderr and exit status 2; anything else keeps its traceback."""
     args = cli_parser().parse_args(argv)
     sp = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+    engine_args = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerArgs)}
     try:
         SamplingParams.from_dict(sp, vocab_size=1)  # before the model loads (no stop ids: any vocab)
-        engine = Engine(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerArgs)})
+        if args.node_rank > 0:  # a machine of tensor-parallel ranks that follow node 0: no prompts here
+            if args.prompt or args.serve:
+                raise ValueError("--prompt and --serve belong on node 0; --node-rank > 0 only follows it")
+            return run_tp_node(Engine._check_args(engine_args))
+        engine = Engine(**engine_args)
     except (ValueError, DefaultModelUnavailable) as e:
         cli_error(e)
     if args.serve:

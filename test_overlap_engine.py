@@ -1,8 +1,8 @@
 """Tests for overlap_engine: overlap == serial == a plain reference, nothing leaked, bad input refused.
 
 Sections: shared helpers; the two loops; KV memory and the radix cache; sampling; FutureMap and device
-streams; attention backends and Triton kernels; checkpoints and tokenizer; Engine API; command line;
-HTTP server; bench.
+streams; attention backends and Triton kernels; checkpoints and tokenizer; Engine API; tensor
+parallelism; command line; HTTP server; bench.
 
 Tiny random Llama checkpoints are written by the tests (float64, so near-ties cannot flip a token);
 the reference forward below is written independently of the engine: no KV cache, no batching.
@@ -124,6 +124,7 @@ def make_engine(path, overlap_off, **kw):
     kw.setdefault("device", "cpu")
     kw.setdefault("debug_future_map", True)
     kw.setdefault("debug_ledger", True)
+    kw.setdefault("debug_tp_plan", True)
     kw.setdefault("max_total_tokens", 2048)
     return Engine(model_path=path, disable_overlap_schedule=overlap_off, **kw)
 
@@ -2055,6 +2056,268 @@ def test_prompt_longer_than_context(tmp_path):
                          sampling_params={"max_new_tokens": 10, "temperature": 0, "ignore_eos": True})
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 2}  # capped to the context
         e.check_invariants()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tensor parallelism: tp_size=2 (two processes, gloo) gives the tokens of tp_size=1
+#
+# Each tp_size=2 engine spawns one process (2-3 s of start-up on this 2-core machine), so the
+# workloads are few and small, and every subprocess has a timeout.
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def tp_workload():
+    """Greedy and seeded requests; four share a 24-token prefix (radix hits); prompts of up to 36 tokens
+    meet chunks of 8; a pool of 96 slots forces retraction."""
+    system = random_prompts(1, seed=91, lo=24, hi=24)[0]
+    prompts = random_prompts(3, seed=92, lo=12, hi=36) + random_prompts(4, seed=93, lo=2, hi=8, shared=system)
+    wl = []
+    for i, p in enumerate(prompts):
+        mode = {"temperature": 0} if i % 2 == 0 else {**SAMPLING_VARIANTS[i % 4], "sampling_seed": 500 + i}
+        wl.append((p, {"max_new_tokens": 16, "ignore_eos": True, **mode}))
+    return wl
+
+
+def run_with_an_abort(engine, wl, abort_step=18, victim=2):
+    """Steps the workload to the end, aborting request `victim` after `abort_step` steps, and the last
+    one before the first step; outputs in workload order."""
+    rids = [engine.add_request(input_ids=p, sampling_params=sp) for p, sp in wl]
+    engine.abort(rids[-1])
+    done = {}
+    for step in range(2000):
+        if step == abort_step:
+            engine.abort(rids[victim])
+        done.update({o["meta_info"]["id"]: o for o in engine.step()})
+        if len(done) == len(rids):
+            return [done[r] for r in rids]
+    raise AssertionError("workload did not finish")
+
+
+TP_SQUEEZED = {"max_total_tokens": 96, "chunked_prefill_size": 8, "schedule_conservativeness": 0.0}
+
+
+def tp_run(ckpt, overlap_off, tp_size, wl, **kw):
+    """(outputs without their random ids, stats, memory per rank) of one engine; invariants checked on
+    every rank after the workload."""
+    threads = torch.get_num_threads()  # rank 0 shares the cores with rank 1 while they run
+    with make_engine(ckpt, overlap_off, tp_size=tp_size, dist_timeout=60, **kw) as e:
+        outs = run_with_an_abort(e, wl)
+        e.check_invariants()
+        stats, memory = e.stats(), e.memory_usage()
+    assert torch.get_num_threads() == threads
+    for o in outs:
+        del o["meta_info"]["id"]
+    return outs, stats, memory
+
+
+def threads_calling(monkeypatch, obj, name: str) -> list:
+    """Names of the threads that call obj.name from now on (in this process: rank 0)."""
+    import threading
+    real, names = getattr(obj, name), []
+
+    def spy(*args, **kw):
+        names.append(threading.current_thread().name)
+        return real(*args, **kw)
+    monkeypatch.setattr(obj, name, spy)
+    return names
+
+
+@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+def test_tp2_gives_the_tokens_of_tp1(ckpt, overlap_off, monkeypatch):
+    """Two ranks, each planning alone from rank 0's broadcast inputs (plan hashes compared every
+    iteration), give the tokens, finish reasons and cache hits of one rank, through chunked prefill,
+    radix hits, retraction, seeded sampling and an abort; each rank holds half the KV and half the
+    weight matrices (with the vocabulary's padding rows), and every norm.
+    The all-reduces run in the step, on the device thread; the broadcasts on the host."""
+    wl = tp_workload()
+    one, one_stats, one_mem = tp_run(ckpt, overlap_off, 1, wl, **TP_SQUEEZED)
+    all_reduces = threads_calling(monkeypatch, oe.dist, "all_reduce")
+    broadcasts = threads_calling(monkeypatch, oe.TPGroup, "broadcast")
+    two, two_stats, two_mem = tp_run(ckpt, overlap_off, 2, wl, **TP_SQUEEZED)
+    assert two == one
+    assert all_reduces and set(all_reduces) == {"overlap-engine-device"}
+    assert broadcasts and set(broadcasts) == {"MainThread"}
+    assert one_stats["retractions"] > 0 and two_stats["retractions"] == one_stats["retractions"]
+    assert sum(o["meta_info"]["cached_tokens"] for o in one) > 0
+    assert one[2]["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(one[2]["output_ids"]) < 16
+    assert one[-1]["meta_info"]["finish_reason"]["type"] == "abort" and one[-1]["output_ids"] == []
+    assert len(two_mem) == 2
+    padding = 2 * (320 - 258) * 32 * 8  # embedding and lm_head rows up to a multiple of 64, float64
+    for rank in two_mem:  # Hkv = 2 split in two, every matrix split in two, the norms on both ranks
+        assert 2 * rank["kv_cache"] == one_mem[0]["kv_cache"]
+        assert 2 * rank["sharded_weights"] == one_mem[0]["sharded_weights"] + padding
+        assert rank["replicated_weights"] == one_mem[0]["replicated_weights"]
+
+
+def test_tp2_pads_the_vocabulary_and_replicates_a_kv_head(tmp_path):
+    """An odd vocabulary (257) is padded to 320 rows, 160 a rank, and the logits gathered back to 257;
+    one KV head is replicated on both ranks (tp_size > num_key_value_heads); embeddings are tied."""
+    ck = oe.write_random_checkpoint(str(tmp_path), vocab=257, kv_heads=1, tie=True, seed=5)
+    wl = [(p, {**sp, "max_new_tokens": 8}) for p, sp in tp_workload()[:4]]
+    one, _, one_mem = tp_run(ck, False, 1, wl)
+    two, _, two_mem = tp_run(ck, False, 2, wl)
+    assert two == one
+    embedding = 257 * 32 * 8  # (vocab, hidden) float64, tied: counted once
+    for rank in two_mem:
+        assert rank["kv_cache"] == one_mem[0]["kv_cache"]  # the one KV head, whole, on each rank
+        assert rank["sharded_weights"] - 160 * 32 * 8 == (one_mem[0]["sharded_weights"] - embedding
+                                                           + 2 * 1 * 16 * 32 * 8) // 2  # k, v unsplit
+
+
+def test_tp_layouts_and_arguments_that_cannot_work_are_refused(tmp_path):
+    """Refused with a ValueError naming the problem, before any process starts."""
+    ck = oe.write_random_checkpoint(str(tmp_path / "a"))  # 4 heads, 2 KV heads, intermediate 64
+    with pytest.raises(ValueError, match="tp_size=3 must divide num_attention_heads=4"):
+        Engine(model_path=ck, tp_size=3)
+    ck6 = oe.write_random_checkpoint(str(tmp_path / "b"), hidden=48, heads=6, kv_heads=4, inter=48)
+    with pytest.raises(ValueError, match="tp_size=3 must divide num_key_value_heads=4"):
+        Engine(model_path=ck6, tp_size=3)
+    bad = [({"tp_size": 3, "nnodes": 2}, "multiple of nnodes"),
+           ({"tp_size": 2, "nnodes": 2}, "dist_init_addr"),
+           ({"tp_size": 2, "nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"}, "node_rank=2"),
+           ({"tp_size": 2, "dist_init_addr": "no-port"}, "dist_init_addr='no-port'"),
+           ({"tp_size": 0}, "tp_size"), ({"dist_timeout": 0}, "dist_timeout"),
+           ({"tp_size": 2, "nnodes": 2, "node_rank": 1, "dist_init_addr": "h:1"}, "only node 0 runs"),
+           ({"tp_size": 2, "enable_torch_compile": True}, "enable_torch_compile works with tp_size=1")]
+    for kw, named in bad:
+        with pytest.raises(ValueError, match=named):
+            Engine(model_path=ck, **kw)
+
+
+def reassemble(shards: list, name: str, rows: int) -> torch.Tensor:
+    """The whole tensor from its tensor-parallel shards: rows, or columns for a row-parallel layer (a
+    norm is whole on every rank); `rows` cuts off the vocabulary's padding."""
+    if shards[0][name].dim() == 1:
+        return shards[0][name]
+    dim = 1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 0
+    return torch.cat([s[name] for s in shards], dim)[:rows]
+
+
+@pytest.mark.parametrize("fmt", ["hf", pytest.param("gguf", marks=needs_gguf)])
+def test_weights_are_sharded_as_they_load(tmp_path, fmt):
+    """Each rank's tensors, loaded with TPShard(rank, 2), put back together are the whole checkpoint
+    (GGUF: after the Q/K unpermute), and each shard owns only its own bytes. Both vocabularies are odd
+    (257 and 263 rows), padded to 320 (a multiple of 64 and of 2), so the last rank's slice ends in
+    zero rows."""
+    if fmt == "gguf":
+        path = str(tmp_path / "m.gguf")
+        write_tiny_gguf(path, untied=True)
+        load = lambda tp: oe.load_gguf(path, tp)[1]  # noqa: E731
+    else:
+        path = oe.write_random_checkpoint(str(tmp_path), vocab=257)
+        load = lambda tp: oe.load_checkpoint(path, tp)[1]  # noqa: E731
+    whole = load(None)
+    shards = [load(oe.TPShard(rank, 2)) for rank in range(2)]
+    for name, w in whole.items():
+        vocab = len(w) if "embed_tokens" in name or "lm_head" in name else None
+        assert torch.equal(reassemble(shards, name, len(w)), w), name
+        for shard in shards:
+            t = shard[name]
+            assert t.untyped_storage().nbytes() == t.nbytes, f"{name} keeps the whole tensor alive"
+            if w.dim() == 2:
+                expected = 160 * w.shape[1] if vocab else w.numel() // 2
+                assert t.numel() == expected, name
+    embedding = whole["model.embed_tokens.weight"]
+    assert not shards[1]["model.embed_tokens.weight"][len(embedding) - 160:].any()  # the padding rows
+
+
+def test_tp_plan_check_catches_ranks_that_disagree(ckpt):
+    """debug_tp_plan: each iteration's plan hash is gathered from the ranks; one that differs stops
+    the engine with an error, equal ones let it run."""
+    class Ranks:  # the group, as the scheduler sees it: rank 1 answers with `other`
+        def __init__(self, other=None):
+            self.other = other
+
+        def all_gather(self, digest):
+            return [digest, self.other or digest]
+    with make_engine(ckpt, False) as e:
+        e.add_request(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 3, "temperature": 0})
+        e.scheduler.tp = Ranks("0" * 64)
+        with pytest.raises(AssertionError, match="tensor-parallel ranks planned different steps"):
+            e.step()
+        e.scheduler.tp = Ranks()
+        assert steps_until_done(e, list(e._reqs))
+        e.check_invariants()
+
+
+def test_tp2_across_two_machines_from_the_command_line(ckpt):
+    """Two "machines" on this host: `--node-rank 1` follows, `--node-rank 0` answers the prompt with
+    the tokens of one rank, and both exit 0 when it is done."""
+    port = oe.free_port()
+    cmd = [sys.executable, "overlap_engine.py", "--model-path", ckpt, "--dtype", "float64", "--device", "cpu",
+           "--max-total-tokens", "512", "--tp-size", "2", "--nnodes", "2", "--dist-init-addr",
+           f"127.0.0.1:{port}", "--dist-timeout", "60"]
+    node1 = subprocess.Popen(cmd + ["--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             cwd=HERE)
+    try:
+        node0 = subprocess.run(cmd + ["--node-rank", "0", "--prompt", "Tensor parallel", "--raw",
+                                      "--max-new-tokens", "12"], capture_output=True, timeout=120, cwd=HERE)
+        _, err1 = node1.communicate(timeout=60)
+    finally:
+        node1.kill()
+    assert node0.returncode == 0 and node1.returncode == 0, (node0.stderr.decode(), err1.decode())
+    with make_engine(ckpt, False) as e:
+        sp = {"max_new_tokens": 12, "temperature": 0}
+        expected = e.generate(prompt="Tensor parallel", sampling_params=sp)
+    text, summary = node0.stdout.decode().rsplit("\n[", 1)
+    assert text == expected["text"] and summary.startswith(f"{len(expected['output_ids'])} tokens")
+
+
+TP_FAILURE_SCRIPT = """
+import os, signal, sys, time
+import overlap_engine as oe
+
+if __name__ == "__main__":
+    ckpt, how, timeout = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    e = oe.Engine(model_path=ckpt, dtype="float64", device="cpu", tp_size=2, dist_timeout=timeout,
+                  max_total_tokens=512, debug_tp_plan=True)
+    for _ in range(4):
+        e.add_request(input_ids=list(range(1, 30)), sampling_params={"max_new_tokens": 100,
+                                                                     "ignore_eos": True})
+    for _ in range(5):
+        e.step()
+    rank1 = e.tp.procs.processes[0]
+    if how == "raise":  # a command rank 1 cannot apply: its follow() raises
+        e.tp.pending.append(("add", b"not a pickle"))
+    else:
+        os.kill(rank1.pid, getattr(signal, how))  # in the middle of the run
+    t0 = time.monotonic()
+    try:
+        for _ in range(1000):
+            e.step()
+    except oe.TPError as err:
+        print(f"raised after {time.monotonic() - t0:.1f} s: {err}", flush=True)
+    finally:
+        e.shutdown()
+        print(f"rank 1 alive after shutdown: {rank1.is_alive()}", flush=True)
+        if rank1.is_alive():  # a stopped rank 1 would keep the test's pipes open
+            rank1.kill()
+"""
+
+
+TP_FAILURES = {  # how rank 1 fails: (rank 0's dist_timeout, what its error says, within how many s)
+    "SIGKILL": (30, "rank 1 died (signal SIGKILL)", 3),  # its sockets close: rank 0 knows at once
+    "raise": (30, "rank 1 raised", 3),
+    "SIGSTOP": (10, "did not answer within dist_timeout=10 s", 10 + 3),  # only the timeout can tell
+}
+
+
+@pytest.mark.parametrize("how", list(TP_FAILURES), ids=["killed", "raised", "hung"])
+def test_tp_a_rank_that_dies_raises_or_hangs_makes_rank_0_raise_in_bounded_time(tmp_path, ckpt, how):
+    """Rank 1 killed, raising or stopped in the middle of a run: rank 0 raises TPError naming what
+    happened, within dist_timeout (at once for a closed connection), shuts down, and its process exits.
+    (dist_timeout also bounds start-up, when rank 1 has to import torch: 10 s leaves room for that.)"""
+    timeout, named, within = TP_FAILURES[how]
+    script = tmp_path / "fail.py"
+    script.write_text(TP_FAILURE_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": HERE}
+    r = subprocess.run([sys.executable, str(script), ckpt, how, str(timeout)], capture_output=True,
+                       text=True, timeout=90, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "raised after" in r.stdout and named in r.stdout, r.stdout
+    assert "rank 1 alive after shutdown: False" in r.stdout  # joined (a stopped one killed)
+    assert float(r.stdout.split("raised after ")[1].split(" s")[0]) < within
 
 
 # ----------------------------------------------------------------------------------------------------
