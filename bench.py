@@ -245,7 +245,7 @@ def cmd_all(args):
             "throughput": cmd_throughput(ns(model_path=None, requests=TP_REQUESTS, input=TP_INPUT,
                                             dtypes=TP_DTYPES, workloads=",".join(TP_WORKLOADS),
                                             seed=TP_SEED, max_total_tokens=24576, hf_batch=TP_HF_BATCH,
-                                            no_hf=False, repeat=1, torch_compile=False)),
+                                            no_hf=False, repeat=1)),
             "mixed": cmd_mixed(ns(model_path=None, decoders=MIXED_DECODERS, prompt=MIXED_PROMPT,
                                   chunk=MIXED_CHUNK, output=MIXED_OUTPUT, seed=TP_SEED))}
 
@@ -511,8 +511,8 @@ def cmd_throughput(args):
     results, info = {}, {}
     for dtype in dtypes:
         kw = {"device": "cpu", "dtype": dtype, "max_total_tokens": args.max_total_tokens}
-        runs, params, compile_s = engine_runs(path, kw, reqs, out_lens, args)
-        info[dtype] = {"compile_s": compile_s}
+        runs, params = engine_runs(path, kw, reqs, out_lens, args)
+        info[dtype] = {}
         if not args.no_hf and path.endswith(".gguf"):
             runs.update(hf_runs(path, dtype, reqs, out_lens, args.hf_batch, args.repeat))
         results[dtype] = runs
@@ -524,18 +524,13 @@ def cmd_throughput(args):
 
 
 def engine_runs(path, kw, reqs, out_lens, args) -> tuple:
-    """{"workload run": result} for the overlap and serial loops (and overlap with torch.compile if
-    asked), each workload run `repeat` times in alternating order, the best kept; also the model's
-    parameter count and the compile time."""
-    names = ["overlap", "serial"] + (["overlap + torch.compile"] if args.torch_compile else [])
-    engines, start_s = {}, {}
+    """({"workload run": result}, parameter count) for the overlap and serial loops, each workload run
+    `repeat` times in alternating order, the best kept."""
+    names = ["overlap", "serial"]
+    engines = {}
     for name in names:
-        t0 = time.perf_counter()
-        engines[name] = oe.Engine(model_path=path, disable_overlap_schedule=(name == "serial"),
-                                  enable_torch_compile=("compile" in name), **kw)
-        engine_run(engines[name], reqs[:4], [4, 4, 4, 12], f"warm-up {name}")  # the tail decodes alone
-        start_s[name] = time.perf_counter() - t0
-    compile_s = start_s["overlap + torch.compile"] - start_s["overlap"] if args.torch_compile else None
+        engines[name] = oe.Engine(model_path=path, disable_overlap_schedule=(name == "serial"), **kw)
+        engine_run(engines[name], reqs[:4], [4, 4, 4, 12], f"warm-up {name}")
     params = sum(p.numel() for p in engines["overlap"].model.parameters())
     runs = {}
     for w, lens in out_lens.items():
@@ -546,7 +541,7 @@ def engine_runs(path, kw, reqs, out_lens, args) -> tuple:
                     runs[f"{w} {name}"] = r
     for e in engines.values():
         e.shutdown()
-    return runs, params, compile_s
+    return runs, params
 
 
 def hf_runs(path, dtype, reqs, out_lens, batch, repeat) -> dict:
@@ -579,8 +574,6 @@ def print_throughput(results, info, path, n, lo, hi, out_lens, params, reqs):
                   f"| {r.get('host_ms_per_step', nan):.2f} | {r.get('overshoot_tokens', '-')} |")
     for dtype in results:
         s = info[dtype]
-        if s["compile_s"] is not None:
-            print(f"{dtype}: torch.compile took {s['compile_s']:.0f} s at start (two graphs per dtype)")
         for w, lens in out_lens.items():
             bound = flop_bound_tok_s(params, sum(map(len, reqs)), sum(lens), getattr(torch, dtype))
             s[f"{w} flop_bound_tok_s"] = bound
@@ -634,7 +627,7 @@ def cmd_profile(args):
     B, steps = (4, 3) if args.quick else (args.batch, args.steps)
     captured = []
     with oe.Engine(model_path=path, device="cpu", dtype=args.dtype, disable_overlap_schedule=True,
-                   max_total_tokens=args.max_total_tokens, enable_torch_compile=args.torch_compile) as e:
+                   max_total_tokens=args.max_total_tokens) as e:
         worker, forward_step = e.scheduler.worker, e.scheduler.worker.forward_step
         worker.forward_step = lambda fb: captured.append(fb) or forward_step(fb)
         reqs = random_requests(B, *((8, 32) if args.quick else map(int, args.input.split(","))), args.seed,
@@ -655,8 +648,7 @@ def cmd_profile(args):
         groups[cat] = groups.get(cat, 0) + ev.self_cpu_time_total
     mean_len = sum(fb.seq_lens) / len(fb.seq_lens)
     print(f"## profile: one decode step, {os.path.basename(path)}, {args.dtype}, batch {len(fb.seq_lens)}, "
-          f"mean context {mean_len:.0f} tokens: {ms:.1f} ms (best of 5)"
-          f"{', torch.compile' if args.torch_compile else ''}")
+          f"mean context {mean_len:.0f} tokens: {ms:.1f} ms (best of 5)")
     print("| part | share of the step | ms |")
     print("|---|---|---|")
     for cat, us in sorted(groups.items(), key=lambda kv: -kv[1]):
@@ -1044,8 +1036,6 @@ def main():
     t.add_argument("--dtypes", default=TP_DTYPES, help="comma-separated; each gets every run")
     t.add_argument("--workloads", default=",".join(TP_WORKLOADS),
                    help="fixed: 64 output tokens each; serving: 8-256 each (uniform)")
-    t.add_argument("--torch-compile", action="store_true",
-                   help="also the overlap loop with enable_torch_compile (its compile time is reported)")
     t.add_argument("--seed", type=int, default=TP_SEED)
     t.add_argument("--max-total-tokens", type=int, default=24576,
                    help="KV pool per engine (46 KB a token for SmolLM2)")
@@ -1063,7 +1053,6 @@ def main():
     pr.add_argument("--batch", type=int, default=TP_REQUESTS)
     pr.add_argument("--input", default=TP_INPUT, help="input length range lo,hi")
     pr.add_argument("--steps", type=int, default=64, help="output tokens before the profiled step")
-    pr.add_argument("--torch-compile", action="store_true", help="with enable_torch_compile")
     pr.add_argument("--max-total-tokens", type=int, default=24576)
     pr.add_argument("--seed", type=int, default=TP_SEED)
     pr.add_argument("--quick", action="store_true")

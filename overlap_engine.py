@@ -1304,8 +1304,6 @@ class ServerArgs:
                      ("auto", "float32", "bfloat16", "float16", "float64"))
     attention_backend: str = arg("auto", "auto: triton on CUDA, torch on CPU", ("auto", "torch", "triton"))
     context_length: Optional[int] = arg(None, "longest prompt + output; none: the model's own")
-    enable_torch_compile: bool = arg(False, "compile the dense parts of each decoder layer with "
-                                            "torch.compile (slower start; see README)")
     # memory and scheduling
     disable_overlap_schedule: bool = arg(False, "run the serial loop (plan, run, wait, commit)")
     max_total_tokens: Optional[int] = arg(
@@ -1377,8 +1375,6 @@ class ServerArgs:
             raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
         if self.nnodes > 1 and self.dist_init_addr is None:
             raise ValueError("dist_init_addr (node 0's host:port) is needed when nnodes > 1")
-        if self.tp_size > 1 and self.enable_torch_compile:  # its all-reduces would sit in compiled code
-            raise ValueError("enable_torch_compile works with tp_size=1 only")
         host, _, port = (self.dist_init_addr or "x:1").rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"dist_init_addr={self.dist_init_addr!r} must be host:port")
@@ -1534,8 +1530,6 @@ class Engine:
         self.model_config = cfg
         self.model = build_model(cfg, state, dtype, args.device, shard)
         del state
-        if args.enable_torch_compile:
-            compile_decoder_layers(self.model)
         if args.tp_size > 1:  # rank 0 starts the other local ranks once its own shard has loaded
             self.tp = TPGroup(args, tp_rank)
             shard.group = self.tp.device_group
@@ -2293,7 +2287,6 @@ class LlamaDecoderLayer(nn.Module):
         o = attn.forward(q, k, v, self.self_attn.layer_id)  # paged: writes k, v to the pool, reads it
         return self.attention_output_and_mlp(x, o)          # dense: o_proj, residual, norm, MLP, residual
 
-    # the two dense halves are what enable_torch_compile compiles (see compile_decoder_layers)
     def attention_inputs(self, x, cos, sin) -> tuple:
         return self.self_attn.qkv(rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin)
 
@@ -2353,14 +2346,6 @@ def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str,
     rope_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     model.inv_freq = rope_inv_freq(cfg, rope_dtype).to(device)
     return model.eval()
-
-
-def compile_decoder_layers(model: LlamaForCausalLM):
-    """enable_torch_compile: each layer's two dense halves through torch.compile (Inductor: fused
-    elementwise ops around the matmuls), with the batch size dynamic. Paged attention stays eager."""
-    for layer in model.model.layers:
-        layer.attention_inputs = torch.compile(layer.attention_inputs, dynamic=True)
-        layer.attention_output_and_mlp = torch.compile(layer.attention_output_and_mlp, dynamic=True)
 
 
 # -- sampling: runs inside the step, on the device --
@@ -3044,8 +3029,7 @@ def restart_with_openmp_spin():
 
 # ServerArgs fields by help group; each field brings its own help, default and choices
 CLI_GROUPS = {
-    "model": ("model_path", "load_format", "device", "dtype", "attention_backend", "context_length",
-              "enable_torch_compile"),
+    "model": ("model_path", "load_format", "device", "dtype", "attention_backend", "context_length"),
     "memory and scheduling": ("disable_overlap_schedule", "max_total_tokens", "max_running_requests",
                               "max_prefill_tokens", "chunked_prefill_size", "disable_radix_cache",
                               "enable_mixed_chunk",
