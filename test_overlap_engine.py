@@ -1247,7 +1247,7 @@ def test_dtype_auto_on_cpu_follows_native_bf16(ckpt, monkeypatch, native):
     with Engine(model_path=ckpt, device="cpu", max_total_tokens=64) as e:
         want = torch.bfloat16 if native else torch.float32
         assert e.server_args.dtype == str(want).removeprefix("torch.")
-        assert e.model.lm_head.weight.dtype == want and e.scheduler.kv_pool.kv_buffer[0].dtype == want
+        assert e.model.lm_head.weight.dtype == want and e.scheduler.kv_pool.k_buffer[0].dtype == want
 
 
 def test_bf16_overlap_equals_serial(ckpt, mixed_workload, monkeypatch):
