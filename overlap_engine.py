@@ -2245,12 +2245,13 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=False)
         self.o_proj = RowParallelLinear(H * D, cfg.hidden_size, tp)    # row parallel: sums over ranks
 
-    def qkv(self, x, cos, sin) -> tuple:
+    def forward(self, x, cos, sin, attn) -> torch.Tensor:
         N = x.shape[0]
         q = apply_rope(self.q_proj(x).view(N, self.H, self.D), cos, sin)    # (N, H, D)
         k = apply_rope(self.k_proj(x).view(N, self.Hkv, self.D), cos, sin)  # (N, Hkv, D)
         v = self.v_proj(x).view(N, self.Hkv, self.D)                        # (N, Hkv, D)
-        return q, k, v
+        o = attn.forward(q, k, v, self.layer_id)                            # (N, H, D)
+        return self.o_proj(o.reshape(N, self.H * self.D))
 
 
 class LlamaMLP(nn.Module):
@@ -2276,15 +2277,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm.weight = nn.Parameter(torch.ones(cfg.hidden_size))
 
     def forward(self, x, cos, sin, attn):
-        q, k, v = self.attention_inputs(x, cos, sin)        # dense: norm, projections, rotary
-        o = attn.forward(q, k, v, self.self_attn.layer_id)  # paged: writes k, v to the pool, reads it
-        return self.attention_output_and_mlp(x, o)          # dense: o_proj, residual, norm, MLP, residual
-
-    def attention_inputs(self, x, cos, sin) -> tuple:
-        return self.self_attn.qkv(rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin)
-
-    def attention_output_and_mlp(self, x, o):
-        x = x + self.self_attn.o_proj(o.flatten(1))  # (N, H, D) -> (N, H * D)
+        x = x + self.self_attn(rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin, attn)
         return x + self.mlp(rms_norm(x, self.post_attention_layernorm.weight, self.eps))
 
 
