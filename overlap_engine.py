@@ -64,6 +64,7 @@ import functools
 import glob
 import hashlib
 import heapq
+import ipaddress
 import itertools
 import json
 import math
@@ -1966,13 +1967,16 @@ class TPGroup:
         self.pending: list = []  # rank 0: commands recorded since the last broadcast
         self.failed = False      # a collective failed: close() waits only briefly for the ranks
         self.procs = None        # rank 0: the local ranks it started (a torch ProcessContext)
+        self.listener = None     # rank 0: the socket its TCPStore listens on, when it binds one address
         if dist.is_initialized():
             raise ValueError("tensor parallelism: one Engine per process (a process group already exists)")
         per_node = args.tp_size // args.nnodes
         self.threads = torch.get_num_threads()  # put back by close(): rank 0 is the user's process
         if args.device == "cpu":  # the ranks of one machine share its cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
-        addr = args.dist_init_addr or f"127.0.0.1:{free_port()}"
+        addr = args.dist_init_addr or "127.0.0.1:0"  # one machine: the loopback, a port the OS picks
+        if rank == 0:
+            self.listener, addr = listen_at(addr)
         if rank == 0 and per_node > 1:
             ranks = list(range(1, per_node))  # node 0's other ranks; other nodes start their own
             follower_args = dataclasses.replace(args, dist_init_addr=addr)
@@ -1997,8 +2001,12 @@ class TPGroup:
         """Joins the other ranks at addr, then makes the two gloo groups for the host's messages."""
         timeout = timedelta(seconds=self.args.dist_timeout)
         backend = "nccl" if self.args.device == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{addr}", rank=self.rank, world_size=self.size,
-                                timeout=timeout)
+        host, _, port = addr.rpartition(":")
+        # rank 0's store listens on the one address of its socket, if it has one (else on every one)
+        fd = None if self.listener is None else self.listener.detach()
+        store = dist.TCPStore(host.strip("[]"), int(port), self.size, self.rank == 0, timeout,
+                              master_listen_fd=fd)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.size, timeout=timeout)
         self.device_group = dist.group.WORLD
         self.cpu_group = dist.new_group(backend="gloo", timeout=timeout)
         self.idle_group = dist.new_group(backend="gloo", timeout=timedelta(days=365))
@@ -2070,6 +2078,8 @@ class TPGroup:
         """Ends the group; rank 0 then joins the ranks it started (and kills those that do not end)."""
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+        if self.listener is not None:
+            self.listener.close()  # a no-op once the store owns it
         torch.set_num_threads(self.threads)
         if self.procs is not None:
             join_or_kill(self.procs, 2 if self.failed else TP_JOIN_SECONDS)
@@ -2111,8 +2121,28 @@ def join_or_kill(procs, seconds: float):
             p.join()
 
 
+def listen_at(addr: str) -> tuple:
+    """Rank 0: (a socket listening on addr's host, host:port with the port it got). torch's TCPStore
+    listens on every interface; given this socket it listens on that one address. A host name (or an
+    address this machine cannot bind) is left to torch: (None, addr)."""
+    host, _, port = addr.rpartition(":")
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None, addr
+    sock = socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own store does
+        sock.bind((str(ip), int(port)))
+        sock.listen()
+    except OSError:
+        sock.close()
+        return None, addr
+    return sock, f"{host}:{sock.getsockname()[1]}"
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (the ranks of one machine meet there)."""
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a --dist-init-addr, as the tests use)."""
     with contextlib.closing(socket.socket()) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

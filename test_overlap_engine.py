@@ -2090,6 +2090,7 @@ def run_isolated(cmd, timeout, **kw) -> subprocess.CompletedProcess:
 
 
 def kill_session(p: subprocess.Popen):
+    """Kills what is left of p's session, p included."""
     import signal
     try:
         os.killpg(p.pid, signal.SIGKILL)  # the session's id is its leader's pid
@@ -2434,7 +2435,7 @@ class SleepingProcess:
         self.p.kill()
 
 
-def test_a_node_whose_first_rank_fails_kills_a_stuck_rank_and_raises_the_first_error(monkeypatch):
+def test_tp_a_node_whose_first_rank_fails_kills_a_stuck_rank_and_raises_the_first_error(monkeypatch):
     """run_tp_node (`--node-rank N`): its first rank raises while another of its ranks hangs; the node
     waits for that one until TP_JOIN_SECONDS only, kills it, and raises the first rank's error."""
     ranks = [SleepingProcess(0), SleepingProcess(600)]
@@ -2457,6 +2458,36 @@ def test_a_node_whose_first_rank_fails_kills_a_stuck_rank_and_raises_the_first_e
         for r in ranks:
             r.kill()
             r.p.wait(timeout=10)
+
+
+def listening_addresses(pids: list) -> set:
+    """The local addresses (hex, as /proc/net/tcp* gives them) of the TCP sockets these processes
+    listen on."""
+    inodes = set()
+    for pid in pids:
+        fds = f"/proc/{pid}/fd"
+        for fd in os.listdir(fds):
+            try:
+                inodes.add(os.readlink(os.path.join(fds, fd)))
+            except OSError:  # a descriptor closed meanwhile
+                pass
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()  # local address, ..., state (0A: LISTEN), ..., inode
+                if cols[3] == "0A" and f"socket:[{cols[9]}]" in inodes:
+                    found.add(cols[1].split(":")[0])
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc")
+def test_tp_ranks_of_one_machine_listen_on_the_loopback_only(ckpt, loopback):
+    """Rank 0's TCPStore listens on the socket the engine bound to 127.0.0.1 (torch's own would listen
+    on every interface), and gloo, named the loopback, binds there too."""
+    with make_engine(ckpt, False, tp_size=2, dist_timeout=60) as e:
+        addresses = listening_addresses([os.getpid()] + [p.pid for p in e.tp.procs.processes])
+    assert addresses == {"0100007F"}  # 127.0.0.1, in /proc's byte order
 
 
 def two_machines(ckpt, node0_flags: list, node1_flags: list) -> tuple:
