@@ -64,6 +64,7 @@ import functools
 import glob
 import hashlib
 import heapq
+import ipaddress
 import itertools
 import json
 import math
@@ -1237,13 +1238,20 @@ class Scheduler:
     def check_plan_agrees(self):
         """debug_tp_plan: every rank planned the same step from the same state. Each planned it alone,
         so a hash of the plan, gathered from all ranks, must be the same everywhere."""
+        digests = self.tp.all_gather(self.plan_digest())
+        assert len(set(digests)) == 1, f"tensor-parallel ranks planned different steps: {digests}"
+
+    def plan_digest(self) -> str:
+        """A hash of the step just planned and of the committed state it was planned from."""
         b = self.last_batch
         step = None if b is None else (b.forward_mode.value, [r.rid for r in b.reqs], b.seq_lens,
                                        b.fb.out_cache_loc.tolist(), b.fb.input_ids.tolist())
-        plan = (step, [r.rid for r in self.waiting], [r.rid for r in self.running_batch.reqs],
+        # subtle: an overlap decode step's input ids are FutureMap rows (fb.input_ids is empty), so the
+        # tokens the ranks committed go in on their own: the count and the last one of each request
+        committed = [(r.rid, len(r.output_ids), r.output_ids[-1:]) for r in self.running_batch.reqs]
+        plan = (step, [r.rid for r in self.waiting], committed,
                 self.kv_pool.available_size(), self.tree_cache.evictable_size())
-        digests = self.tp.all_gather(hashlib.sha256(repr(plan).encode()).hexdigest())
-        assert len(set(digests)) == 1, f"tensor-parallel ranks planned different steps: {digests}"
+        return hashlib.sha256(repr(plan).encode()).hexdigest()
 
     def is_idle(self) -> bool:
         batches = [self.running_batch] + ([self.last_batch] if self.last_batch is not None else [])
@@ -1492,8 +1500,8 @@ class Engine:
         engine.generate(prompt="Hello", sampling_params={"max_new_tokens": 16, "temperature": 0})
     """
 
-    def __init__(self, _tp_rank: int = 0, **kwargs):
-        """_tp_rank is set only by tp_rank_main, in the processes of tensor-parallel ranks > 0."""
+    def __init__(self, *, _tp_rank: int = 0, **kwargs):
+        """_tp_rank is set only by run_tp_rank, in the processes of tensor-parallel ranks > 0."""
         self.server_args = args = self._check_args(kwargs)
         if args.node_rank > 0 and _tp_rank == 0:
             raise ValueError(f"node_rank={args.node_rank}: only node 0 runs an Engine; start the other "
@@ -1524,7 +1532,7 @@ class Engine:
         self.model = build_model(cfg, state, dtype, args.device, shard)
         del state
         if args.tp_size > 1:  # rank 0 starts the other local ranks once its own shard has loaded
-            self.tp = TPGroup(args, tp_rank)
+            self.tp = TPGroup(args, tp_rank, cfg)
             shard.group = self.tp.device_group
         self.context_len = min(args.context_length or cfg.max_position_embeddings,
                                cfg.max_position_embeddings)
@@ -1670,16 +1678,16 @@ class Engine:
     def _iterate(self) -> list[dict]:
         if self._closed:
             raise RuntimeError("the engine was shut down")
+        done = False  # the iteration ran to its end: only a Ctrl-C held until then can follow
         try:
             with self._ctrl_c_held:
                 self._tp_send("step")  # tensor parallel: every rank runs this iteration, same inputs
                 next(self._loop)
+                done = True
         except BaseException as e:
             self._loop = self._new_loop()  # a generator that raised is finished: start a fresh one
-            self._tp_record("reset_loop")  # and so must the other ranks' (a Ctrl-C here is rank 0's alone)
-            err = e if self.tp is None else self.tp.explain(e)
-            if err is not e:
-                raise err from e  # a rank died or timed out: say which, if we know
+            if self.tp is not None:
+                self._tp_iteration_failed(e, done)
             raise
         out, self.scheduler.finished_outputs = self.scheduler.finished_outputs, []
         for o in out:
@@ -1778,6 +1786,24 @@ class Engine:
             commands, self.tp.pending = self.tp.pending, []
             self.tp.broadcast(commands)
 
+    def _tp_iteration_failed(self, e: BaseException, done: bool):
+        """An iteration raised on this rank. After a Ctrl-C held to the iteration's end, the others start
+        a fresh loop too. Anything else broke off a step the other ranks ran whole: they are out of step
+        for good, so the group is closed (they see it and end) and a TPError raised."""
+        if done and isinstance(e, KeyboardInterrupt):
+            self._tp_record("reset_loop")
+            return
+        err = self.tp.explain(e)  # a collective's error: which rank died or timed out, if we know
+        if err is not e:
+            raise err from e
+        if isinstance(e, TPError):
+            raise e
+        self.tp.failed = True
+        self.scheduler.worker.stream.shutdown()  # the step in flight ends first: the others run it too
+        self.tp.close()
+        raise TPError(f"tensor-parallel rank {self.tp.rank} raised {type(e).__name__} in the middle of an "
+                      "iteration that the other ranks ran whole; the engine cannot continue") from e
+
     def follow(self):
         """Ranks > 0: applies rank 0's commands in its order until it says shutdown (tp_rank_main)."""
         try:
@@ -1802,8 +1828,9 @@ class Engine:
         """Runs self.<method>() on every rank (each on its own scheduler); the results in rank order.
         An exception on any rank is raised here, on rank 0, naming the rank."""
         try:
-            self._tp_send("call", method)
-            answers = self._answer(method)
+            with CtrlCHeld():  # a Ctrl-C between the call and the answers would leave the others waiting
+                self._tp_send("call", method)
+                answers = self._answer(method)
         except Exception as e:
             err = e if self.tp is None else self.tp.explain(e)
             if err is not e:
@@ -1812,20 +1839,22 @@ class Engine:
         for rank, (ok, value) in enumerate(answers):
             if not ok and rank == 0:
                 raise value
-            if not ok:
-                kind = AssertionError if isinstance(value, AssertionError) else RuntimeError
-                raise kind(f"tensor-parallel rank {rank}: {type(value).__name__}: {value}")
+            if not ok:  # another rank's error, as "TypeName: message"
+                kind = AssertionError if value.startswith("AssertionError:") else RuntimeError
+                raise kind(f"tensor-parallel rank {rank}: {value}")
         return [value for _, value in answers]
 
     def _answer(self, method: str) -> list:
         try:
             mine = (True, getattr(self, method)())
-        except Exception as e:  # sent to rank 0, which raises it (a follower goes on following)
+        except Exception as e:  # rank 0 raises it (a follower goes on following)
             mine = (False, e)
         if self.tp is None:
             return [mine]
-        answers = self.tp.all_gather(mine)
-        answers[self.tp.rank] = mine  # our own exception with its traceback, not a pickled copy
+        # subtle: the exception goes as text: one that cannot be pickled would fail the gather itself
+        sent = mine if mine[0] else (False, f"{type(mine[1]).__name__}: {mine[1]}")
+        answers = self.tp.all_gather(sent)
+        answers[self.tp.rank] = mine  # our own exception with its traceback
         return answers
 
     # -- checks and shutdown -------------------------------------------------------------------------
@@ -1877,8 +1906,10 @@ class Engine:
 
     def shutdown(self):
         """Stops the device stream; with tensor parallelism, tells the other ranks to stop and joins them."""
-        if not self._closed:
-            self._closed = True
+        if self._closed:
+            return
+        self._closed = True
+        with CtrlCHeld():  # a Ctrl-C here would leave the ranks running: it waits until they are joined
             with contextlib.suppress(Exception):  # a rank that died cannot hear it: close() ends it
                 self._tp_send("shutdown")
             try:
@@ -1918,37 +1949,68 @@ class TPGroup:
                    rank 0, the sender, waits on it for dist_timeout at most
     """
 
-    def __init__(self, args: ServerArgs, rank: int):
+    def __init__(self, args: ServerArgs, rank: int, cfg: ModelConfig):
         self.rank, self.size, self.args = rank, args.tp_size, args
         self.pending: list = []  # rank 0: commands recorded since the last broadcast
         self.failed = False      # a collective failed: close() waits only briefly for the ranks
         self.procs = None        # rank 0: the local ranks it started (a torch ProcessContext)
+        self.listener = None     # rank 0: the socket its TCPStore listens on, when it binds one address
         if dist.is_initialized():
             raise ValueError("tensor parallelism: one Engine per process (a process group already exists)")
         per_node = args.tp_size // args.nnodes
         self.threads = torch.get_num_threads()  # put back by close(): rank 0 is the user's process
         if args.device == "cpu":  # the ranks of one machine share its cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
-        addr = args.dist_init_addr or f"127.0.0.1:{free_port()}"
+        addr = args.dist_init_addr or "127.0.0.1:0"  # one machine: the loopback, a port the OS picks
+        if rank == 0:
+            self.listener, addr = listen_at(addr)
         if rank == 0 and per_node > 1:
             ranks = list(range(1, per_node))  # node 0's other ranks; other nodes start their own
             follower_args = dataclasses.replace(args, dist_init_addr=addr)
             self.procs = torch.multiprocessing.start_processes(
                 tp_rank_main, (follower_args, ranks), nprocs=len(ranks), join=False, daemon=True,
                 start_method="spawn")
-        timeout = timedelta(seconds=args.dist_timeout)
-        try:
-            dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=f"tcp://{addr}",
-                                    rank=rank, world_size=self.size, timeout=timeout)
+        try:  # from here on, a failure must close the group and end the ranks already started
+            self.meet(addr)
+            self.check_same_setup(cfg)
+        except ValueError:
+            self.failed = True
+            self.close()
+            raise
         except BaseException as e:
             self.failed = True
             why = (self.dead_local_rank()
                    or f"the ranks did not meet at {addr} within dist_timeout={args.dist_timeout} s ({e})")
             self.close()
             raise TPError(f"tensor parallelism failed to start: {why}") from e
+
+    def meet(self, addr: str):
+        """Joins the other ranks at addr, then makes the two gloo groups for the host's messages."""
+        timeout = timedelta(seconds=self.args.dist_timeout)
+        backend = "nccl" if self.args.device == "cuda" else "gloo"
+        host, _, port = addr.rpartition(":")
+        # rank 0's store listens on the one address of its socket, if it has one (else on every one)
+        fd = None if self.listener is None else self.listener.detach()
+        store = dist.TCPStore(host.strip("[]"), int(port), self.size, self.rank == 0, timeout,
+                              master_listen_fd=fd)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.size, timeout=timeout)
         self.device_group = dist.group.WORLD
         self.cpu_group = dist.new_group(backend="gloo", timeout=timeout)
         self.idle_group = dist.new_group(backend="gloo", timeout=timedelta(days=365))
+
+    def check_same_setup(self, cfg: ModelConfig):
+        """Every rank runs with node 0's settings and model: a machine started with another flag, or
+        whose `auto` resolved otherwise on its hardware, would plan other steps. Rank 0 broadcasts its
+        own; where a rank's differ, every rank raises a ValueError naming the first key that does."""
+        mine = tp_setup(self.args, cfg)
+        node0 = [mine]
+        dist.broadcast_object_list(node0, 0, group=self.cpu_group)
+        key = next((k for k in mine if mine[k] != node0[0].get(k)), None)
+        differs = None if key is None else f"{key}={mine[key]!r}, node 0 with {key}={node0[0].get(key)!r}"
+        for rank, what in enumerate(self.all_gather(differs)):
+            if what is not None:
+                raise ValueError(f"tensor-parallel rank {rank} was started with {what}; start every "
+                                 "machine with node 0's settings")
 
     def broadcast(self, obj=None):
         """Rank 0's object on every rank, pickled (SGLang's broadcast_pyobj): the length goes on the
@@ -1960,13 +2022,15 @@ class TPGroup:
             size = torch.tensor([len(data)], dtype=torch.int64)
         else:
             size = torch.zeros(1, dtype=torch.int64)
-        work = dist.broadcast(size, 0, group=self.idle_group, async_op=True)
-        if self.rank == 0:  # a rank that stopped answering must not hold rank 0 for the group's year
-            work.wait(timeout=timedelta(seconds=self.args.dist_timeout))
-        else:
-            work.wait()
-            data = torch.empty(int(size), dtype=torch.uint8)
-        dist.broadcast(data, 0, group=self.cpu_group)
+        # rank 0: a Ctrl-C between the length and the bytes would leave the others a message behind
+        with CtrlCHeld() if self.rank == 0 else contextlib.nullcontext():
+            work = dist.broadcast(size, 0, group=self.idle_group, async_op=True)
+            if self.rank == 0:  # a rank that stopped answering must not hold rank 0 for the group's year
+                work.wait(timeout=timedelta(seconds=self.args.dist_timeout))
+            else:
+                work.wait()
+                data = torch.empty(int(size), dtype=torch.uint8)
+            dist.broadcast(data, 0, group=self.cpu_group)
         return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
 
     def all_gather(self, obj) -> list:
@@ -1978,8 +2042,7 @@ class TPGroup:
     def explain(self, e: BaseException) -> BaseException:
         """For an error of a collective: a TPError naming the local rank that died or raised, if one
         did (it has just closed its sockets), else the peer that failed or timed out. Others: e."""
-        collective = any(k in str(e).lower() for k in ("gloo", "nccl", "connection", "timed out"))
-        if not isinstance(e, Exception) or isinstance(e, TPError) or not collective:
+        if not is_collective_error(e):
             return e
         self.failed = True
         why = (self.dead_local_rank()
@@ -2002,19 +2065,71 @@ class TPGroup:
         """Ends the group; rank 0 then joins the ranks it started (and kills those that do not end)."""
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+        if self.listener is not None:
+            self.listener.close()  # a no-op once the store owns it
         torch.set_num_threads(self.threads)
-        if self.procs is None:
-            return
-        deadline = time.monotonic() + (2 if self.failed else 30)
-        for p in self.procs.processes:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-            if p.is_alive():  # stuck in a collective with a dead peer: nothing more to wait for
-                p.kill()
-                p.join()
+        if self.procs is not None:
+            join_or_kill(self.procs, 2 if self.failed else TP_JOIN_SECONDS)
+
+
+TP_JOIN_SECONDS = 30  # after a shutdown, how long the ranks get to end before they are killed
+
+# ServerArgs that may differ between machines: where each one is, where its checkpoint is and how long
+# it waits; its memory (the ranks plan with the smallest pool: Engine._build); checks local to a rank
+TP_PER_NODE_ARGS = frozenset({"node_rank", "dist_init_addr", "model_path", "dist_timeout", "max_total_tokens",
+                              "mem_fraction_static", "debug_future_map", "debug_ledger", "worker_jitter_ms"})
+
+
+def tp_setup(args: ServerArgs, cfg: ModelConfig) -> dict:
+    """What every rank must share: its resolved ServerArgs but those above, and its model's config."""
+    setup = {k: v for k, v in dataclasses.asdict(args).items() if k not in TP_PER_NODE_ARGS}
+    setup.update({f"model {k}": v for k, v in dataclasses.asdict(cfg).items()})
+    return setup
+
+
+def is_collective_error(e: BaseException) -> bool:
+    """Whether e is torch.distributed's error for a failed or timed-out collective. Gloo raises some as a
+    plain RuntimeError: only for those does the text decide."""
+    if isinstance(e, dist.DistError):
+        return True
+    if type(e) is not RuntimeError:  # a TPError, a ValueError that mentions a connection, ...
+        return False
+    return any(k in str(e).lower() for k in ("gloo", "nccl", "connection", "timed out"))
+
+
+def join_or_kill(procs, seconds: float):
+    """Waits up to `seconds` in all for the rank processes torch started, then kills those left: a rank
+    stuck in a collective with a dead peer would wait for it until dist_timeout."""
+    deadline = time.monotonic() + seconds
+    for p in procs.processes:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def listen_at(addr: str) -> tuple:
+    """Rank 0: (a socket listening on addr's host, host:port with the port it got). torch's TCPStore
+    listens on every interface; given this socket it listens on that one address. A host name (or an
+    address this machine cannot bind) is left to torch: (None, addr)."""
+    host, _, port = addr.rpartition(":")
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None, addr
+    sock = socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own store does
+        sock.bind((str(ip), int(port)))
+        sock.listen()
+    except OSError:
+        sock.close()
+        return None, addr
+    return sock, f"{host}:{sock.getsockname()[1]}"
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (the ranks of one machine meet there)."""
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a --dist-init-addr, as the tests use)."""
     with contextlib.closing(socket.socket()) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -2039,15 +2154,15 @@ def run_tp_node(args: ServerArgs):
     this process, until rank 0 shuts them down."""
     per_node = args.tp_size // args.nnodes
     ranks = list(range(args.node_rank * per_node, (args.node_rank + 1) * per_node))
-    procs = None
-    if per_node > 1:
-        procs = torch.multiprocessing.start_processes(tp_rank_main, (args, ranks[1:]), nprocs=per_node - 1,
-                                                      join=False, daemon=True, start_method="spawn")
+    if per_node == 1:
+        return run_tp_rank(args, ranks[0])
+    procs = torch.multiprocessing.start_processes(tp_rank_main, (args, ranks[1:]), nprocs=per_node - 1,
+                                                  join=False, daemon=True, start_method="spawn")
     try:
         run_tp_rank(args, ranks[0])
-    finally:
-        while procs is not None and not procs.join():
-            pass
+    finally:  # rank 0's shutdown reaches all ranks at once: the others end soon after this one
+        join_or_kill(procs, TP_JOIN_SECONDS)
+    procs.join(timeout=0)  # all have ended: raises the error of one that failed (this one's came first)
 
 
 # ----------------------------------------------------------------------------------------------------

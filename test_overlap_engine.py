@@ -2053,6 +2053,38 @@ def test_prompt_longer_than_context(tmp_path):
 # workloads are few and small, and every subprocess has a timeout.
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# the ranks talk on 127.0.0.1 only: gloo binds the interface GLOO_SOCKET_IFNAME names, else the address
+# this host's name resolves to (which may face a network)
+LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo" if sys.platform == "linux" else "lo0", "MASTER_ADDR": "127.0.0.1"}
+
+
+@pytest.fixture
+def loopback(monkeypatch):
+    """Rank 0 here and the ranks it spawns (they inherit the environment) bind the loopback only."""
+    for k, v in LOOPBACK.items():
+        monkeypatch.setenv(k, v)
+
+
+def run_isolated(cmd, timeout, **kw) -> subprocess.CompletedProcess:
+    """Runs cmd in a session of its own on the loopback and kills the whole session afterwards, also on a
+    timeout or a failure: ranks that cmd spawned must not outlive it (a stopped one never would)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE,
+                         env={**os.environ, **LOOPBACK, "PYTHONPATH": HERE}, start_new_session=True, **kw)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        kill_session(p)
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def kill_session(p: subprocess.Popen):
+    """Kills what is left of p's session, p included."""
+    import signal
+    try:
+        os.killpg(p.pid, signal.SIGKILL)  # the session's id is its leader's pid
+    except ProcessLookupError:  # nothing was left in it
+        pass
+    p.wait(timeout=10)
 
 
 def tp_workload():
@@ -2085,7 +2117,7 @@ def run_with_an_abort(engine, wl, abort_step=18, victim=2):
 TP_SQUEEZED = {"max_total_tokens": 96, "chunked_prefill_size": 8, "schedule_conservativeness": 0.0}
 
 
-def tp_run(ckpt, overlap_off, tp_size, wl, **kw):
+def tp_run(ckpt, overlap_off, tp_size, wl, **kw):  # callers use the loopback fixture
     """(outputs without their random ids, stats, memory per rank) of one engine; invariants checked on
     every rank after the workload."""
     threads = torch.get_num_threads()  # rank 0 shares the cores with rank 1 while they run
@@ -2112,7 +2144,7 @@ def threads_calling(monkeypatch, obj, name: str) -> list:
 
 
 @pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_tp2_gives_the_tokens_of_tp1(ckpt, overlap_off, monkeypatch):
+def test_tp2_gives_the_tokens_of_tp1(ckpt, overlap_off, monkeypatch, loopback):
     """Two ranks, each planning alone from rank 0's broadcast inputs (plan hashes compared every
     iteration), give the tokens, finish reasons and cache hits of one rank, through chunked prefill,
     radix hits, retraction, seeded sampling and an abort; each rank holds half the KV and half the
@@ -2138,7 +2170,7 @@ def test_tp2_gives_the_tokens_of_tp1(ckpt, overlap_off, monkeypatch):
         assert rank["replicated_weights"] == one_mem[0]["replicated_weights"]
 
 
-def test_tp2_pads_the_vocabulary_and_replicates_a_kv_head(tmp_path):
+def test_tp2_pads_the_vocabulary_and_replicates_a_kv_head(tmp_path, loopback):
     """An odd vocabulary (257) is padded to 320 rows, 160 a rank, and the logits gathered back to 257;
     one KV head is replicated on both ranks (tp_size > num_key_value_heads); embeddings are tied."""
     ck = oe.write_random_checkpoint(str(tmp_path), vocab=257, kv_heads=1, tie=True, seed=5)
@@ -2170,6 +2202,8 @@ def test_tp_layouts_and_arguments_that_cannot_work_are_refused(tmp_path):
     for kw, named in bad:
         with pytest.raises(ValueError, match=named):
             Engine(model_path=ck, **kw)
+    with pytest.raises(TypeError):  # keyword arguments only: a path alone would become rank 0's index
+        Engine(ck)
 
 
 def reassemble(shards: list, name: str, rows: int) -> torch.Tensor:
@@ -2228,27 +2262,281 @@ def test_tp_plan_check_catches_ranks_that_disagree(ckpt):
         e.check_invariants()
 
 
+def test_tp_plan_hash_covers_the_tokens_an_overlap_decode_takes_from_the_future_map(ckpt):
+    """In an overlap decode step the input ids are FutureMap rows, not in the plan: the committed tokens
+    (how many, and the last) go into the hash on their own, so ranks that sampled differently differ."""
+    with make_engine(ckpt, False) as e:
+        rid = e.add_request(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 8, "temperature": 0})
+        for _ in range(3):  # prefill, then two decodes: the first one's token is committed
+            e.step()
+        s, r = e.scheduler, e.request(rid)
+        assert s.last_batch.forward_mode.is_decode() and len(s.last_batch.fb.input_ids) == 0
+        assert r in s.running_batch.reqs and r.output_ids
+        same = s.plan_digest()
+        r.output_ids[-1] += 1  # what a rank that sampled another token would have committed
+        other = s.plan_digest()
+        r.output_ids[-1] -= 1
+        assert other != same and s.plan_digest() == same
+        steps_until_done(e, [rid])
+        e.check_invariants()
+
+
+def test_tp_an_error_on_rank_0_alone_ends_the_group(ckpt, loopback, monkeypatch):
+    """Rank 0's planning raises once, in the middle of an iteration rank 1 runs whole: the ranks are out
+    of step for good, so the engine raises TPError (caused by the error) instead of going on, and
+    shutdown joins rank 1."""
+    real, calls = oe.Scheduler.update_running_batch, []
+
+    def breaks_once(self):  # patched here only: rank 1 imports its own copy of the module
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("planning broke")
+        return real(self)
+    monkeypatch.setattr(oe.Scheduler, "update_running_batch", breaks_once)
+    with make_engine(ckpt, False, tp_size=2, dist_timeout=60) as e:
+        rank1 = e.tp.procs.processes[0]
+        e.add_request(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 20, "temperature": 0})
+        with pytest.raises(oe.TPError, match="the engine cannot continue") as raised:
+            for _ in range(20):
+                e.step()
+        assert str(raised.value.__cause__) == "planning broke"
+        with pytest.raises(oe.TPError, match="failed earlier"):  # and it stays refused
+            e.step()
+    rank1.join(timeout=10)
+    assert not rank1.is_alive()
+
+
+def test_tp_a_ctrl_c_between_the_length_and_the_bytes_of_a_broadcast_waits(ckpt, loopback, monkeypatch):
+    """check_invariants() broadcasts a call, then gathers the answers: a Ctrl-C right after the length
+    went out is held until every rank has answered, so rank 1 is not left a message behind, and the
+    engine serves on with the reference tokens."""
+    import signal
+    real, sent = oe.dist.broadcast, []
+    wl = greedy_workload(random_prompts(3, seed=211, lo=3, hi=20), [6, 4, 5])
+    with make_engine(ckpt, False, tp_size=2, dist_timeout=60) as e:
+        def broadcast(tensor, src, group=None, async_op=False):
+            work = real(tensor, src, group=group, async_op=async_op)
+            if group is e.tp.idle_group and not sent:  # the length is out, the bytes are not
+                sent.append(1)
+                os.kill(os.getpid(), signal.SIGINT)
+            return work
+        monkeypatch.setattr(oe.dist, "broadcast", broadcast)
+        with pytest.raises(KeyboardInterrupt):
+            e.check_invariants()
+        outs = run_workload(e, wl)
+        e.check_invariants()
+    assert sent and [o["output_ids"] for o in outs] == expected_greedy(ckpt, wl)
+
+
+def test_tp_errors_of_collectives_are_told_by_their_type():
+    """torch.distributed's errors, and gloo's plain RuntimeErrors, are a rank failing or timing out;
+    another error that happens to say "connection" or "timed out" is not."""
+    import torch.distributed as dist
+    assert oe.is_collective_error(dist.DistNetworkError("peer went away"))
+    assert oe.is_collective_error(dist.DistBackendError("x"))
+    assert oe.is_collective_error(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    assert not oe.is_collective_error(ValueError("connection refused by the tokenizer server"))
+    assert not oe.is_collective_error(oe.TPError("a rank timed out"))
+    assert not oe.is_collective_error(KeyboardInterrupt())
+    group = object.__new__(oe.TPGroup)  # explain() reads only these
+    group.args, group.procs, group.failed = oe.ServerArgs(dist_timeout=7), None, False
+    e = ValueError("timed out reading the prompt")
+    assert group.explain(e) is e and not group.failed
+    err = group.explain(dist.DistBackendError("x"))
+    assert isinstance(err, oe.TPError) and "within dist_timeout=7 s" in str(err) and group.failed
+
+
+class Unpicklable(Exception):
+    """An exception that pickle refuses (it holds a lock), as one from a C extension may."""
+
+    def __init__(self):
+        super().__init__("holds a lock")
+        import threading
+        self.lock = threading.Lock()
+
+
+class GatheringRanks:
+    """The group as _answer and _on_every_rank see it: this process is `rank`, the other rank answers
+    `other`; all_gather pickles what it sends, as torch's all_gather_object does."""
+
+    def __init__(self, rank, other=None):
+        self.rank, self.other, self.pending = rank, other, []
+
+    def broadcast(self, obj=None):
+        return obj
+
+    def all_gather(self, obj):
+        import pickle
+        pickle.dumps(obj)
+        return [obj, self.other or obj] if self.rank == 0 else [self.other or obj, obj]
+
+
+def test_tp_an_error_a_rank_cannot_pickle_goes_to_rank_0_as_text(ckpt, monkeypatch):
+    """A follower whose check raises an exception pickle refuses still answers (type and message, as
+    text), and rank 0 raises it naming the rank; an AssertionError stays one."""
+    with make_engine(ckpt, False) as e:
+        def fails():
+            raise Unpicklable
+        monkeypatch.setattr(e, "_check_invariants_here", fails)
+        try:
+            e.tp = GatheringRanks(rank=1)
+            answers = e._answer("_check_invariants_here")
+            assert answers[0] == (False, "Unpicklable: holds a lock")  # rank 0 gets text
+            assert isinstance(answers[1][1], Unpicklable)  # this rank keeps its own, with its traceback
+            e.tp = GatheringRanks(rank=0, other=(False, "AssertionError: KV ledger: a slot leaked"))
+            monkeypatch.undo()
+            with pytest.raises(AssertionError, match="tensor-parallel rank 1: AssertionError: KV ledger"):
+                e.check_invariants()
+        finally:
+            e.tp = None  # shutdown() would close a group
+
+
+def test_tp2_in_bf16_completes_with_its_invariants_on_every_rank(ckpt, loopback):
+    """dtype auto is bf16 where the CPU has native bf16, so the command line's ranks all-reduce in bf16.
+    Each rank rounds its partial sums before the all-reduce, so tp2 need not give tp1's tokens (that
+    holds in float64): a short greedy workload must finish, the ranks' plans agree (debug_tp_plan) and
+    every rank's books balance."""
+    wl = greedy_workload(random_prompts(4, seed=221, lo=3, hi=30), [6, 9, 4, 7])
+    with make_engine(ckpt, False, tp_size=2, dtype="bfloat16", dist_timeout=60) as e:
+        outs = run_workload(e, wl)
+        e.check_invariants()
+        assert [len(o["output_ids"]) for o in outs] == [6, 9, 4, 7]  # ignore_eos: every token came
+
+
+class SleepingProcess:
+    """The calls join_or_kill makes on a rank's process, on a plain `sleep` child."""
+
+    def __init__(self, seconds):
+        self.p = subprocess.Popen(["sleep", str(seconds)])
+
+    def join(self, timeout=None):
+        try:
+            self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def is_alive(self):
+        return self.p.poll() is None
+
+    def kill(self):
+        self.p.kill()
+
+
+def test_tp_a_node_whose_first_rank_fails_kills_a_stuck_rank_and_raises_the_first_error(monkeypatch):
+    """run_tp_node (`--node-rank N`): its first rank raises while another of its ranks hangs; the node
+    waits for that one until TP_JOIN_SECONDS only, kills it, and raises the first rank's error."""
+    ranks = [SleepingProcess(0), SleepingProcess(600)]
+
+    class Spawned:  # torch's ProcessContext, as run_tp_node sees it
+        processes = ranks
+
+    def first_rank(args, rank):
+        raise ValueError("rank 2 could not load its shard")
+    monkeypatch.setattr(oe.torch.multiprocessing, "start_processes", lambda *a, **kw: Spawned())
+    monkeypatch.setattr(oe, "run_tp_rank", first_rank)
+    monkeypatch.setattr(oe, "TP_JOIN_SECONDS", 1)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ValueError, match="rank 2 could not load"):
+            oe.run_tp_node(oe.ServerArgs(tp_size=6, nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:1"))
+        assert time.monotonic() - t0 < 10
+        assert not any(r.is_alive() for r in ranks)
+    finally:
+        for r in ranks:
+            r.kill()
+            r.p.wait(timeout=10)
+
+
+def listening_addresses(pids: list) -> set:
+    """The local addresses (hex, as /proc/net/tcp* gives them) of the TCP sockets these processes
+    listen on."""
+    inodes = set()
+    for pid in pids:
+        fds = f"/proc/{pid}/fd"
+        for fd in os.listdir(fds):
+            try:
+                inodes.add(os.readlink(os.path.join(fds, fd)))
+            except OSError:  # a descriptor closed meanwhile
+                pass
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()  # local address, ..., state (0A: LISTEN), ..., inode
+                if cols[3] == "0A" and f"socket:[{cols[9]}]" in inodes:
+                    found.add(cols[1].split(":")[0])
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc")
+def test_tp_ranks_of_one_machine_listen_on_the_loopback_only(ckpt, loopback):
+    """Rank 0's TCPStore listens on the socket the engine bound to 127.0.0.1 (torch's own would listen
+    on every interface), and gloo, named the loopback, binds there too."""
+    with make_engine(ckpt, False, tp_size=2, dist_timeout=60) as e:
+        addresses = listening_addresses([os.getpid()] + [p.pid for p in e.tp.procs.processes])
+    assert addresses == {"0100007F"}  # 127.0.0.1, in /proc's byte order
+
+
+def two_machines(ckpt, node0_flags: list, node1_flags: list) -> tuple:
+    """Runs `--node-rank 0` and `--node-rank 1` on this host, each in a session of its own on the
+    loopback, with bounded time; (node 0, node 1) as CompletedProcess. Node 1 is killed, with all it
+    spawned, before anything is asserted, and node 0's result comes first."""
+    cmd = [sys.executable, "overlap_engine.py", "--model-path", ckpt, "--dtype", "float64", "--device", "cpu",
+           "--max-total-tokens", "512", "--tp-size", "2", "--nnodes", "2", "--dist-init-addr",
+           f"127.0.0.1:{oe.free_port()}", "--dist-timeout", "60"]
+    node1 = subprocess.Popen(cmd + ["--node-rank", "1"] + node1_flags, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=HERE, env={**os.environ, **LOOPBACK},
+                             start_new_session=True)
+    try:
+        node0 = run_isolated(cmd + ["--node-rank", "0"] + node0_flags, timeout=120)
+        try:
+            out1, err1 = node1.communicate(timeout=30)  # node 0 is done: node 1 ends soon, or never
+        except subprocess.TimeoutExpired:
+            out1, err1 = "", "(node 1 did not end within 30 s of node 0)"
+    finally:
+        kill_session(node1)
+    return node0, subprocess.CompletedProcess(node1.args, node1.returncode, out1, err1)
+
+
 def test_tp2_across_two_machines_from_the_command_line(ckpt):
     """Two "machines" on this host: `--node-rank 1` follows, `--node-rank 0` answers the prompt with
     the tokens of one rank, and both exit 0 when it is done."""
-    port = oe.free_port()
-    cmd = [sys.executable, "overlap_engine.py", "--model-path", ckpt, "--dtype", "float64", "--device", "cpu",
-           "--max-total-tokens", "512", "--tp-size", "2", "--nnodes", "2", "--dist-init-addr",
-           f"127.0.0.1:{port}", "--dist-timeout", "60"]
-    node1 = subprocess.Popen(cmd + ["--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             cwd=HERE)
-    try:
-        node0 = subprocess.run(cmd + ["--node-rank", "0", "--prompt", "Tensor parallel", "--raw",
-                                      "--max-new-tokens", "12"], capture_output=True, timeout=120, cwd=HERE)
-        _, err1 = node1.communicate(timeout=60)
-    finally:
-        node1.kill()
-    assert node0.returncode == 0 and node1.returncode == 0, (node0.stderr.decode(), err1.decode())
+    prompt = ["--prompt", "Tensor parallel", "--raw", "--max-new-tokens", "12"]
+    node0, node1 = two_machines(ckpt, prompt, [])
+    assert node0.returncode == 0, node0.stderr
+    assert node1.returncode == 0, node1.stderr
     with make_engine(ckpt, False) as e:
         sp = {"max_new_tokens": 12, "temperature": 0}
         expected = e.generate(prompt="Tensor parallel", sampling_params=sp)
-    text, summary = node0.stdout.decode().rsplit("\n[", 1)
+    text, summary = node0.stdout.rsplit("\n[", 1)
     assert text == expected["text"] and summary.startswith(f"{len(expected['output_ids'])} tokens")
+
+
+def test_tp_a_machine_started_with_other_settings_is_refused_on_both(ckpt):
+    """Node 1 started with another --chunked-prefill-size would plan other steps: after meeting, each
+    rank compares its settings with node 0's, and both machines exit with one line naming the key."""
+    t0 = time.monotonic()
+    prompt = ["--prompt", "Tensor parallel", "--max-new-tokens", "4"]
+    node0, node1 = two_machines(ckpt, prompt, ["--chunked-prefill-size", "64"])
+    for node in (node0, node1):
+        assert node.returncode == 2, node.stderr
+        assert node.stderr.count("\n") == 1 and node.stderr.startswith("overlap_engine: error:"), node.stderr
+        assert "chunked_prefill_size=64, node 0 with chunked_prefill_size=2048" in node.stderr, node.stderr
+    assert time.monotonic() - t0 < 60  # not a timeout: both know as soon as they have met
+
+
+def test_tp_setup_leaves_out_only_what_may_differ_between_machines():
+    """Where each machine is, where its checkpoint copy is, its pool and its own checks may differ; a
+    scheduling flag, a resolved dtype, the plan check or the model's config may not."""
+    cfg = oe.ModelConfig()
+    a = oe.ServerArgs(tp_size=2, nnodes=2, dist_init_addr="10.0.0.1:29500", dtype="float32")
+    b = dataclasses.replace(a, node_rank=1, dist_init_addr="0.0.0.0:29500", model_path="/copy",
+                            max_total_tokens=96, debug_ledger=True, dist_timeout=30)
+    assert oe.tp_setup(a, cfg) == oe.tp_setup(b, cfg)
+    for key, value in (("chunked_prefill_size", 8), ("dtype", "bfloat16"), ("debug_tp_plan", True),
+                       ("disable_overlap_schedule", True), ("attention_backend", "triton")):
+        assert oe.tp_setup(dataclasses.replace(a, **{key: value}), cfg) != oe.tp_setup(a, cfg), key
+    assert oe.tp_setup(a, dataclasses.replace(cfg, vocab_size=512)) != oe.tp_setup(a, cfg)
 
 
 TP_FAILURE_SCRIPT = """
@@ -2278,7 +2566,7 @@ if __name__ == "__main__":
     finally:
         e.shutdown()
         print(f"rank 1 alive after shutdown: {rank1.is_alive()}", flush=True)
-        if rank1.is_alive():  # a stopped rank 1 would keep the test's pipes open
+        if rank1.is_alive():  # a stopped rank 1 would keep the test's pipes open until its timeout
             rank1.kill()
 """
 
@@ -2298,9 +2586,7 @@ def test_tp_a_rank_that_dies_raises_or_hangs_makes_rank_0_raise_in_bounded_time(
     timeout, named, within = TP_FAILURES[how]
     script = tmp_path / "fail.py"
     script.write_text(TP_FAILURE_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": HERE}
-    r = subprocess.run([sys.executable, str(script), ckpt, how, str(timeout)], capture_output=True,
-                       text=True, timeout=90, env=env)
+    r = run_isolated([sys.executable, str(script), ckpt, how, str(timeout)], timeout=90)
     assert r.returncode == 0, r.stderr
     assert "raised after" in r.stdout and named in r.stdout, r.stdout
     assert "rank 1 alive after shutdown: False" in r.stdout  # joined (a stopped one killed)
