@@ -5,6 +5,8 @@ Benchmarks for overlap_engine. One subcommand per benchmark:
   python bench.py overhead           # host microseconds per running request per decode step, zero-cost device
   python bench.py throughput         # SmolLM2 on CPU: overlap vs serial vs transformers generate
   python bench.py mixed              # decode ITL while a long prompt prefills: enable_mixed_chunk off/on
+  python bench.py single             # one request alone: TTFT and decode tok/s per dtype (llama.cpp beside)
+  python bench.py profile            # where one decode step's time goes, op by op
   python bench.py serve              # load on the HTTP server: req/s, tok/s, TTFT, ITL, both loops
   python bench.py gpu --out DIR      # on a GPU: CUDA tests, kernels, overlap vs serial, timeline -> DIR
   python bench.py kernels            # decode attention: achieved HBM GB/s vs torch SDPA (needs CUDA)
@@ -656,6 +658,69 @@ def cmd_profile(args):
     return {"step_ms": ms, "shares": {k: v / total for k, v in groups.items()}}
 
 
+# ----------------------------------------------------------------------------------------------
+# single: one request alone, the chat's case: time to first token and decode tok/s per dtype, with
+# llama.cpp on the same GGUF beside it when llama-cpp-python is installed
+
+SINGLE_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+SINGLE_OUTPUT = 200  # tokens generated (ignore_eos), greedy
+
+
+def cmd_single(args):
+    path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
+    n_out = 8 if args.quick else args.output
+    rows = {}
+    for dtype in args.dtypes.split(","):
+        with oe.Engine(model_path=path, device="cpu", dtype=dtype, max_total_tokens=4096) as e:
+            tk = e.tokenizer
+            ids = tk.encode(tk.apply_chat_template([{"role": "user", "content": args.prompt}])
+                            if tk.chat_template else args.prompt)
+            stream = lambda n: e.generate(input_ids=ids, stream=True, sampling_params={  # noqa: E731
+                "max_new_tokens": n, "temperature": 0, "ignore_eos": True})
+            single_run(stream, 4)  # warm-up
+            rows[f"overlap_engine {dtype}"] = max((single_run(stream, n_out) for _ in range(args.repeat)),
+                                                  key=lambda r: r["decode_tok_s"])
+    if path.endswith(".gguf") and not args.no_llama_cpp:
+        rows.update(llama_cpp_single(path, ids, n_out, args.repeat))
+    print(f"## single: one request alone, {os.path.basename(path)}, {len(ids)} prompt tokens, {n_out} out, "
+          f"greedy, CPU ({torch.get_num_threads()} threads)")
+    print("| engine | decode tok/s | TTFT s |")
+    print("|---|---|---|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['decode_tok_s']:.1f} | {r['ttft_s']:.3f} |")
+    return rows
+
+
+def single_run(stream, n) -> dict:
+    """TTFT, and decode tok/s from the first token to the last, of one streamed request."""
+    t0, stamps = time.perf_counter(), []
+    for chunk in stream(n):
+        stamps += [time.perf_counter()] * len(chunk["output_ids"])
+    assert len(stamps) == n, f"asked for {n} tokens, got {len(stamps)}"
+    return {"ttft_s": stamps[0] - t0, "decode_tok_s": (n - 1) / max(stamps[-1] - stamps[0], 1e-9)}
+
+
+def llama_cpp_single(path, ids, n_out, repeat) -> dict:
+    """The same prompt ids through llama-cpp-python on the same GGUF, if it is installed."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        print("(llama-cpp-python is not installed: no llama.cpp row)")
+        return {}
+    llm = Llama(model_path=path, n_ctx=len(ids) + n_out + 8, n_threads=torch.get_num_threads(), verbose=False)
+
+    def stream(n):
+        llm.reset()  # no prompt cache between runs
+        for out in llm.generate(ids, temp=0.0, reset=True):
+            yield {"output_ids": [out]}
+            n -= 1
+            if n == 0:
+                return
+    single_run(stream, 4)
+    best = max((single_run(stream, n_out) for _ in range(repeat)), key=lambda r: r["decode_tok_s"])
+    return {"llama.cpp (llama-cpp-python)": best}
+
+
 def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -1058,6 +1123,16 @@ def main():
     pr.add_argument("--quick", action="store_true")
     pr.set_defaults(fn=cmd_profile)
 
+    si = sub.add_parser("single", help="one request alone: TTFT and decode tok/s per dtype (and llama.cpp)")
+    si.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    si.add_argument("--dtypes", default=TP_DTYPES, help="comma-separated")
+    si.add_argument("--prompt", default=SINGLE_PROMPT, help="a user message (chat template applied)")
+    si.add_argument("--output", type=int, default=SINGLE_OUTPUT, help="tokens to generate")
+    si.add_argument("--repeat", type=int, default=2, help="runs of each; the best is reported")
+    si.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even if installed")
+    si.add_argument("--quick", action="store_true")
+    si.set_defaults(fn=cmd_single)
+
     m = sub.add_parser("mixed", help="decode ITL while a long prompt prefills, mixed chunks off and on")
     m.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
     m.add_argument("--decoders", type=int, default=MIXED_DECODERS)
@@ -1098,7 +1173,7 @@ def main():
     a.add_argument("--quick", action="store_true")
     a.set_defaults(fn=cmd_all)
 
-    for sp in (sm, o, t, m, a):
+    for sp in (sm, o, t, pr, si, m, a):
         sp.add_argument("--json", default=None, help="also write the results as JSON here")
     args = p.parse_args()
     result = args.fn(args)

@@ -3058,6 +3058,19 @@ def test_bench_serve_quick_runs(tmp_path):
     assert "TTFT p50" in r.stdout and "ITL p99" in r.stdout
 
 
+def test_bench_single_and_profile_quick_run(tmp_path):
+    """bench.py single --quick (one request alone, each dtype) and profile --quick (a decode step's parts)."""
+    out = tmp_path / "single.json"
+    r = run_bench("single", "--quick", "--json", str(out))
+    res = json.loads(out.read_text())
+    assert set(res) == {"overlap_engine float32", "overlap_engine bfloat16"}
+    assert all(row["decode_tok_s"] > 0 and row["ttft_s"] > 0 for row in res.values()) and "TTFT s" in r.stdout
+    out = tmp_path / "profile.json"
+    run_bench("profile", "--quick", "--json", str(out))
+    shares = json.loads(out.read_text())["shares"]
+    assert "matmul (weights)" in shares and sum(shares.values()) == pytest.approx(1.0)
+
+
 def test_bench_gpu_dry_run_writes_its_files(tmp_path):
     """bench.py gpu, the command prepared for a lent GPU, run on the CPU with tiny shapes (--quick, no
     pytest stage): every stage writes its file and results.json holds both loops' figures."""
