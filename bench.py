@@ -629,7 +629,7 @@ def cmd_profile(args):
     B, steps = (4, 3) if args.quick else (args.batch, args.steps)
     captured = []
     with oe.Engine(model_path=path, device="cpu", dtype=args.dtype, disable_overlap_schedule=True,
-                   max_total_tokens=args.max_total_tokens) as e:
+                   quantization=args.quantization, max_total_tokens=args.max_total_tokens) as e:
         worker, forward_step = e.scheduler.worker, e.scheduler.worker.forward_step
         worker.forward_step = lambda fb: captured.append(fb) or forward_step(fb)
         reqs = random_requests(B, *((8, 32) if args.quick else map(int, args.input.split(","))), args.seed,
@@ -659,8 +659,8 @@ def cmd_profile(args):
 
 
 # ----------------------------------------------------------------------------------------------
-# single: one request alone, the chat's case: time to first token and decode tok/s per dtype, with
-# llama.cpp on the same GGUF beside it when llama-cpp-python is installed
+# single: one request alone, the chat's case: time to first token and decode tok/s per dtype and
+# quantization, with llama.cpp on the same GGUF beside it when llama-cpp-python is installed
 
 SINGLE_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 SINGLE_OUTPUT = 200  # tokens generated (ignore_eos), greedy
@@ -670,15 +670,18 @@ def cmd_single(args):
     path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
     n_out = 8 if args.quick else args.output
     rows = {}
-    for dtype in args.dtypes.split(","):
-        with oe.Engine(model_path=path, device="cpu", dtype=dtype, max_total_tokens=4096) as e:
+    quants = [q for q in args.quantizations.split(",") if q != "none"]
+    runs = [(d, None) for d in args.dtypes.split(",")] + [("bfloat16", q) for q in quants]
+    for dtype, quant in runs:
+        with oe.Engine(model_path=path, device="cpu", dtype=dtype, quantization=quant,
+                       max_total_tokens=4096) as e:
             tk = e.tokenizer
             ids = tk.encode(tk.apply_chat_template([{"role": "user", "content": args.prompt}])
                             if tk.chat_template else args.prompt)
             stream = lambda n: e.generate(input_ids=ids, stream=True, sampling_params={  # noqa: E731
                 "max_new_tokens": n, "temperature": 0, "ignore_eos": True})
             single_run(stream, 4)  # warm-up
-            rows[f"overlap_engine {dtype}"] = max((single_run(stream, n_out) for _ in range(args.repeat)),
+            rows[f"overlap_engine {dtype}{' ' + quant if quant else ''}"] = max((single_run(stream, n_out) for _ in range(args.repeat)),
                                                   key=lambda r: r["decode_tok_s"])
     if path.endswith(".gguf") and not args.no_llama_cpp:
         rows.update(llama_cpp_single(path, ids, n_out, args.repeat))
@@ -1118,6 +1121,7 @@ def main():
     pr.add_argument("--batch", type=int, default=TP_REQUESTS)
     pr.add_argument("--input", default=TP_INPUT, help="input length range lo,hi")
     pr.add_argument("--steps", type=int, default=64, help="output tokens before the profiled step")
+    pr.add_argument("--quantization", default=None, choices=("int8", "int4"))
     pr.add_argument("--max-total-tokens", type=int, default=24576)
     pr.add_argument("--seed", type=int, default=TP_SEED)
     pr.add_argument("--quick", action="store_true")
@@ -1125,7 +1129,8 @@ def main():
 
     si = sub.add_parser("single", help="one request alone: TTFT and decode tok/s per dtype (and llama.cpp)")
     si.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
-    si.add_argument("--dtypes", default=TP_DTYPES, help="comma-separated")
+    si.add_argument("--dtypes", default=TP_DTYPES, help="comma-separated, unquantized")
+    si.add_argument("--quantizations", default="int8,int4", help="comma-separated; each runs in bfloat16")
     si.add_argument("--prompt", default=SINGLE_PROMPT, help="a user message (chat template applied)")
     si.add_argument("--output", type=int, default=SINGLE_OUTPUT, help="tokens to generate")
     si.add_argument("--repeat", type=int, default=2, help="runs of each; the best is reported")

@@ -1304,6 +1304,9 @@ class ServerArgs:
                              "matmul (AMX, AVX512-BF16), else float32",
                      ("auto", "float32", "bfloat16", "float16", "float64"))
     attention_backend: str = arg("auto", "auto: triton on CUDA, torch on CPU", ("auto", "torch", "triton"))
+    quantization: Optional[str] = arg(
+        None, "weight-only: int8 (a scale per row) or int4 (groups of 32) linear weights, float activations; "
+              "CPU only; dtype auto is then bfloat16", (None, "int8", "int4"))
     context_length: Optional[int] = arg(None, "longest prompt + output; none: the model's own")
     # memory and scheduling
     disable_overlap_schedule: bool = arg(False, "run the serial loop (plan, run, wait, commit)")
@@ -1529,7 +1532,7 @@ class Engine:
         else:
             cfg, state, self.tokenizer = load_checkpoint(args.model_path or default_model_path(), shard)
         self.model_config = cfg
-        self.model = build_model(cfg, state, dtype, args.device, shard)
+        self.model = build_model(cfg, state, dtype, args.device, shard, args.quantization)
         del state
         if args.tp_size > 1:  # rank 0 starts the other local ranks once its own shard has loaded
             self.tp = TPGroup(args, tp_rank, cfg)
@@ -1578,8 +1581,13 @@ class Engine:
             raise ValueError("attention_backend='triton' on device='cpu' needs TRITON_INTERPRET=1 set "
                              "before triton is imported: on a machine with a GPU, triton compiles its "
                              "kernels for the GPU")
+        if args.quantization and args.device != "cpu":
+            raise ValueError(f"quantization={args.quantization!r} runs on the CPU only (torch's weight-pack "
+                             f"matmuls), not on device={args.device!r}")
         if args.dtype == "auto":
-            args.dtype = "bfloat16" if args.device == "cuda" or cpu_has_native_bf16() else "float32"
+            # the weight-pack matmuls are 5-20x slower with fp32 activations than with bf16 (bench.py single)
+            bf16 = args.device == "cuda" or bool(args.quantization) or cpu_has_native_bf16()
+            args.dtype = "bfloat16" if bf16 else "float32"
         if args.device == "cuda" and args.tp_size // args.nnodes > torch.cuda.device_count():
             raise ValueError(f"tp_size={args.tp_size} over nnodes={args.nnodes} needs "
                              f"{args.tp_size // args.nnodes} GPUs per machine; torch sees "
@@ -2233,6 +2241,74 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((-x2, x1), dim=-1).mul_(sin).addcmul_(x, cos)  # x * cos + rotate_half(x) * sin
 
 
+# -- weight-only quantization: integer weights, float activations, torch's CPU weight-pack matmuls --
+#
+# One token of one request reads every weight once, so a lone request decodes as fast as the weights
+# stream from memory: int8 halves the bytes of bf16, int4 quarters them. torch ships the matmuls that
+# gpt-fast uses on a CPU: _weight_int8pack_mm (int8, a scale per output row) and _weight_int4pack_mm_for_cpu
+# (int4 in groups of inputs, each with a scale and a zero). Both are fast with bf16 activations only.
+
+INT4_GROUP_SIZE = 32  # inputs per int4 scale and zero: the block of llama.cpp's Q4_0/Q4_1 formats
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (N, K) float -> (q int8 (N, K), scale (N,) fp32) with w ~ q * scale: symmetric, per output row."""
+    scale = w.float().abs().amax(dim=1).clamp(min=1e-12) / 127  # all-zero rows (vocab padding) stay zero
+    return torch.round(w.float() / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP_SIZE) -> tuple[torch.Tensor, ...]:
+    """w (N, K) float -> (q (N, K) int32 in [0, 15], scale (N, K/group), zero (N, K/group)), fp32, with
+    w ~ (q - 8) * scale + zero: asymmetric, each group of inputs spans [min, max] in 16 steps, as
+    llama.cpp's Q4_1 does, so a Q4_1 tensor quantizes back to its own integers."""
+    N, K = w.shape
+    g = w.float().view(N, K // group, group)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)  # (N, K / group)
+    scale = (hi - lo).clamp(min=1e-12) / 15
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(N, K)
+    return q, scale, lo + 8 * scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The float weights (N, K) that quantize_int8 (zero None) or quantize_int4 stands for."""
+    if zero is None:
+        return q.float() * scale[:, None]
+    N, K = q.shape
+    g = (q.view(N, scale.shape[1], -1).float() - 8) * scale[..., None] + zero[..., None]
+    return g.view(N, K)
+
+
+class Linear(nn.Linear):
+    """A linear layer without bias whose weight can be swapped for weight-only int8 or int4 (quantize)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+        self.quant: Optional[str] = None
+
+    def quantize(self, mode: str, w: torch.Tensor, dtype: torch.dtype):
+        """Replaces the float weight by `mode` ("int8" or "int4") quantized from w (N, K), the checkpoint's
+        own values (before rounding to dtype); scales and zeros are kept in dtype, the activations'."""
+        if mode == "int4" and w.shape[1] % INT4_GROUP_SIZE:
+            raise ValueError(f"quantization='int4' needs input sizes that are multiples of "
+                             f"{INT4_GROUP_SIZE}; a weight here has {w.shape[1]}")
+        if mode == "int8":
+            self.qweight, scale = quantize_int8(w)
+            self.scales = scale.to(dtype)
+        else:
+            q, scale, zero = quantize_int4(w)
+            self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # (N, K/2) uint8
+            self.scales = torch.stack((scale.T, zero.T), dim=-1).to(dtype).contiguous()  # (K/group, N, 2)
+        del self.weight  # a tied LM head drops its reference only: the embedding keeps the float table
+        self.quant = mode
+
+    def forward(self, x):
+        if self.quant == "int8":
+            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        if self.quant == "int4":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP_SIZE, self.scales)
+        return F.linear(x, self.weight)
+
+
 # -- tensor parallelism, the math: Megatron's split of each layer; the engine section starts the ranks --
 
 
@@ -2298,12 +2374,12 @@ def padded_vocab(vocab_size: int, tp_size: int) -> int:
     return -(-vocab_size // step) * step
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """A linear layer whose input features are split across ranks: each rank's output is a partial sum,
     and an all-reduce adds them (o_proj, down_proj). It runs inside the step, on the device stream."""
 
     def __init__(self, in_features: int, out_features: int, tp: TPShard):
-        super().__init__(in_features, out_features, bias=False)
+        super().__init__(in_features, out_features)
         self.tp = tp
 
     def forward(self, x):
@@ -2331,12 +2407,12 @@ class VocabParallelEmbedding(nn.Embedding):
         return x
 
 
-class ParallelLMHead(nn.Linear):
+class ParallelLMHead(Linear):
     """The LM head split by vocabulary rows, like the embedding (tied: the same tensor); the logits of
     all ranks are gathered, so that every rank samples the same token from the full vocabulary."""
 
     def __init__(self, hidden: int, vocab_size: int, tp: TPShard):
-        super().__init__(hidden, padded_vocab(vocab_size, tp.size) // tp.size, bias=False)
+        super().__init__(hidden, padded_vocab(vocab_size, tp.size) // tp.size)
         self.tp, self.vocab_size = tp, vocab_size
 
     def forward(self, x):
@@ -2355,9 +2431,9 @@ class LlamaAttention(nn.Module):
         D = cfg.head_dim
         self.layer_id = layer_id
         self.H, self.Hkv, self.D = H, Hkv, D
-        self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=False)    # column parallel: its heads' rows
-        self.k_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, H * D)    # column parallel: its heads' rows
+        self.k_proj = Linear(cfg.hidden_size, Hkv * D)
+        self.v_proj = Linear(cfg.hidden_size, Hkv * D)
         self.o_proj = RowParallelLinear(H * D, cfg.hidden_size, tp)    # row parallel: sums over ranks
 
     def forward(self, x, cos, sin, attn) -> torch.Tensor:
@@ -2373,8 +2449,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPShard):
         super().__init__()
         inter = cfg.intermediate_size // tp.size  # gate/up column parallel, down row parallel
-        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, inter)
+        self.up_proj = Linear(cfg.hidden_size, inter)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp)
 
     def forward(self, x):
@@ -2428,8 +2504,10 @@ class LlamaForCausalLM(nn.Module):
 
 
 def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str,
-                tp: Optional[TPShard] = None) -> LlamaForCausalLM:
-    """The model from a state dict (this rank's shard of it, with tensor parallelism)."""
+                tp: Optional[TPShard] = None, quantization: Optional[str] = None) -> LlamaForCausalLM:
+    """The model from a state dict (this rank's shard of it, with tensor parallelism). quantization
+    "int8" or "int4" stores the weights of the linear layers so (the LM head in int8 either way: llama.cpp
+    files keep it in 8 bits or more too); the embedding table stays float."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, tp)
     state = dict(state)
@@ -2440,10 +2518,15 @@ def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str,
     missing = {k for k in model.state_dict() if state.get(k) is None}
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
+    source = state
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if k in model.state_dict()}
     model.load_state_dict(state, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    for name, layer in model.named_modules() if quantization else ():
+        if isinstance(layer, Linear):
+            mode = "int8" if name == "lm_head" else quantization
+            layer.quantize(mode, source[name + ".weight"].to(device), dtype)
     rope_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     model.inv_freq = rope_inv_freq(cfg, rope_dtype).to(device)
     return model.eval()
@@ -3130,7 +3213,8 @@ def restart_with_openmp_spin():
 
 # ServerArgs fields by help group; each field brings its own help, default and choices
 CLI_GROUPS = {
-    "model": ("model_path", "load_format", "device", "dtype", "attention_backend", "context_length"),
+    "model": ("model_path", "load_format", "device", "dtype", "attention_backend", "quantization",
+              "context_length"),
     "memory and scheduling": ("disable_overlap_schedule", "max_total_tokens", "max_running_requests",
                               "max_prefill_tokens", "chunked_prefill_size", "disable_radix_cache",
                               "enable_mixed_chunk",
