@@ -615,6 +615,7 @@ def prefix_run(path, args, vocab, kw) -> dict:
 
 PROFILE_CATEGORIES = {  # aten op -> what it is in a decode step
     "aten::mm": "matmul (weights)", "aten::addmm": "matmul (weights)",
+    "aten::_weight_int8pack_mm": "matmul (weights)", "aten::_weight_int4pack_mm_for_cpu": "matmul (weights)",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)", "aten::bmm": "attention (SDPA)",
     "aten::_softmax": "attention (SDPA)", "aten::index_select": "KV gather (index_select)",
     "aten::argmax": "sampling", "aten::index_copy_": "KV write",
@@ -666,31 +667,43 @@ SINGLE_PROMPT = "Write a short story about a lighthouse keeper who finds a messa
 SINGLE_OUTPUT = 200  # tokens generated (ignore_eos), greedy
 
 
+SINGLE_SETUPS = "float32,bfloat16,int8,int4,bfloat16+compile,int4+compile"  # int8/int4: bf16 activations
+
+
+def single_setup(text: str) -> dict:
+    """'int4+compile' -> Engine arguments: a dtype or a quantization (then bfloat16), and compile or not."""
+    parts = text.split("+")
+    quant = parts[0] if parts[0] in ("int8", "int4") else None
+    return {"dtype": "bfloat16" if quant else parts[0], "quantization": quant,
+            "enable_torch_compile": "compile" in parts[1:], "torch_compile_max_bs": 1}
+
+
 def cmd_single(args):
+    """One request alone, the chat's case, for each setup: decode tok/s and TTFT, best of `repeat`."""
     path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
     n_out = 8 if args.quick else args.output
     rows = {}
-    quants = [q for q in args.quantizations.split(",") if q != "none"]
-    runs = [(d, None) for d in args.dtypes.split(",")] + [("bfloat16", q) for q in quants]
-    for dtype, quant in runs:
-        with oe.Engine(model_path=path, device="cpu", dtype=dtype, quantization=quant,
-                       max_total_tokens=4096) as e:
+    for setup in ("float32,int8,int4" if args.quick else args.setups).split(","):
+        t0 = time.perf_counter()
+        with oe.Engine(model_path=path, device="cpu", max_total_tokens=4096, **single_setup(setup)) as e:
+            start_s = time.perf_counter() - t0
             tk = e.tokenizer
             ids = tk.encode(tk.apply_chat_template([{"role": "user", "content": args.prompt}])
                             if tk.chat_template else args.prompt)
             stream = lambda n: e.generate(input_ids=ids, stream=True, sampling_params={  # noqa: E731
                 "max_new_tokens": n, "temperature": 0, "ignore_eos": True})
             single_run(stream, 4)  # warm-up
-            rows[f"overlap_engine {dtype}{' ' + quant if quant else ''}"] = max((single_run(stream, n_out) for _ in range(args.repeat)),
-                                                  key=lambda r: r["decode_tok_s"])
+            runs = [single_run(stream, n_out) for _ in range(args.repeat)]
+            best = max(runs, key=lambda r: r["decode_tok_s"])
+            rows[f"overlap_engine {setup}"] = {**best, "start_s": start_s}
     if path.endswith(".gguf") and not args.no_llama_cpp:
         rows.update(llama_cpp_single(path, ids, n_out, args.repeat))
     print(f"## single: one request alone, {os.path.basename(path)}, {len(ids)} prompt tokens, {n_out} out, "
           f"greedy, CPU ({torch.get_num_threads()} threads)")
-    print("| engine | decode tok/s | TTFT s |")
-    print("|---|---|---|")
+    print("| engine | decode tok/s | TTFT s | start-up s |")
+    print("|---|---|---|---|")
     for name, r in rows.items():
-        print(f"| {name} | {r['decode_tok_s']:.1f} | {r['ttft_s']:.3f} |")
+        print(f"| {name} | {r['decode_tok_s']:.1f} | {r['ttft_s']:.3f} | {r['start_s']:.1f} |")
     return rows
 
 
@@ -710,7 +723,9 @@ def llama_cpp_single(path, ids, n_out, repeat) -> dict:
     except ImportError:
         print("(llama-cpp-python is not installed: no llama.cpp row)")
         return {}
+    t0 = time.perf_counter()
     llm = Llama(model_path=path, n_ctx=len(ids) + n_out + 8, n_threads=torch.get_num_threads(), verbose=False)
+    start_s = time.perf_counter() - t0
 
     def stream(n):
         llm.reset()  # no prompt cache between runs
@@ -721,7 +736,7 @@ def llama_cpp_single(path, ids, n_out, repeat) -> dict:
                 return
     single_run(stream, 4)
     best = max((single_run(stream, n_out) for _ in range(repeat)), key=lambda r: r["decode_tok_s"])
-    return {"llama.cpp (llama-cpp-python)": best}
+    return {"llama.cpp (llama-cpp-python)": {**best, "start_s": start_s}}
 
 
 def timed(fn) -> float:
@@ -1129,8 +1144,8 @@ def main():
 
     si = sub.add_parser("single", help="one request alone: TTFT and decode tok/s per dtype (and llama.cpp)")
     si.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
-    si.add_argument("--dtypes", default=TP_DTYPES, help="comma-separated, unquantized")
-    si.add_argument("--quantizations", default="int8,int4", help="comma-separated; each runs in bfloat16")
+    si.add_argument("--setups", default=SINGLE_SETUPS, help="comma-separated: a dtype or int8/int4 (bf16 "
+                                                             "activations); +compile: torch.compile")
     si.add_argument("--prompt", default=SINGLE_PROMPT, help="a user message (chat template applied)")
     si.add_argument("--output", type=int, default=SINGLE_OUTPUT, help="tokens to generate")
     si.add_argument("--repeat", type=int, default=2, help="runs of each; the best is reported")

@@ -809,9 +809,25 @@ class CudaDeviceStream:
 class ModelWorker:
     """Runs steps on the device stream: resolve inputs, write req_to_token, forward, sample, publish."""
 
-    def __init__(self, model, req_to_token_pool, future_map, attn_backend, stream, device):
+    def __init__(self, model, req_to_token_pool, future_map, attn_backend, stream, device,
+                 compile_max_bs: int = 0):
         self.model, self.req_to_token_pool, self.future_map = model, req_to_token_pool, future_map
         self.attn, self.stream, self.device = attn_backend, stream, device
+        # enable_torch_compile: decode batches up to compile_max_bs run the model through torch.compile.
+        # Inductor fuses each layer's small ops into a few C++ loops, and one call replaces the dispatch
+        # of a few thousand ops: at batch 1 that is most of a step. The guards skip the modules, whose
+        # weights never change after loading: checking them cost 1.3 ms a step.
+        self.compile_max_bs, self.compiled_model = compile_max_bs, None
+        if compile_max_bs:
+            def forward(*args):
+                return model(*args)
+            # Dynamo keeps compiled graphs on the code object it compiles, and these skip the guards on the
+            # modules, so this engine's graph must be one that no other model in the process can reach:
+            # a code object of its own, compiled whole (fullgraph: no frame below it is compiled apart)
+            forward.__code__ = forward.__code__.replace()
+            skip_modules = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+            self.compiled_model = torch.compile(forward, dynamic=True, fullgraph=True,
+                                                options={"guard_filter_fn": skip_modules})
 
     def launch(self, fb: ForwardBatch) -> StepHandle:
         return self.stream.launch(lambda: self.forward_step(fb))
@@ -832,7 +848,9 @@ class ModelWorker:
             forward_mode=fb.forward_mode, req_pool_indices=rows, seq_lens=to(torch.tensor(fb.seq_lens)),
             out_cache_loc=to(fb.out_cache_loc), req_pool_indices_cpu=fb.req_pool_indices.tolist(),
             seq_lens_cpu=fb.seq_lens, prefix_lens_cpu=fb.prefix_lens, extend_lens_cpu=fb.extend_lens))
-        logits = self.model(input_ids, to(fb.positions), self.attn, to(fb.logit_rows))  # (B, vocab)
+        compiled = fb.forward_mode.is_decode() and len(fb.seq_lens) <= self.compile_max_bs
+        model = self.compiled_model if compiled else self.model
+        logits = model(input_ids, to(fb.positions), self.attn, to(fb.logit_rows))  # (B, vocab)
         sampling = {k: (to(v) if isinstance(v, torch.Tensor) else v) for k, v in fb.sampling.items()}
         next_ids = sample(logits, sampling)                                              # (B,)
         if fb.publish.any():  # a host tensor: no sync
@@ -1304,6 +1322,9 @@ class ServerArgs:
                              "matmul (AMX, AVX512-BF16), else float32",
                      ("auto", "float32", "bfloat16", "float16", "float64"))
     attention_backend: str = arg("auto", "auto: triton on CUDA, torch on CPU", ("auto", "torch", "triton"))
+    enable_torch_compile: bool = arg(False, "compile the model for decode batches up to torch_compile_max_bs "
+                                            "(one graph; the first start compiles for about a minute)")
+    torch_compile_max_bs: int = arg(8, "largest decode batch that runs the compiled model")
     quantization: Optional[str] = arg(
         None, "weight-only: int8 (a scale per row) or int4 (groups of 32) linear weights, float activations; "
               "CPU only; dtype auto is then bfloat16", (None, "int8", "int4"))
@@ -1350,7 +1371,7 @@ class ServerArgs:
                 raise ValueError(f"{f.name}={v!r} must be {want}{' or None' if optional else ''}")
             if f.metadata["choices"] and v not in f.metadata["choices"]:
                 raise ValueError(f"{f.name}={v!r} is not one of {f.metadata['choices']}")
-        for key in ("max_running_requests", "max_prefill_tokens"):
+        for key in ("max_running_requests", "max_prefill_tokens", "torch_compile_max_bs"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be a positive integer, got {getattr(self, key)!r}")
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
@@ -1373,6 +1394,8 @@ class ServerArgs:
         for key in ("tp_size", "nnodes", "dist_timeout"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be a positive integer, got {getattr(self, key)!r}")
+        if self.tp_size > 1 and self.enable_torch_compile:  # its all-reduces would sit in compiled code
+            raise ValueError("enable_torch_compile works with tp_size=1 only")
         if self.tp_size % self.nnodes:
             raise ValueError(f"tp_size={self.tp_size} must be a multiple of nnodes={self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
@@ -1546,13 +1569,15 @@ class Engine:
         req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.context_len + 1, args.device)
         kv_pool = TokenToKVPool(self.max_total_tokens, cfg, dtype, args.device, self.kv_heads)
         backend_cls = TritonAttnBackend if args.attention_backend == "triton" else TorchAttnBackend
-        backend = backend_cls(kv_pool, req_to_token_pool)
+        compile_max_bs = args.torch_compile_max_bs if args.enable_torch_compile else 0
+        backend = backend_cls(kv_pool, req_to_token_pool, compile_max_bs)
         if args.device == "cuda":
             stream = CudaDeviceStream()
         else:
             stream = CpuDeviceStream(args.worker_jitter_ms, args.random_seed)
         self.future_map = FutureMap(args.max_running_requests, args.device, args.debug_future_map)
-        worker = ModelWorker(self.model, req_to_token_pool, self.future_map, backend, stream, args.device)
+        worker = ModelWorker(self.model, req_to_token_pool, self.future_map, backend, stream, args.device,
+                             compile_max_bs)
         self.scheduler = Scheduler(args, self.tokenizer, worker, req_to_token_pool, kv_pool, self.tp)
         self._loop = self._new_loop()
         self._rng = random.Random(args.random_seed)
@@ -1561,6 +1586,22 @@ class Engine:
         self._streamed: set[str] = set()  # requests of generate(): it reads their Req, not their output
         self._ctrl_c_held = CtrlCHeld()
         self._closed = False
+        if compile_max_bs:
+            self._compile_decode(compile_max_bs)
+
+    def _compile_decode(self, max_bs: int):
+        """Compiles the decode graphs before the first request, so that none waits on the compiler: one
+        for batch 1 and one for 2..max_bs (torch specializes size 1). Inductor caches its work on disk
+        (TORCHINDUCTOR_CACHE_DIR), so later starts take a fraction of the first."""
+        for n in (1, 2)[:max_bs]:
+            t0 = time.perf_counter()
+            what = f"batch {n}" if n == max_bs or n == 1 else f"batches 2-{max_bs}"
+            print(f"overlap_engine: compiling the decode step for {what} ...", end="", file=sys.stderr,
+                  flush=True)
+            self.generate(input_ids=[[1, 2, 3 + i] for i in range(n)],
+                          sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+            print(f" {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        self.flush_cache()
 
     @staticmethod
     def _check_args(kwargs: dict) -> ServerArgs:
@@ -1895,9 +1936,11 @@ class Engine:
 
     def _memory_usage_here(self) -> dict:
         kv, params = self.scheduler.kv_pool, list(self.model.parameters())  # a tied head counts once
+        quantized = [t for m in self.model.modules() if isinstance(m, Linear) and m.quant
+                     for t in (m.qweight, m.scales)]
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         return {"kv_cache": size(kv.k_buffer + kv.v_buffer),
-                "sharded_weights": size(p for p in params if p.dim() == 2),
+                "sharded_weights": size(p for p in params if p.dim() == 2) + size(quantized),
                 "replicated_weights": size(p for p in params if p.dim() == 1)}
 
     def _settle_idle(self, caller: str) -> Scheduler:
@@ -2597,9 +2640,10 @@ class TorchAttnBackend:
     indexing the buffer with a 2-D slot table.
     """
 
-    def __init__(self, kv_pool: TokenToKVPool, req_to_token_pool: ReqToTokenPool):
+    def __init__(self, kv_pool: TokenToKVPool, req_to_token_pool: ReqToTokenPool, one_group_max_bs: int = 0):
         self.kv, self.meta = kv_pool, None
         self.req_to_token = req_to_token_pool.req_to_token  # (rows, ctx) on the device
+        self.one_group_max_bs = one_group_max_bs  # compiled decode batches: one group, so one graph
 
     def init_forward_metadata(self, meta: ForwardMetadata):
         self.meta = meta
@@ -2621,6 +2665,8 @@ class TorchAttnBackend:
         """
         kb = self.kv.k_buffer[0]
         budget = max(1, DECODE_GATHER_BYTES // (2 * kb[0].numel() * kb.element_size()))  # padded tokens
+        if len(seq_lens) <= self.one_group_max_bs:
+            budget = math.inf
         groups, cur = [], []
         for i in sorted(range(len(seq_lens)), key=seq_lens.__getitem__):  # ascending: i sets the padding
             if cur and (len(cur) + 1) * seq_lens[i] > budget:
@@ -2690,8 +2736,8 @@ def causal_attention(q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
 class TritonAttnBackend(TorchAttnBackend):
     """Attention through kernels.py (split-K decode, extend over the cached prefix, KV store)."""
 
-    def __init__(self, kv_pool, req_to_token_pool):
-        super().__init__(kv_pool, req_to_token_pool)
+    def __init__(self, kv_pool, req_to_token_pool, one_group_max_bs: int = 0):
+        super().__init__(kv_pool, req_to_token_pool, one_group_max_bs)
         import kernels  # imported late: triton is only needed by this backend
         self.kernels = kernels
 
@@ -3214,7 +3260,7 @@ def restart_with_openmp_spin():
 # ServerArgs fields by help group; each field brings its own help, default and choices
 CLI_GROUPS = {
     "model": ("model_path", "load_format", "device", "dtype", "attention_backend", "quantization",
-              "context_length"),
+              "context_length", "enable_torch_compile", "torch_compile_max_bs"),
     "memory and scheduling": ("disable_overlap_schedule", "max_total_tokens", "max_running_requests",
                               "max_prefill_tokens", "chunked_prefill_size", "disable_radix_cache",
                               "enable_mixed_chunk",
