@@ -3234,6 +3234,60 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return bool(flags & {"amx_bf16", "avx512_bf16", "bf16"})
 
 
+# One request alone, the chat's case: a decode step reads every weight once for a single token, so the
+# weight layout whose one-token matmul is fastest on this machine makes the fastest chat. The CLI measures
+# it at start for what the user left unset (a fraction of a second) and compiles the batch-1 step.
+
+ONE_STREAM_ARGS = ("dtype", "quantization", "enable_torch_compile", "torch_compile_max_bs")
+ONE_STREAM_CANDIDATES = {"float32": ("float32", None), "bfloat16": ("bfloat16", None),  # name: (dtype,
+                         "int8": ("bfloat16", "int8"), "int4": ("bfloat16", "int4")}   #  quantization)
+
+
+@torch.no_grad()
+def one_token_matmul_ms(shape: tuple = (1536, 576), count: int = 24, passes: int = 5) -> dict:
+    """{candidate: ms} for one token through `count` weight matrices of `shape` (SmolLM2's MLP: 21M weights,
+    more than a CPU cache holds), each stored as its Linear stores it; the best of `passes`."""
+    w = torch.randn(shape) * 0.02
+    ms = {}
+    for name, (dtype, quant) in ONE_STREAM_CANDIDATES.items():
+        dt = getattr(torch, dtype)
+        layers = [Linear(shape[1], shape[0]).to(dt) for _ in range(count)]
+        for layer in layers:
+            layer.weight.copy_(w)
+            if quant:
+                layer.quantize(quant, w, dt)
+        x = torch.randn(1, shape[1], dtype=dt)
+        times = []
+        for _ in range(passes):
+            t0 = time.perf_counter()
+            for layer in layers:
+                layer(x)
+            times.append(time.perf_counter() - t0)
+        ms[name] = 1e3 * min(times)
+    return ms
+
+
+def one_stream_defaults(given: dict) -> tuple[dict, str]:
+    """For a chat on the CPU, values of the ONE_STREAM_ARGS that are not in `given`: the dtype and
+    quantization measured fastest for one token here (unless --dtype or --quantization is given), and
+    torch.compile of the batch-1 decode step. Also the line that says what was picked and why."""
+    picked, why = {}, []
+    if "dtype" not in given and "quantization" not in given:
+        ms = one_token_matmul_ms()
+        best = min(ms, key=ms.get)
+        picked["dtype"], picked["quantization"] = ONE_STREAM_CANDIDATES[best]
+        timings = ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(ms.items(), key=lambda kv: kv[1]))
+        why.append(f"{best} weights{' (bf16 activations)' if picked['quantization'] else ''}, the fastest "
+                   f"one-token matmul here ({timings})")
+    if "enable_torch_compile" not in given and given.get("tp_size", 1) == 1:
+        picked["enable_torch_compile"] = True
+        picked.setdefault("torch_compile_max_bs", given.get("torch_compile_max_bs", 1))
+        why.append("torch.compile of the batch-1 step")
+    line = ("overlap_engine: one stream: " + "; ".join(why) + " (--dtype, --quantization and "
+            "--no-enable-torch-compile choose otherwise)") if why else ""
+    return picked, line
+
+
 # With the CPU device thread and the host each owning an OpenMP thread pool, libgomp (PyTorch's OpenMP
 # on Linux) counts more threads than cores and almost stops spinning between parallel regions, so every
 # small op of a step waits for a thread wake-up: ~60 us instead of ~5 us for a (64, 576) multiply, some
@@ -3286,12 +3340,15 @@ def cli_parser() -> argparse.ArgumentParser:
     for group, names in CLI_GROUPS.items():
         for f in map(fields.pop, names):
             flag, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
+            if f.name in ONE_STREAM_ARGS:  # the chat picks these where not given (one_stream_defaults)
+                help += "; the chat and one --prompt on a CPU: picked for one stream unless given"
             if f.type in ("bool", bool):
-                groups[group].add_argument(flag, action="store_true", help=help)
+                action = argparse.BooleanOptionalAction if f.name in ONE_STREAM_ARGS else "store_true"
+                groups[group].add_argument(flag, action=action, default=False, help=help)
                 continue
             kind = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), str)
-            groups[group].add_argument(flag, type=kind, default=f.default, help=help,
-                                       choices=f.metadata["choices"] or None)
+            choices = [str(c).lower() if c is None else c for c in f.metadata["choices"]]  # None: "none"
+            groups[group].add_argument(flag, type=kind, default=f.default, help=help, choices=choices or None)
     assert not fields, f"ServerArgs fields missing from CLI_GROUPS: {sorted(fields)}"
     groups["sampling"].add_argument("--max-new-tokens", type=int, default=128, help="tokens per reply")
     groups["sampling"].add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -3313,13 +3370,21 @@ def main(argv=None):
     args = cli_parser().parse_args(argv)
     sp = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
     engine_args = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerArgs)}
+    engine_args["quantization"] = None if args.quantization == "none" else args.quantization
     try:
         SamplingParams.from_dict(sp, vocab_size=1)  # before the model loads (no stop ids: any vocab)
         if args.node_rank > 0:  # a machine of tensor-parallel ranks that follow node 0: no prompts here
             if args.prompt or args.serve:
                 raise ValueError("--prompt and --serve belong on node 0; --node-rank > 0 only follows it")
             return run_tp_node(Engine._check_args(engine_args))
+        on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+        line = ""
+        if on_cpu and not args.serve and len(args.prompt or [None]) == 1:  # one stream: the chat's case
+            picked, line = one_stream_defaults(cli_given(argv))
+            engine_args.update(picked)
         engine = Engine(**engine_args)
+        if line:  # once the engine stands: bad input ends in its one line alone
+            print(line, file=sys.stderr, flush=True)
     except (ValueError, DefaultModelUnavailable) as e:
         cli_error(e)
     if args.serve:
@@ -3333,6 +3398,15 @@ def main(argv=None):
         cli_error(e)
     finally:
         engine.shutdown()
+
+
+def cli_given(argv) -> dict:
+    """The ONE_STREAM_ARGS given on the command line, with their values, and tp_size."""
+    probe = cli_parser()
+    probe.set_defaults(**dict.fromkeys(ONE_STREAM_ARGS, None))  # None: not given
+    ns = probe.parse_args(argv)
+    given = {k: getattr(ns, k) for k in ONE_STREAM_ARGS if getattr(ns, k) is not None}
+    return given | {"tp_size": ns.tp_size}
 
 
 def cli_error(e: Exception):

@@ -2812,7 +2812,8 @@ def test_dummy_preset_matches_the_default_model(smollm):
 
 def test_cli_one_shot(smollm):
     r = subprocess.run([sys.executable, "overlap_engine.py", "--model-path", smollm[0], "--prompt",
-                        "What is the capital of France?", "--max-new-tokens", "20"],
+                        "What is the capital of France?", "--max-new-tokens", "20", "--dtype", "float32",
+                        "--no-enable-torch-compile"],
                        capture_output=True, text=True, timeout=300,
                        cwd=os.path.dirname(os.path.abspath(__file__)))
     assert r.returncode == 0, r.stderr
@@ -2820,17 +2821,20 @@ def test_cli_one_shot(smollm):
 
 
 def test_cli_interactive_chat(smollm):
+    """The chat as a newcomer starts it: weights measured for one stream, the batch-1 step compiled."""
     r = subprocess.run([sys.executable, "overlap_engine.py", "--model-path", smollm[0],
                         "--max-new-tokens", "20"],
-                       input="What is the capital of France?\n/exit\n", capture_output=True, text=True,
+                       input="Write a haiku about the sea.\n/exit\n", capture_output=True, text=True,
                        timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
     assert r.returncode == 0, r.stderr
-    assert "Paris" in r.stdout and "time to first token" in r.stdout
+    assert "one stream:" in r.stderr and "torch.compile of the batch-1 step" in r.stderr
+    assert "waves" in r.stdout and "time to first token" in r.stdout  # every setup measured here says so
 
 
 def test_ctrl_c_in_the_cli_exits_cleanly(ckpt):
     import signal
-    p = subprocess.Popen([sys.executable, "overlap_engine.py", "--model-path", ckpt, "--dtype", "float32"],
+    p = subprocess.Popen([sys.executable, "overlap_engine.py", "--model-path", ckpt, "--dtype", "float32",
+                          "--no-enable-torch-compile"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          cwd=os.path.dirname(os.path.abspath(__file__)))
     assert p.stdout.readline().startswith("chat with the model")
@@ -2850,7 +2854,7 @@ def help_blocks(monkeypatch, capsys) -> dict:
     blocks, flag = {}, None
     for line in capsys.readouterr().out.splitlines():
         if line.startswith("  --"):  # an option's entry starts here; its help may wrap onto more lines
-            flag = line.split()[0]
+            flag = line.split()[0].rstrip(",")  # "--enable-torch-compile, --no-enable-torch-compile"
             blocks[flag] = line
         elif flag is not None and line.startswith("      "):
             blocks[flag] += line
@@ -2867,7 +2871,7 @@ def test_cli_help_names_every_engine_argument_with_its_default(monkeypatch, caps
         entry = blocks[flag]
         assert " ".join(f.metadata["help"].split()) in entry and f"(default: {f.default})" in entry, entry
         for choice in f.metadata["choices"]:
-            assert choice in entry.split()[1], (flag, choice)  # --dtype {auto,float32,...}
+            assert str(choice).lower() in entry.split()[1], (flag, choice)  # --dtype {auto,float32,...}
     assert "(default: 128)" in blocks["--max-new-tokens"] and "--prompt" in blocks
     grouped = [name for names in oe.CLI_GROUPS.values() for name in names]
     assert sorted(grouped) == sorted(f.name for f in dataclasses.fields(oe.ServerArgs))
@@ -2924,10 +2928,47 @@ def test_cli_chat_refuses_a_message_too_long_and_goes_on(ckpt, monkeypatch, caps
     """A message longer than the context gets one error line; the chat keeps serving the next one."""
     lines = iter(["x" * 40, "hi", "/exit"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
-    oe.main(["--model-path", ckpt, "--context-length", "16", "--max-new-tokens", "3", "--dtype", "float32"])
+    oe.main(["--model-path", ckpt, "--context-length", "16", "--max-new-tokens", "3", "--dtype", "float32",
+             "--no-enable-torch-compile"])
     out, err = capsys.readouterr()
     assert err.splitlines() == ["overlap_engine: error: input_ids has 40 tokens; the context length is 16"]
     assert "[3 tokens in" in out  # only the second message was answered
+
+
+class EngineArgs(Exception):
+    """Raised by a stand-in Engine with the arguments the CLI built."""
+
+
+def cli_engine_args(monkeypatch, argv) -> dict:
+    def record(**kwargs):
+        raise EngineArgs(kwargs)
+    monkeypatch.setattr(oe, "Engine", record)
+    with pytest.raises(EngineArgs) as got:
+        oe.main(argv)
+    return got.value.args[0]
+
+
+def test_cli_picks_the_fastest_one_stream_setup_for_what_is_not_given(ckpt, monkeypatch):
+    ms = oe.one_token_matmul_ms(shape=(64, 64), count=2, passes=1)  # the real measurement, tiny
+    assert set(ms) == set(oe.ONE_STREAM_CANDIDATES) and all(v > 0 for v in ms.values())
+    monkeypatch.setattr(oe, "one_token_matmul_ms", lambda: {"float32": 4.0, "bfloat16": 3.0, "int8": 1.0,
+                                                            "int4": 2.0})
+    picked = lambda **kw: {k: kw[k] for k in oe.ONE_STREAM_ARGS}  # noqa: E731
+    base = ["--model-path", ckpt, "--device", "cpu"]
+    assert picked(**cli_engine_args(monkeypatch, base)) == {
+        "dtype": "bfloat16", "quantization": "int8", "enable_torch_compile": True, "torch_compile_max_bs": 1}
+    # what the user gives is kept, and only what is left is picked
+    assert picked(**cli_engine_args(monkeypatch, base + ["--dtype", "float32"])) == {
+        "dtype": "float32", "quantization": None, "enable_torch_compile": True, "torch_compile_max_bs": 1}
+    assert picked(**cli_engine_args(monkeypatch, base + ["--quantization", "none", "--prompt", "hi"])) == {
+        "dtype": "auto", "quantization": None, "enable_torch_compile": True, "torch_compile_max_bs": 1}
+    no_compile = ["--no-enable-torch-compile", "--quant", "int4"]  # abbreviated: argparse allows it
+    assert picked(**cli_engine_args(monkeypatch, base + no_compile)) == {
+        "dtype": "auto", "quantization": "int4", "enable_torch_compile": False, "torch_compile_max_bs": 8}
+    # batches (several prompts, the server) keep the engine's defaults
+    for more in (["--prompt", "a", "--prompt", "b"], ["--serve"]):
+        assert picked(**cli_engine_args(monkeypatch, base + more)) == {
+            "dtype": "auto", "quantization": None, "enable_torch_compile": False, "torch_compile_max_bs": 8}
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the spin policy is set for libgomp on Linux only")
