@@ -2474,30 +2474,30 @@ class LlamaAttention(nn.Module):
         D = cfg.head_dim
         self.layer_id = layer_id
         self.H, self.Hkv, self.D = H, Hkv, D
-        self.q_proj = Linear(cfg.hidden_size, H * D)    # column parallel: its heads' rows
-        self.k_proj = Linear(cfg.hidden_size, Hkv * D)
-        self.v_proj = Linear(cfg.hidden_size, Hkv * D)
-        self.o_proj = RowParallelLinear(H * D, cfg.hidden_size, tp)    # row parallel: sums over ranks
+        # q, k and v of this rank's heads (column parallel) side by side: one matmul, as SGLang's
+        # QKVParallelLinear; build_model stacks the checkpoint's three weights
+        self.qkv_proj = Linear(cfg.hidden_size, (H + 2 * Hkv) * D)
+        self.o_proj = RowParallelLinear(H * D, cfg.hidden_size, tp)  # row parallel: sums over ranks
 
     def forward(self, x, cos, sin, attn) -> torch.Tensor:
-        N = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(N, self.H, self.D), cos, sin)    # (N, H, D)
-        k = apply_rope(self.k_proj(x).view(N, self.Hkv, self.D), cos, sin)  # (N, Hkv, D)
-        v = self.v_proj(x).view(N, self.Hkv, self.D)                        # (N, Hkv, D)
-        o = attn.forward(q, k, v, self.layer_id)                            # (N, H, D)
-        return self.o_proj(o.reshape(N, self.H * self.D))
+        N, H, Hkv = x.shape[0], self.H, self.Hkv
+        qkv = self.qkv_proj(x).view(N, H + 2 * Hkv, self.D)
+        qk = apply_rope(qkv[:, :H + Hkv], cos, sin)  # the query and key heads rotate alike
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]  # (N, H, D), (N, Hkv, D), (N, Hkv, D): views
+        o = attn.forward(q, k, v, self.layer_id)          # (N, H, D)
+        return self.o_proj(o.reshape(N, H * self.D))
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPShard):
         super().__init__()
         inter = cfg.intermediate_size // tp.size  # gate/up column parallel, down row parallel
-        self.gate_proj = Linear(cfg.hidden_size, inter)
-        self.up_proj = Linear(cfg.hidden_size, inter)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter)  # gate and up side by side: one matmul
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))  # SwiGLU
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))  # SwiGLU
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -2516,7 +2516,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Parameter names follow HF (model.layers.N.self_attn.q_proj.weight ...) so state dicts load as is."""
+    """Parameter names follow HF (model.layers.N.self_attn.o_proj.weight ...), except the fused qkv_proj
+    and gate_up_proj, which build_model stacks from HF's q/k/v_proj and gate/up_proj."""
 
     def __init__(self, cfg: ModelConfig, tp: Optional[TPShard] = None):
         super().__init__()
@@ -2546,6 +2547,19 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(x).to(torch.promote_types(x.dtype, torch.float32))
 
 
+FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fuse_projections(state: dict, num_layers: int) -> dict:
+    """Stacks each layer's q/k/v and gate/up weights (this rank's rows of each) into the fused ones."""
+    for i, (fused, parts) in itertools.product(range(num_layers), FUSED_PROJECTIONS.items()):
+        names = [f"model.layers.{i}.{p}.weight" for p in parts]
+        if all(state.get(n) is not None for n in names):
+            state[f"model.layers.{i}.{fused}.weight"] = torch.cat([state.pop(n) for n in names])
+    return state
+
+
 def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str,
                 tp: Optional[TPShard] = None, quantization: Optional[str] = None) -> LlamaForCausalLM:
     """The model from a state dict (this rank's shard of it, with tensor parallelism). quantization
@@ -2553,7 +2567,7 @@ def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str,
     files keep it in 8 bits or more too); the embedding table stays float."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, tp)
-    state = dict(state)
+    state = fuse_projections(dict(state), cfg.num_hidden_layers)
     if cfg.tie_word_embeddings:  # one tensor under both names; re-tied after loading
         state["lm_head.weight"] = state.get("model.embed_tokens.weight")
     elif "lm_head.weight" not in state:

@@ -1347,7 +1347,7 @@ def test_quantized_logits_are_the_dequantized_models_and_near_the_float_models(c
     with open(os.path.join(calm_ckpt, "config.json")) as f:
         cfg = json.load(f)
     with make_engine(calm_ckpt, True, dtype="float32", quantization=mode) as e:
-        assert e.model.lm_head.quant == "int8" and e.model.model.layers[0].mlp.up_proj.quant == mode
+        assert e.model.lm_head.quant == "int8" and e.model.model.layers[0].mlp.gate_up_proj.quant == mode
         for seed in (5, 6, 7, 8):
             ids = random_prompts(1, seed=seed, lo=20, hi=20)[0]
             e.generate(input_ids=ids, sampling_params={"max_new_tokens": 1})
