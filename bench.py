@@ -5,7 +5,7 @@ Benchmarks for overlap_engine. One subcommand per benchmark:
   python bench.py overhead           # host microseconds per running request per decode step, zero-cost device
   python bench.py throughput         # SmolLM2 on CPU: overlap vs serial vs transformers generate
   python bench.py mixed              # decode ITL while a long prompt prefills: enable_mixed_chunk off/on
-  python bench.py single             # one request alone: TTFT and decode tok/s per dtype (llama.cpp beside)
+  python bench.py single             # one request alone: TTFT and decode tok/s per setup (llama.cpp beside)
   python bench.py profile            # where one decode step's time goes, op by op
   python bench.py serve              # load on the HTTP server: req/s, tok/s, TTFT, ITL, both loops
   python bench.py gpu --out DIR      # on a GPU: CUDA tests, kernels, overlap vs serial, timeline -> DIR
@@ -1142,7 +1142,7 @@ def main():
     pr.add_argument("--quick", action="store_true")
     pr.set_defaults(fn=cmd_profile)
 
-    si = sub.add_parser("single", help="one request alone: TTFT and decode tok/s per dtype (and llama.cpp)")
+    si = sub.add_parser("single", help="one request alone: TTFT and decode tok/s per setup (and llama.cpp)")
     si.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
     si.add_argument("--setups", default=SINGLE_SETUPS, help="comma-separated: a dtype or int8/int4 (bf16 "
                                                              "activations); +compile: torch.compile")
@@ -1150,7 +1150,7 @@ def main():
     si.add_argument("--output", type=int, default=SINGLE_OUTPUT, help="tokens to generate")
     si.add_argument("--repeat", type=int, default=2, help="runs of each; the best is reported")
     si.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even if installed")
-    si.add_argument("--quick", action="store_true")
+    si.add_argument("--quick", action="store_true", help="tiny model, 8 tokens, float32/int8/int4 only")
     si.set_defaults(fn=cmd_single)
 
     m = sub.add_parser("mixed", help="decode ITL while a long prompt prefills, mixed chunks off and on")

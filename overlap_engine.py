@@ -1323,7 +1323,8 @@ class ServerArgs:
                      ("auto", "float32", "bfloat16", "float16", "float64"))
     attention_backend: str = arg("auto", "auto: triton on CUDA, torch on CPU", ("auto", "torch", "triton"))
     enable_torch_compile: bool = arg(False, "compile the model for decode batches up to torch_compile_max_bs "
-                                            "(one graph; the first start compiles for about a minute)")
+                                            "(CPU, with a C++ compiler; the first start compiles for about a "
+                                            "minute)")
     torch_compile_max_bs: int = arg(8, "largest decode batch that runs the compiled model")
     quantization: Optional[str] = arg(
         None, "weight-only: int8 (a scale per row) or int4 (groups of 32) linear weights, float activations; "
@@ -1587,21 +1588,24 @@ class Engine:
         self._ctrl_c_held = CtrlCHeld()
         self._closed = False
         if compile_max_bs:
-            self._compile_decode(compile_max_bs)
+            self._compile_decode(min(compile_max_bs, args.max_running_requests))
 
     def _compile_decode(self, max_bs: int):
         """Compiles the decode graphs before the first request, so that none waits on the compiler: one
         for batch 1 and one for 2..max_bs (torch specializes size 1). Inductor caches its work on disk
         (TORCHINDUCTOR_CACHE_DIR), so later starts take a fraction of the first."""
+        sp = {"max_new_tokens": 3, "ignore_eos": True, "temperature": 0, "sampling_seed": 0}  # no RNG draw
         for n in (1, 2)[:max_bs]:
             t0 = time.perf_counter()
             what = f"batch {n}" if n == max_bs or n == 1 else f"batches 2-{max_bs}"
             print(f"overlap_engine: compiling the decode step for {what} ...", end="", file=sys.stderr,
                   flush=True)
-            self.generate(input_ids=[[1, 2, 3 + i] for i in range(n)],
-                          sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+            self.generate(input_ids=[[1, 2, 3 + i] for i in range(n)], sampling_params=sp)
             print(f" {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         self.flush_cache()
+        for v in self.scheduler.stats.values():  # the warm-up's steps are not the user's
+            if isinstance(v, deque):
+                v.clear()
 
     @staticmethod
     def _check_args(kwargs: dict) -> ServerArgs:
@@ -1622,6 +1626,15 @@ class Engine:
             raise ValueError("attention_backend='triton' on device='cpu' needs TRITON_INTERPRET=1 set "
                              "before triton is imported: on a machine with a GPU, triton compiles its "
                              "kernels for the GPU")
+        if args.enable_torch_compile and args.device != "cpu":
+            raise ValueError("enable_torch_compile is implemented for device='cpu' only (on a GPU the "
+                             "plan is CUDA graphs; see README)")
+        if args.enable_torch_compile and cpp_compiler() is None:
+            raise ValueError("enable_torch_compile needs a C++ compiler (Inductor builds C++ on a CPU): "
+                             "none found ($CXX, g++, c++, clang++)")
+        if args.quantization and args.dtype == "float64":
+            raise ValueError(f"quantization={args.quantization!r} needs 32- or 16-bit float activations, "
+                             "not dtype='float64'")
         if args.quantization and args.device != "cpu":
             raise ValueError(f"quantization={args.quantization!r} runs on the CPU only (torch's weight-pack "
                              f"matmuls), not on device={args.device!r}")
@@ -2330,18 +2343,22 @@ class Linear(nn.Linear):
 
     def quantize(self, mode: str, w: torch.Tensor, dtype: torch.dtype):
         """Replaces the float weight by `mode` ("int8" or "int4") quantized from w (N, K), the checkpoint's
-        own values (before rounding to dtype); scales and zeros are kept in dtype, the activations'."""
-        if mode == "int4" and w.shape[1] % INT4_GROUP_SIZE:
-            raise ValueError(f"quantization='int4' needs input sizes that are multiples of "
-                             f"{INT4_GROUP_SIZE}; a weight here has {w.shape[1]}")
+        own values (before rounding to dtype); scales and zeros are kept in dtype, the activations'. A
+        weight that torch's int4 packing refuses (K not in whole groups, N not a multiple of 16) is kept
+        in int8, as llama.cpp keeps such tensors in another format."""
+        N, K = w.shape
+        if mode == "int4" and (K % INT4_GROUP_SIZE or N % 16):
+            mode = "int8"
         if mode == "int8":
-            self.qweight, scale = quantize_int8(w)
-            self.scales = scale.to(dtype)
+            qweight, scale = quantize_int8(w)
+            scales = scale.to(dtype)
         else:
             q, scale, zero = quantize_int4(w)
-            self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # (N, K/2) uint8
-            self.scales = torch.stack((scale.T, zero.T), dim=-1).to(dtype).contiguous()  # (K/group, N, 2)
+            qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # (N, K/2) uint8
+            scales = torch.stack((scale.T, zero.T), dim=-1).to(dtype).contiguous()  # (K/group, N, 2)
         del self.weight  # a tied LM head drops its reference only: the embedding keeps the float table
+        self.register_buffer("qweight", qweight, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
         self.quant = mode
 
     def forward(self, x):
@@ -2573,6 +2590,10 @@ def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str,
     elif "lm_head.weight" not in state:
         raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
     missing = {k for k in model.state_dict() if state.get(k) is None}
+    for fused, parts in FUSED_PROJECTIONS.items():  # name what the checkpoint lacks, not the fused name
+        for k in [k for k in missing if f".{fused}." in k]:
+            missing.remove(k)
+            missing |= {k.replace(fused, p) for p in parts if state.get(k.replace(fused, p)) is None}
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
     source = state
@@ -2676,6 +2697,7 @@ class TorchAttnBackend:
 
         Small groups waste little on padding, and each group's gathered K/V is still in cache when SDPA
         reads it: at batch 64 this halves decode attention time on a CPU against one padded gather.
+        Batches of up to one_group_max_bs (those the compiled model runs) are one group: one graph.
         """
         kb = self.kv.k_buffer[0]
         budget = max(1, DECODE_GATHER_BYTES // (2 * kb[0].numel() * kb.element_size()))  # padded tokens
@@ -3248,6 +3270,12 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return bool(flags & {"amx_bf16", "avx512_bf16", "bf16"})
 
 
+def cpp_compiler() -> Optional[str]:
+    """The C++ compiler Inductor would use on a CPU ($CXX, else g++, c++ or clang++), or None."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
+    return next((path for path in map(shutil.which, names) if path), None)
+
+
 # One request alone, the chat's case: a decode step reads every weight once for a single token, so the
 # weight layout whose one-token matmul is fastest on this machine makes the fastest chat. The CLI measures
 # it at start for what the user left unset (a fraction of a second) and compiles the batch-1 step.
@@ -3259,8 +3287,9 @@ ONE_STREAM_CANDIDATES = {"float32": ("float32", None), "bfloat16": ("bfloat16", 
 
 @torch.no_grad()
 def one_token_matmul_ms(shape: tuple = (1536, 576), count: int = 24, passes: int = 5) -> dict:
-    """{candidate: ms} for one token through `count` weight matrices of `shape` (SmolLM2's MLP: 21M weights,
-    more than a CPU cache holds), each stored as its Linear stores it; the best of `passes`."""
+    """{candidate: ms} for one token through `count` weight matrices of `shape` (SmolLM2's down projection,
+    transposed; 21M weights, more than a CPU cache holds), each stored as its Linear stores it; the best
+    of `passes`."""
     w = torch.randn(shape) * 0.02
     ms = {}
     for name, (dtype, quant) in ONE_STREAM_CANDIDATES.items():
@@ -3281,10 +3310,11 @@ def one_token_matmul_ms(shape: tuple = (1536, 576), count: int = 24, passes: int
     return ms
 
 
-def one_stream_defaults(given: dict) -> tuple[dict, str]:
-    """For a chat on the CPU, values of the ONE_STREAM_ARGS that are not in `given`: the dtype and
-    quantization measured fastest for one token here (unless --dtype or --quantization is given), and
-    torch.compile of the batch-1 decode step. Also the line that says what was picked and why."""
+def one_stream_defaults(given: dict, chat: bool = True) -> tuple[dict, str]:
+    """For one stream on the CPU, values of the ONE_STREAM_ARGS that are not in `given`: the dtype and
+    quantization measured fastest for one token here (unless --dtype or --quantization is given), and for
+    the interactive chat torch.compile of the batch-1 decode step (one --prompt would spend longer
+    compiling than it saves). Also the line that says what was picked and why."""
     picked, why = {}, []
     if "dtype" not in given and "quantization" not in given:
         ms = one_token_matmul_ms()
@@ -3293,7 +3323,7 @@ def one_stream_defaults(given: dict) -> tuple[dict, str]:
         timings = ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(ms.items(), key=lambda kv: kv[1]))
         why.append(f"{best} weights{' (bf16 activations)' if picked['quantization'] else ''}, the fastest "
                    f"one-token matmul here ({timings})")
-    if "enable_torch_compile" not in given and given.get("tp_size", 1) == 1:
+    if chat and "enable_torch_compile" not in given and given.get("tp_size", 1) == 1 and cpp_compiler():
         picked["enable_torch_compile"] = True
         picked.setdefault("torch_compile_max_bs", given.get("torch_compile_max_bs", 1))
         why.append("torch.compile of the batch-1 step")
@@ -3394,7 +3424,7 @@ def main(argv=None):
         on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
         line = ""
         if on_cpu and not args.serve and len(args.prompt or [None]) == 1:  # one stream: the chat's case
-            picked, line = one_stream_defaults(cli_given(argv))
+            picked, line = one_stream_defaults(cli_given(argv), chat=not args.prompt)
             engine_args.update(picked)
         engine = Engine(**engine_args)
         if line:  # once the engine stands: bad input ends in its one line alone
