@@ -619,7 +619,17 @@ PROFILE_CATEGORIES = {  # aten op -> what it is in a decode step
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)", "aten::bmm": "attention (SDPA)",
     "aten::_softmax": "attention (SDPA)", "aten::index_select": "KV gather (index_select)",
     "aten::argmax": "sampling", "aten::index_copy_": "KV write",
+    "TorchDynamo Cache Lookup": "entering the compiled graph (guards, inputs)",
+    "Pregraph bytecode": "entering the compiled graph (guards, inputs)",
 }
+
+
+def profile_category(op: str) -> str:
+    if op.startswith("## Call CompiledFxGraph"):  # Inductor's C++ kernels run inside this call
+        return "compiled graph: fused elementwise, norms, rotary, gathers"
+    if op.startswith("Torch-Compiled Region"):
+        return "entering the compiled graph (guards, inputs)"
+    return PROFILE_CATEGORIES.get(op, "other (elementwise, norms, rotary, copies)")
 
 
 def cmd_profile(args):
@@ -630,7 +640,8 @@ def cmd_profile(args):
     B, steps = (4, 3) if args.quick else (args.batch, args.steps)
     captured = []
     with oe.Engine(model_path=path, device="cpu", dtype=args.dtype, disable_overlap_schedule=True,
-                   quantization=args.quantization, max_total_tokens=args.max_total_tokens) as e:
+                   quantization=args.quantization, max_total_tokens=args.max_total_tokens,
+                   enable_torch_compile=args.torch_compile, torch_compile_max_bs=max(B, 1)) as e:
         worker, forward_step = e.scheduler.worker, e.scheduler.worker.forward_step
         worker.forward_step = lambda fb: captured.append(fb) or forward_step(fb)
         reqs = random_requests(B, *((8, 32) if args.quick else map(int, args.input.split(","))), args.seed,
@@ -647,10 +658,12 @@ def cmd_profile(args):
     total = sum(ev.self_cpu_time_total for ev in prof.key_averages())
     groups = {}
     for ev in prof.key_averages():
-        cat = PROFILE_CATEGORIES.get(ev.key, "other (elementwise, norms, rotary, copies)")
+        cat = profile_category(ev.key)
         groups[cat] = groups.get(cat, 0) + ev.self_cpu_time_total
     mean_len = sum(fb.seq_lens) / len(fb.seq_lens)
-    print(f"## profile: one decode step, {os.path.basename(path)}, {args.dtype}, batch {len(fb.seq_lens)}, "
+    extras = (args.quantization, args.torch_compile and "compiled")
+    setup = args.dtype + "".join(f", {x}" for x in extras if x)
+    print(f"## profile: one decode step, {os.path.basename(path)}, {setup}, batch {len(fb.seq_lens)}, "
           f"mean context {mean_len:.0f} tokens: {ms:.1f} ms (best of 5)")
     print("| part | share of the step | ms |")
     print("|---|---|---|")
@@ -1137,6 +1150,7 @@ def main():
     pr.add_argument("--input", default=TP_INPUT, help="input length range lo,hi")
     pr.add_argument("--steps", type=int, default=64, help="output tokens before the profiled step")
     pr.add_argument("--quantization", default=None, choices=("int8", "int4"))
+    pr.add_argument("--torch-compile", action="store_true", help="the step through the compiled model")
     pr.add_argument("--max-total-tokens", type=int, default=24576)
     pr.add_argument("--seed", type=int, default=TP_SEED)
     pr.add_argument("--quick", action="store_true")
