@@ -2629,13 +2629,16 @@ def test_tp_an_error_a_rank_cannot_pickle_goes_to_rank_0_as_text(ckpt, monkeypat
             e.tp = None  # shutdown() would close a group
 
 
-def test_tp2_in_bf16_completes_with_its_invariants_on_every_rank(ckpt, loopback):
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_tp2_in_bf16_completes_with_its_invariants_on_every_rank(ckpt, loopback, quantization):
     """dtype auto is bf16 where the CPU has native bf16, so the command line's ranks all-reduce in bf16.
     Each rank rounds its partial sums before the all-reduce, so tp2 need not give tp1's tokens (that
-    holds in float64): a short greedy workload must finish, the ranks' plans agree (debug_tp_plan) and
-    every rank's books balance."""
+    holds in float64), nor do quantized shards (an int8 row's scale comes from its half of the inputs):
+    a short greedy workload must finish, the ranks' plans agree (debug_tp_plan) and every rank's books
+    balance."""
     wl = greedy_workload(random_prompts(4, seed=221, lo=3, hi=30), [6, 9, 4, 7])
-    with make_engine(ckpt, False, tp_size=2, dtype="bfloat16", dist_timeout=60) as e:
+    with make_engine(ckpt, False, tp_size=2, dtype="bfloat16", dist_timeout=60,
+                     quantization=quantization) as e:
         outs = run_workload(e, wl)
         e.check_invariants()
         assert [len(o["output_ids"]) for o in outs] == [6, 9, 4, 7]  # ignore_eos: every token came
