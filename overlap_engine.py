@@ -2600,7 +2600,7 @@ def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str,
             missing |= {k.replace(fused, p) for p in parts if state.get(k.replace(fused, p)) is None}
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
-    source = state
+    source = state  # the checkpoint's own values: quantize reads these, not the copies rounded to dtype
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if k in model.state_dict()}
     model.load_state_dict(state, assign=True)
     if cfg.tie_word_embeddings:
@@ -3329,7 +3329,8 @@ def one_stream_defaults(given: dict, chat: bool = True) -> tuple[dict, str]:
                    f"one-token matmul here ({timings})")
     if chat and "enable_torch_compile" not in given and given.get("tp_size", 1) == 1 and cpp_compiler():
         picked["enable_torch_compile"] = True
-        picked.setdefault("torch_compile_max_bs", given.get("torch_compile_max_bs", 1))
+        if "torch_compile_max_bs" not in given:
+            picked["torch_compile_max_bs"] = 1
         why.append("torch.compile of the batch-1 step")
     line = ("overlap_engine: one stream: " + "; ".join(why) + " (--dtype, --quantization and "
             "--no-enable-torch-compile choose otherwise)") if why else ""
@@ -3389,7 +3390,9 @@ def cli_parser() -> argparse.ArgumentParser:
         for f in map(fields.pop, names):
             flag, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
             if f.name in ONE_STREAM_ARGS:  # the chat picks these where not given (one_stream_defaults)
-                help += "; the chat and one --prompt on a CPU: picked for one stream unless given"
+                help += ("; the chat and one --prompt on a CPU: measured for one stream unless given"
+                         if f.name in ("dtype", "quantization") else
+                         "; the interactive chat on a CPU: compiled for batch 1 unless given")
             if f.type in ("bool", bool):
                 action = argparse.BooleanOptionalAction if f.name in ONE_STREAM_ARGS else "store_true"
                 groups[group].add_argument(flag, action=action, default=False, help=help)
