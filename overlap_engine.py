@@ -3327,7 +3327,7 @@ def one_stream_defaults(given: dict, chat: bool = True) -> tuple[dict, str]:
         timings = ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(ms.items(), key=lambda kv: kv[1]))
         why.append(f"{best} weights{' (bf16 activations)' if picked['quantization'] else ''}, the fastest "
                    f"one-token matmul here ({timings})")
-    if chat and "enable_torch_compile" not in given and given.get("tp_size", 1) == 1 and cpp_compiler():
+    if chat and "enable_torch_compile" not in given and cpp_compiler():
         picked["enable_torch_compile"] = True
         if "torch_compile_max_bs" not in given:
             picked["torch_compile_max_bs"] = 1
@@ -3430,7 +3430,8 @@ def main(argv=None):
             return run_tp_node(Engine._check_args(engine_args))
         on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
         line = ""
-        if on_cpu and not args.serve and len(args.prompt or [None]) == 1:  # one stream: the chat's case
+        # one stream, the chat's case; not with tensor parallelism, whose machines must all agree on these
+        if on_cpu and not args.serve and len(args.prompt or [None]) == 1 and args.tp_size == 1:
             picked, line = one_stream_defaults(cli_given(argv), chat=not args.prompt)
             engine_args.update(picked)
         engine = Engine(**engine_args)
@@ -3452,12 +3453,11 @@ def main(argv=None):
 
 
 def cli_given(argv) -> dict:
-    """The ONE_STREAM_ARGS given on the command line, with their values, and tp_size."""
+    """The ONE_STREAM_ARGS given on the command line, with their values."""
     probe = cli_parser()
     probe.set_defaults(**dict.fromkeys(ONE_STREAM_ARGS, None))  # None: not given
     ns = probe.parse_args(argv)
-    given = {k: getattr(ns, k) for k in ONE_STREAM_ARGS if getattr(ns, k) is not None}
-    return given | {"tp_size": ns.tp_size}
+    return {k: getattr(ns, k) for k in ONE_STREAM_ARGS if getattr(ns, k) is not None}
 
 
 def cli_error(e: Exception):

@@ -3005,8 +3005,9 @@ def test_cli_picks_the_fastest_one_stream_setup_for_what_is_not_given(ckpt, monk
     no_compile = ["--no-enable-torch-compile", "--quant", "int4"]  # abbreviated: argparse allows it
     assert picked(**cli_engine_args(monkeypatch, base + no_compile)) == {
         "dtype": "auto", "quantization": "int4", "enable_torch_compile": False, "torch_compile_max_bs": 8}
-    # batches (several prompts, the server) keep the engine's defaults
-    for more in (["--prompt", "a", "--prompt", "b"], ["--serve"]):
+    # batches (several prompts, the server) and tensor parallelism (every machine must pick the same) keep
+    # the engine's defaults
+    for more in (["--prompt", "a", "--prompt", "b"], ["--serve"], ["--tp-size", "2", "--prompt", "a"]):
         assert picked(**cli_engine_args(monkeypatch, base + more)) == {
             "dtype": "auto", "quantization": None, "enable_torch_compile": False, "torch_compile_max_bs": 8}
 
