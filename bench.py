@@ -708,16 +708,43 @@ def cmd_single(args):
             single_run(stream, 4)  # warm-up
             runs = [single_run(stream, n_out) for _ in range(args.repeat)]
             best = max(runs, key=lambda r: r["decode_tok_s"])
-            rows[f"overlap_engine {setup}"] = {**best, "start_s": start_s}
+            rows[f"overlap_engine {setup}"] = {**best, "start_s": start_s, **weight_matmuls(e)}
     if path.endswith(".gguf") and not args.no_llama_cpp:
         rows.update(llama_cpp_single(path, ids, n_out, args.repeat))
+    read_gbps = stream_read_gbps()
     print(f"## single: one request alone, {os.path.basename(path)}, {len(ids)} prompt tokens, {n_out} out, "
-          f"greedy, CPU ({torch.get_num_threads()} threads)")
-    print("| engine | decode tok/s | TTFT s | start-up s |")
-    print("|---|---|---|---|")
+          f"greedy, CPU ({torch.get_num_threads()} threads, {read_gbps:.0f} GB/s streaming read)")
+    print("| engine | decode tok/s | TTFT s | start-up s | weight matmuls alone, ms/token | their GB/s | "
+          "rest of the step, ms |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in rows.items():
-        print(f"| {name} | {r['decode_tok_s']:.1f} | {r['ttft_s']:.3f} | {r['start_s']:.1f} |")
-    return rows
+        mm = "- | - | -"  # llama.cpp: its kernels are not timed apart
+        if "matmul_ms" in r:
+            rest_ms = 1e3 / r["decode_tok_s"] - r["matmul_ms"]
+            mm = f"{r['matmul_ms']:.1f} | {r['matmul_gbps']:.0f} | {rest_ms:.1f}"
+        print(f"| {name} | {r['decode_tok_s']:.1f} | {r['ttft_s']:.3f} | {r['start_s']:.1f} | {mm} |")
+    return {**rows, "stream_read_gbps": read_gbps}
+
+
+def weight_matmuls(engine) -> dict:
+    """One token through every linear layer of the engine's model and nothing else: the best of 10
+    passes, each reading every weight once (SmolLM2's weights do not fit in the cache), in ms, and the
+    GB/s that is. A decode step cannot be faster than this with these kernels."""
+    model = engine.scheduler.worker.model
+    dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype (the table stays float)
+    layers = [m for m in model.modules() if isinstance(m, oe.Linear)]
+    xs = {m.in_features: torch.randn(1, m.in_features, dtype=dtype) for m in layers}
+    nbytes = sum(t.numel() * t.element_size() for m in layers for t in (*m.parameters(), *m.buffers()))
+    with torch.no_grad():
+        ms = 1e3 * min(timed(lambda: [oe.Linear.forward(m, xs[m.in_features]) for m in layers])
+                       for _ in range(10))
+    return {"matmul_ms": ms, "matmul_gbps": nbytes / ms / 1e6}
+
+
+def stream_read_gbps() -> float:
+    """What this machine reads from memory per second with torch's threads: a 256 MB float32 sum."""
+    x = torch.ones(64 << 20)
+    return x.numel() * 4 / min(timed(x.sum) for _ in range(5)) / 1e9
 
 
 def single_run(stream, n) -> dict:
