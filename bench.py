@@ -733,11 +733,8 @@ def weight_matmuls(engine) -> dict:
     model = engine.scheduler.worker.model
     dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype (the table stays float)
     layers = [m for m in model.modules() if isinstance(m, oe.Linear)]
-    xs = {m.in_features: torch.randn(1, m.in_features, dtype=dtype) for m in layers}
     nbytes = sum(t.numel() * t.element_size() for m in layers for t in (*m.parameters(), *m.buffers()))
-    with torch.no_grad():
-        ms = 1e3 * min(timed(lambda: [oe.Linear.forward(m, xs[m.in_features]) for m in layers])
-                       for _ in range(10))
+    ms = oe.one_token_ms(layers, dtype, passes=10)
     return {"matmul_ms": ms, "matmul_gbps": nbytes / ms / 1e6}
 
 
