@@ -22,7 +22,6 @@ import os
 import statistics
 import tempfile
 import time
-from collections import deque
 
 import torch
 import torch.nn.functional as F
@@ -224,13 +223,13 @@ class SimWorker(oe.ModelWorker):
         self.__dict__.update(base.__dict__)
         self.G, self.vocab, self.busy_until = G, vocab, 0.0
 
-    def launch(self, fb):
+    def launch(self, batch):
         h = SimHandle()
-        cost = self.G * max(1.0, len(fb.positions) / max(len(fb.seq_lens), 1) / 64)  # long prefills cost more
+        # long prefills cost more
+        cost = self.G * max(1.0, len(batch.positions) / max(len(batch.seq_lens), 1) / 64)
         h.t_start = max(h.t_launch, self.busy_until)
         h.t_end = self.busy_until = h.t_start + cost
-        h.device_time = cost
-        h.value = (fb.req_pool_indices * 31 + torch.tensor(fb.seq_lens) * 7) % self.vocab
+        h.value = (batch.req_pool_indices * 31 + torch.tensor(batch.seq_lens) * 7) % self.vocab
         return h
 
     def write_row(self, row, slots):  # no device state to keep in a simulation
@@ -429,7 +428,7 @@ def engine_run(engine, reqs, out_lens, desc) -> dict:
     out_lens = out_lens if isinstance(out_lens, list) else [out_lens] * len(reqs)
     sps = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in out_lens]
     engine.flush_cache()  # a repeated run must not find its prompts already cached
-    engine.scheduler.stats["steps"].clear(), engine.scheduler.stats["host_times"].clear()
+    engine.step_timer.clear()
     over0 = engine.scheduler.stats["overshoot_tokens"]
     times = [[] for _ in reqs]
     bar = tqdm(total=sum(out_lens), desc=desc, leave=False, unit="tok")
@@ -643,7 +642,7 @@ def cmd_profile(args):
                    quantization=args.quantization, max_total_tokens=args.max_total_tokens,
                    enable_torch_compile=args.torch_compile, torch_compile_max_bs=max(B, 1)) as e:
         worker, forward_step = e.scheduler.worker, e.scheduler.worker.forward_step
-        worker.forward_step = lambda fb: captured.append(fb) or forward_step(fb)
+        worker.forward_step = lambda batch: captured.append(batch) or forward_step(batch)
         reqs = random_requests(B, *((8, 32) if args.quick else map(int, args.input.split(","))), args.seed,
                                e.model_config.vocab_size)
         e.add_requests(reqs, [{"max_new_tokens": steps + 2, "ignore_eos": True}] * B)
@@ -651,19 +650,19 @@ def cmd_profile(args):
                    and min(len(r.output_ids) for r in e.scheduler.running_batch.reqs) >= steps):
             e.step()
         worker.forward_step = forward_step
-        fb = captured[-1]
-        ms = 1e3 * min(timed(lambda: forward_step(fb)) for _ in range(5))
+        batch = captured[-1]
+        ms = 1e3 * min(timed(lambda: forward_step(batch)) for _ in range(5))
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            forward_step(fb)
+            forward_step(batch)
     total = sum(ev.self_cpu_time_total for ev in prof.key_averages())
     groups = {}
     for ev in prof.key_averages():
         cat = profile_category(ev.key)
         groups[cat] = groups.get(cat, 0) + ev.self_cpu_time_total
-    mean_len = sum(fb.seq_lens) / len(fb.seq_lens)
+    mean_len = sum(batch.seq_lens) / len(batch.seq_lens)
     extras = (args.quantization, args.torch_compile and "compiled")
     setup = args.dtype + "".join(f", {x}" for x in extras if x)
-    print(f"## profile: one decode step, {os.path.basename(path)}, {setup}, batch {len(fb.seq_lens)}, "
+    print(f"## profile: one decode step, {os.path.basename(path)}, {setup}, batch {len(batch.seq_lens)}, "
           f"mean context {mean_len:.0f} tokens: {ms:.1f} ms (best of 5)")
     print("| part | share of the step | ms |")
     print("|---|---|---|")
@@ -730,9 +729,9 @@ def weight_matmuls(engine) -> dict:
     """One token through every linear layer of the engine's model and nothing else: the best of 10
     passes, each reading every weight once (SmolLM2's weights do not fit in the cache), in ms, and the
     GB/s that is. A decode step cannot be faster than this with these kernels."""
-    model = engine.scheduler.worker.model
+    model = engine.model  # the module (the worker may hold its compiled callable)
     dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype (the table stays float)
-    layers = [m for m in model.modules() if isinstance(m, oe.Linear)]
+    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, oe.QuantizedLinear))]
     nbytes = sum(t.numel() * t.element_size() for m in layers for t in (*m.parameters(), *m.buffers()))
     ms = oe.one_token_ms(layers, dtype, passes=10)
     return {"matmul_ms": ms, "matmul_gbps": nbytes / ms / 1e6}
@@ -1083,9 +1082,7 @@ def dummy_engine_run(path, serial, B, in_len, out_len, dtype, device, seed):
         e.generate(input_ids=random_requests(2, in_len, in_len, seed + 1, vocab),
                    sampling_params={**sp, "max_new_tokens": 4})  # warm-up: kernels compile here
         e.flush_cache()
-        for v in e.scheduler.stats.values():
-            if isinstance(v, deque):
-                v.clear()
+        e.step_timer.clear()
         t0 = time.perf_counter()
         e.generate(input_ids=random_requests(B, in_len, in_len, seed, vocab), sampling_params=sp)
         wall = time.perf_counter() - t0

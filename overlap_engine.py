@@ -23,19 +23,22 @@ NanoFlow (intra-device pipelining of host and device work).
     python overlap_engine.py                          # chat with SmolLM2-135M-Instruct
     python -m pytest -q test_overlap_engine.py        # overlap == serial == a plain reference
 
-Reading guide: the sections, in the order they teach.
+Reading guide. Part I is the lesson: everything one decode step passes through, with a plain model,
+on torch alone (and kernels.py's Triton kernels). Part II is the plumbing; it plugs into Part I from
+outside.
 
+    Part I
     Requests and batches      Req (its lengths, one table), ScheduleBatch, PrefillAdder
     KV memory, radix cache    ReqToTokenPool, TokenToKVPool, RadixCache
     FutureMap, device streams FutureMap, StepHandle, CpuDeviceStream, CudaDeviceStream, ModelWorker
     Scheduler, the two loops  the loops first, then one batch from its plan to its commit
-    Engine API                ServerArgs, SamplingParams, Engine; tensor parallelism: TPGroup, a process
-                              and a scheduler per rank, rank 0 broadcasting each iteration's inputs
-    Model and attention       Llama (math only; Megatron's tensor-parallel split), sampling, the torch
-                              and triton attention backends
+    Model and attention       a plain Llama (math only), sampling, the torch and triton backends
+    Part II
+    Engine API                ServerArgs, SamplingParams, Engine (builds and drives the scheduler)
+    Tensor parallelism        apply_tp shards the built model; a process and a scheduler per rank
+    Quantization, compile     int8/int4 modules swapped in for nn.Linear; the compiled decode callable
     Checkpoint loading        HF directories, GGUF, tokenizer, chat template, the default model
-    CPU tuning, CLI           allocator and OpenMP settings; the chat and one-shot prompts
-    Serving                   the HTTP server: a scheduler thread that owns the Engine, FastAPI routes
+    CPU tuning, CLI, serving  allocator and OpenMP settings; the chat; the OpenAI-compatible server
 
 One decode step in the overlap loop, function by function, with the moment each one works in
 (planning never waits for the device; only 7 does):
@@ -54,47 +57,23 @@ One decode step in the overlap loop, function by function, with the moment each 
 """
 from __future__ import annotations
 
-import _signal  # the C module under signal: see CtrlCHeld
-import argparse
-import contextlib
-import ctypes
-import dataclasses
 import enum
 import functools
-import glob
-import hashlib
 import heapq
-import ipaddress
 import itertools
-import json
-import logging
 import math
-import os
-import pickle
-import platform
 import queue
 import random
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-import zipfile
 from collections import deque
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
-import jinja2.ext
-import jinja2.sandbox
-import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
 
 # ----------------------------------------------------------------------------------------------------
 # Requests and batches: Req, ScheduleBatch (a step's requests), PrefillAdder (admission)
@@ -125,22 +104,24 @@ class Req:
     len(output_ids)       committed output tokens                   committed: +1 per step
     fill_ids              origin_input_ids + output_ids (derived)   with output_ids
     prefix_indices        slots of the leading positions that the   planned: match_prefix while waiting,
-                          radix tree owns (locked by this request)  locked at admission; committed:
-                                                                    grows in cache_unfinished_req
-    cache_protected_len   len(prefix_indices) (derived)             with prefix_indices
+                          radix tree owns (locked by this request;  locked at admission; committed:
+                          positions from len(prefix_indices) to     grows in cache_unfinished_req
+                          kv_allocated_len are private slots)
+    cached_tokens         len(prefix_indices) at admission: the     planned: PrefillAdder
+                          prefix hit meta_info reports
     extend_input_len      tokens the next prefill chunk feeds       planned: PrefillAdder
-    kv_allocated_len      positions with a KV slot, an in-flight    planned: = cache_protected_len when
+    kv_allocated_len      positions with a KV slot, an in-flight    planned: = len(prefix_indices) when
                           step's included                           the first chunk gets a row
                                                                     (assign_row), then += chunk
                                                                     (prepare_for_extend) or += 1
                                                                     (prepare_for_decode)
-    kv_committed_len      positions whose KV committed steps wrote  planned: = cache_protected_len in
+    kv_committed_len      positions whose KV committed steps wrote  planned: = len(prefix_indices) in
                           (a cached prefix counts as written)       assign_row; committed: = the
                                                                     seq_len of each committed step
     planned_outputs()     outputs of the steps planned so far       with kv_allocated_len (derived)
     epoch                 retractions so far                        planned: += 1 in retract
 
-    While a request holds a row: cache_protected_len <= kv_committed_len <= kv_allocated_len, and
+    While a request holds a row: len(prefix_indices) <= kv_committed_len <= kv_allocated_len, and
     kv_allocated_len <= len(fill_ids) + 1 (in overlap mode one planned token is not committed yet).
     After a prompt's last chunk and at every decode commit, kv_committed_len == len(fill_ids) - 1: the
     newest token's KV is written by the step that feeds it; in the middle of a prompt it counts the
@@ -156,25 +137,19 @@ class Req:
         self.output_ids: list[int] = []        # committed
         self.finished_reason: Optional[dict] = None
         self.req_pool_idx: Optional[int] = None  # its row in ReqToTokenPool and in the FutureMap
-        self.prefix_indices = torch.empty(0, dtype=torch.int64)  # (cache_protected_len,) host slots
+        self.prefix_indices = torch.empty(0, dtype=torch.int64)  # host slots of the tree-owned prefix
         self.last_node: Optional[TreeNode] = None                 # locked end of the matched prefix
         self.extend_input_len = 0
         self.kv_allocated_len = 0
         self.kv_committed_len = 0
         self.epoch = 0
-        self.cached_tokens = 0         # prefix hit at admission, reported in meta_info
+        self.cached_tokens = 0
         self.text, self.prefix_offset, self.read_offset = "", 0, 0   # incremental detokenizer
         self.streamed_text_len, self.streamed_ids_len = 0, 0          # what generate(stream=True) sent
 
     @property
     def fill_ids(self) -> list:
         return self.origin_input_ids + self.output_ids
-
-    @property
-    def cache_protected_len(self) -> int:
-        """Positions [0, cache_protected_len) use the tree's slots; the rest up to kv_allocated_len are
-        private to the request."""
-        return len(self.prefix_indices)
 
     def planned_outputs(self) -> int:
         """Outputs sampled by steps planned so far (valid once the final prefill chunk is planned)."""
@@ -246,7 +221,7 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor        # (N,) slots this step writes
     req_to_token_writes: tuple         # (rows, cols, slots): req_to_token[rows, cols] = slots, in the step
     logit_rows: torch.Tensor           # (B,) each request's last token in the flat batch
-    publish: torch.Tensor              # (B,) bool: publish the sampled token to the FutureMap
+    publish_idx: torch.Tensor          # (P,) batch positions whose sampled token goes to the FutureMap
     sampling: dict                     # per-request tensors: temperature, top_p, top_k, min_p, seed, out_pos
 
 
@@ -266,8 +241,8 @@ class ScheduleBatch:
 
     def __init__(self, reqs: list, forward_mode: ForwardMode, scheduler: Scheduler):
         self.reqs, self.forward_mode, self.scheduler = reqs, forward_mode, scheduler
-        self.fb: Optional[ForwardBatch] = None
-        self.merged = False  # an extend batch joins the running batch once
+        self.forward_batch: Optional[ForwardBatch] = None  # its step's plan, once prepared
+        self.joined_running = False  # an extend batch's requests join the running batch once
         self.seq_lens: list = []
         self.is_last_chunk: list = []
         self.n_prefill = 0  # reqs[:n_prefill] feed prompt chunks, the others decode
@@ -303,10 +278,29 @@ class ScheduleBatch:
             ids, future_rows = torch.empty(0, dtype=torch.int64), rows
         else:
             ids, future_rows = torch.tensor([r.output_ids[-1] for r in self.reqs], dtype=torch.int64), None
-        self.fb = self.forward_batch(
+        self.forward_batch = self.build_forward_batch(
             input_ids=ids, future_input_rows=future_rows, positions=pos, req_pool_indices=rows,
             prefix_lens=[], extend_lens=[1] * B, out_cache_loc=loc,
             req_to_token_writes=(rows, pos, loc), logit_rows=torch.arange(B))
+
+    def build_forward_batch(self, **fields) -> ForwardBatch:
+        """The step's plan: the fields above plus per-request sampling tensors and what to publish."""
+        params = [r.sampling_params for r in self.reqs]
+        sampling = {
+            "temperature": torch.tensor([float(p.temperature) for p in params], dtype=torch.float64),
+            "top_p": torch.tensor([float(p.top_p) for p in params], dtype=torch.float64),
+            "top_k": torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            "min_p": torch.tensor([float(p.min_p) for p in params], dtype=torch.float64),
+            "seed": torch.tensor([r.seed for r in self.reqs], dtype=torch.int64),
+            # the output index each request samples: the noise is a function of (seed, out_pos) only
+            "out_pos": torch.tensor([n - len(r.origin_input_ids) for n, r in zip(self.seq_lens, self.reqs)]),
+            "all_greedy": all(p.temperature == 0 for p in params),
+            "need_filter": any(p.top_k != -1 or p.top_p < 1 or p.min_p > 0 for p in params),
+        }
+        # overlap mode publishes each sampled token (not a mid-prompt chunk's) for the next step to gather
+        publish = [i for i, last in enumerate(self.is_last_chunk) if last and self.scheduler.enable_overlap]
+        return ForwardBatch(forward_mode=self.forward_mode, seq_lens=self.seq_lens, sampling=sampling,
+                            publish_idx=torch.tensor(publish, dtype=torch.int64), **fields)
 
     def prepare_for_extend(self):
         """Each request's chunk gets KV slots; on its first chunk the request also gets a row, which
@@ -335,7 +329,7 @@ class ScheduleBatch:
         self.seq_lens = [r.kv_allocated_len for r in self.reqs]
         self.is_last_chunk = [r.kv_allocated_len == len(r.fill_ids) for r in self.reqs]
         self.n_prefill = len(self.reqs)
-        self.fb = self.forward_batch(
+        self.forward_batch = self.build_forward_batch(
             input_ids=torch.tensor(ids, dtype=torch.int64), future_input_rows=None,
             positions=torch.cat(positions),
             req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64),
@@ -347,39 +341,20 @@ class ScheduleBatch:
         """enable_mixed_chunk: the running requests' decode step (planned by prepare_for_decode) rides in
         this prefill batch, so a long prompt does not starve them: prefill rows first, then decode rows,
         one forward. In overlap mode the decode rows' inputs still come from the FutureMap."""
-        ext, dec = self.fb, running.fb
+        ext, dec = self.forward_batch, running.forward_batch
         self.forward_mode = ForwardMode.MIXED
         self.reqs = self.reqs + running.reqs
         self.seq_lens = self.seq_lens + running.seq_lens
         self.is_last_chunk = self.is_last_chunk + running.is_last_chunk
         extend_lens = ext.extend_lens + dec.extend_lens
         writes = tuple(torch.cat(pair) for pair in zip(ext.req_to_token_writes, dec.req_to_token_writes))
-        self.fb = self.forward_batch(
+        self.forward_batch = self.build_forward_batch(
             input_ids=torch.cat((ext.input_ids, dec.input_ids)), future_input_rows=dec.future_input_rows,
             positions=torch.cat((ext.positions, dec.positions)),
             req_pool_indices=torch.cat((ext.req_pool_indices, dec.req_pool_indices)),
             prefix_lens=ext.prefix_lens + dec.positions.tolist(), extend_lens=extend_lens,
             out_cache_loc=torch.cat((ext.out_cache_loc, dec.out_cache_loc)), req_to_token_writes=writes,
             logit_rows=torch.tensor(extend_lens).cumsum(0) - 1)
-
-    def forward_batch(self, **fields) -> ForwardBatch:
-        """The step's plan: the fields above plus per-request sampling tensors and what to publish."""
-        params = [r.sampling_params for r in self.reqs]
-        sampling = {
-            "temperature": torch.tensor([float(p.temperature) for p in params], dtype=torch.float64),
-            "top_p": torch.tensor([float(p.top_p) for p in params], dtype=torch.float64),
-            "top_k": torch.tensor([p.top_k for p in params], dtype=torch.int64),
-            "min_p": torch.tensor([float(p.min_p) for p in params], dtype=torch.float64),
-            "seed": torch.tensor([r.seed for r in self.reqs], dtype=torch.int64),
-            # the output index each request samples: the noise is a function of (seed, out_pos) only
-            "out_pos": torch.tensor([n - len(r.origin_input_ids) for n, r in zip(self.seq_lens, self.reqs)]),
-            "all_greedy": all(p.temperature == 0 for p in params),
-            "need_filter": any(p.top_k != -1 or p.top_p < 1 or p.min_p > 0 for p in params),
-        }
-        # overlap mode publishes each sampled token (not a mid-prompt chunk's) for the next step to gather
-        publish = torch.tensor(self.is_last_chunk) & self.scheduler.enable_overlap
-        return ForwardBatch(forward_mode=self.forward_mode, seq_lens=self.seq_lens, publish=publish,
-                            sampling=sampling, **fields)
 
 
 class PrefillAdder:
@@ -487,13 +462,12 @@ class ReqToTokenPool:
 class TokenToKVPool:
     """Per-layer K and V buffers indexed by slot, and a free list of slots. Slot 0 is a dummy."""
 
-    def __init__(self, size: int, cfg: ModelConfig, dtype: torch.dtype, device: str,
-                 kv_heads: Optional[int] = None):
+    def __init__(self, size: int, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: str):
         self.size = size
-        kv_heads = kv_heads or cfg.num_key_value_heads  # tensor parallel: only this rank's heads
-        shape = (size + 1, kv_heads, cfg.head_dim)  # (num_slots, n_kv_heads, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        shape = (size + 1, kv_heads, head_dim)  # (num_slots, n_kv_heads, head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.free_slots = torch.arange(1, size + 1, dtype=torch.int64)  # host tensor: slicing is O(1)
 
     def available_size(self) -> int:
@@ -692,17 +666,12 @@ class StepHandle:
         self.done = threading.Event()      # CPU: set by the device thread when the step has run
         self.value, self.error = None, None
         self.t_launch = time.perf_counter()
-        self.t_start = self.t_end = None   # device-side start and end on the host clock, once done
-        self.device_time = 0.0
+        self.t_start = self.t_end = None   # CPU: when the device thread ran it (CUDA: see StepTimer)
         self.copy_done = None              # CUDA: event recorded on the copy stream
 
     def wait(self):
         if self.copy_done is not None:
             self.copy_done.synchronize()
-            self.device_time = self.ev_start.elapsed_time(self.ev_end) / 1e3
-            clock_event, clock_host = self.clock  # the step's events on the host clock, for timelines
-            self.t_start = clock_host + clock_event.elapsed_time(self.ev_start) / 1e3
-            self.t_end = self.t_start + self.device_time
         else:
             self.done.wait()
         if self.error is not None:
@@ -718,7 +687,6 @@ class CpuDeviceStream:
         self.queue: queue.Queue = queue.Queue()
         self.jitter, self.rng = jitter_ms / 1e3, random.Random(seed)
         self.error: Optional[BaseException] = None
-        keep_freed_memory_in_process()  # before the thread exists, so that it shares the host's arena
         self.thread = threading.Thread(target=self._run, name="overlap-engine-device", daemon=True)
         self.thread.start()
 
@@ -744,7 +712,6 @@ class CpuDeviceStream:
             except BaseException as e:  # surfaces on the host at wait(); the thread lives on
                 h.error = self.error = e
             h.t_end = h.t_end or time.perf_counter()
-            h.device_time = h.t_end - (h.t_start or h.t_end)
             h.done.set()
 
     def _sleep(self):
@@ -766,18 +733,12 @@ class CudaDeviceStream:
     def __init__(self):
         self.forward_stream, self.copy_stream = torch.cuda.Stream(), torch.cuda.Stream()
         self.error: Optional[BaseException] = None
-        # one event whose host time is known: the steps' events are placed on the host clock from it
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(self.forward_stream)
-        event.synchronize()
-        self.clock = (event, time.perf_counter())
 
     def launch(self, fn: Callable) -> StepHandle:
         if self.error is not None:  # as on the CPU stream: once broken, every later launch re-raises
             raise self.error
         h = StepHandle()
         h.ev_start, h.ev_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        h.clock = self.clock
         self.forward_stream.wait_stream(torch.cuda.current_stream())  # the host's H2D copies come first
         try:
             with torch.cuda.stream(self.forward_stream):
@@ -810,52 +771,34 @@ class CudaDeviceStream:
 class ModelWorker:
     """Runs steps on the device stream: resolve inputs, write req_to_token, forward, sample, publish."""
 
-    def __init__(self, model, req_to_token_pool, future_map, attn_backend, stream, device,
-                 compile_max_bs: int = 0):
+    def __init__(self, model: Callable, req_to_token_pool, future_map, attn_backend, stream, device):
         self.model, self.req_to_token_pool, self.future_map = model, req_to_token_pool, future_map
         self.attn, self.stream, self.device = attn_backend, stream, device
-        # enable_torch_compile: decode batches up to compile_max_bs run the model through torch.compile.
-        # Inductor fuses each layer's small ops into a few C++ loops, and one call replaces the dispatch
-        # of a few thousand ops: at batch 1 that is most of a step. The guards skip the modules, whose
-        # weights never change after loading: checking them cost 1.3 ms a step.
-        self.compile_max_bs, self.compiled_model = compile_max_bs, None
-        if compile_max_bs:
-            def forward(*args):
-                return model(*args)
-            # Dynamo keeps compiled graphs on the code object it compiles, and these skip the guards on the
-            # modules, so this engine's graph must be one that no other model in the process can reach:
-            # a code object of its own, compiled whole (fullgraph: no frame below it is compiled apart)
-            forward.__code__ = forward.__code__.replace()
-            skip_modules = torch.compiler.skip_guard_on_all_nn_modules_unsafe
-            self.compiled_model = torch.compile(forward, dynamic=True, fullgraph=True,
-                                                options={"guard_filter_fn": skip_modules})
 
-    def launch(self, fb: ForwardBatch) -> StepHandle:
-        return self.stream.launch(lambda: self.forward_step(fb))
+    def launch(self, batch: ForwardBatch) -> StepHandle:
+        return self.stream.launch(lambda: self.forward_step(batch))
 
-    def forward_step(self, fb: ForwardBatch) -> torch.Tensor:
+    def forward_step(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs on the device stream; everything it touches on the device is ordered after earlier steps."""
-        dev = self.device
-        to = lambda t: to_device(t, dev)  # noqa: E731
-        rows = to(fb.req_pool_indices)
-        input_ids = to(fb.input_ids)  # (N,) or the prefill part of a mixed batch; empty for overlap decode
-        if fb.future_input_rows is not None:
+        to = functools.partial(to_device, device=self.device)
+        rows = to(batch.req_pool_indices)
+        input_ids = to(batch.input_ids)  # (N,) or a mixed batch's prefill part; empty for overlap decode
+        if batch.future_input_rows is not None:
             # the decode inputs of overlap mode: the previous step's tokens, materialized in the FutureMap
-            tails = self.future_map.resolve(to(fb.future_input_rows))
-            input_ids = torch.cat((input_ids, tails)) if len(fb.input_ids) else tails
-        write_rows, write_cols, write_slots = fb.req_to_token_writes
+            tails = self.future_map.resolve(to(batch.future_input_rows))
+            input_ids = torch.cat((input_ids, tails)) if len(batch.input_ids) else tails
+        write_rows, write_cols, write_slots = batch.req_to_token_writes
         self.req_to_token_pool.req_to_token[to(write_rows), to(write_cols)] = to(write_slots).to(torch.int32)
         self.attn.init_forward_metadata(ForwardMetadata(
-            forward_mode=fb.forward_mode, req_pool_indices=rows, seq_lens=to(torch.tensor(fb.seq_lens)),
-            out_cache_loc=to(fb.out_cache_loc), req_pool_indices_cpu=fb.req_pool_indices.tolist(),
-            seq_lens_cpu=fb.seq_lens, prefix_lens_cpu=fb.prefix_lens, extend_lens_cpu=fb.extend_lens))
-        compiled = fb.forward_mode.is_decode() and len(fb.seq_lens) <= self.compile_max_bs
-        model = self.compiled_model if compiled else self.model
-        logits = model(input_ids, to(fb.positions), self.attn, to(fb.logit_rows))  # (B, vocab)
-        sampling = {k: (to(v) if isinstance(v, torch.Tensor) else v) for k, v in fb.sampling.items()}
-        next_ids = sample(logits, sampling)                                              # (B,)
-        if fb.publish.any():  # a host tensor: no sync
-            sel = to(fb.publish.nonzero().squeeze(1))  # made on the host: a device boolean mask would sync
+            forward_mode=batch.forward_mode, req_pool_indices=rows, out_cache_loc=to(batch.out_cache_loc),
+            seq_lens=to(torch.tensor(batch.seq_lens)), req_pool_indices_cpu=batch.req_pool_indices.tolist(),
+            seq_lens_cpu=batch.seq_lens, prefix_lens_cpu=batch.prefix_lens,
+            extend_lens_cpu=batch.extend_lens))
+        logits = self.model(input_ids, to(batch.positions), self.attn, to(batch.logit_rows))  # (B, vocab)
+        sampling = {k: (to(v) if isinstance(v, torch.Tensor) else v) for k, v in batch.sampling.items()}
+        next_ids = sample(logits, sampling)                                                  # (B,)
+        if len(batch.publish_idx):  # host-known: no sync (a device boolean mask would sync)
+            sel = to(batch.publish_idx)
             self.future_map.publish(rows[sel], next_ids[sel])
         return next_ids
 
@@ -886,9 +829,8 @@ class Scheduler:
     """
 
     def __init__(self, args: ServerArgs, tokenizer, worker: ModelWorker, req_to_token_pool: ReqToTokenPool,
-                 kv_pool: TokenToKVPool, tp: Optional[TPGroup] = None):
+                 kv_pool: TokenToKVPool):
         self.server_args, self.tokenizer, self.worker = args, tokenizer, worker
-        self.tp = tp  # tensor parallel: this rank's group; only the debug plan check talks on it here
         self.req_to_token_pool, self.kv_pool = req_to_token_pool, kv_pool
         self.tree_cache = RadixCache(kv_pool, disable=args.disable_radix_cache)
         self.enable_overlap = not args.disable_overlap_schedule
@@ -908,39 +850,33 @@ class Scheduler:
         self.min_new_token_ratio = min(0.1 * c, 1.0)
         self.new_token_ratio_decay = 0.001
         self.new_token_ratio = self.init_new_token_ratio
-        # counters, plus per-step records for the bench (bounded: a long-lived engine must not grow)
-        self.stats = {"overshoot_tokens": 0, "stale_results": 0, "retractions": 0,
-                      "steps": deque(maxlen=100_000), "host_times": deque(maxlen=100_000),
-                      "iterations": deque(maxlen=100_000), "waits": deque(maxlen=100_000)}
-        self.wait_time = 0.0  # host seconds spent blocked on results in the current iteration
+        self.stats = {"overshoot_tokens": 0, "stale_results": 0, "retractions": 0}
 
-    # -- the two loops ---------------------------------------------------------------------------------
+    # -- the two loops: each yields once per iteration to whoever drives it (Engine.step) -------------
 
     def event_loop_normal(self) -> Iterator[None]:
         """Serial: plan, run, wait, commit. The device idles while the host commits and plans."""
         self.sync_pending_results()  # a loop restarted after an interrupt first commits what is in flight
         while True:
-            with self.iteration():
-                batch = self.get_next_batch_to_run()
-                if batch is not None:
-                    self.run_batch(batch)
-                self.last_batch = batch
-                if batch is not None:
-                    self.process_batch_result()  # sync point: waits for the step just launched
+            batch = self.get_next_batch_to_run()
+            if batch is not None:
+                self.run_batch(batch)
+            self.last_batch = batch
+            if batch is not None:
+                self.process_batch_result()  # sync point: waits for the step just launched
             yield
 
     def event_loop_overlap(self) -> Iterator[None]:
         """Overlap: plan n+1 and launch it, then commit n while the device runs n+1."""
         self.sync_pending_results()  # a loop restarted after an interrupt first commits what is in flight
         while True:
-            with self.iteration():
-                batch = self.get_next_batch_to_run()  # plan n+1 from committed state + last_batch (n)
-                step_n_in_flight = self.step_in_flight()
-                if batch is not None:
-                    self.run_batch(batch)             # launch n+1: returns at once
-                self.last_batch = batch
-                if step_n_in_flight:
-                    self.process_batch_result()       # the host commits n while the device runs n+1
+            batch = self.get_next_batch_to_run()  # plan n+1 from committed state + last_batch (n)
+            step_n_in_flight = self.step_in_flight()
+            if batch is not None:
+                self.run_batch(batch)             # launch n+1: returns at once
+            self.last_batch = batch
+            if step_n_in_flight:
+                self.process_batch_result()       # the host commits n while the device runs n+1
             yield
 
     def step_in_flight(self) -> bool:
@@ -959,6 +895,9 @@ class Scheduler:
         batch = self.get_new_batch_prefill()
         if batch is None:
             batch = self.update_running_batch()
+            if batch is not None:  # decoding goes on: admission keeps a little less headroom for it
+                self.new_token_ratio = max(self.min_new_token_ratio,
+                                           self.new_token_ratio - self.new_token_ratio_decay)
         if batch is None and (self.waiting or self.chunked_req):
             batch = self.plan_when_blocked()
         return batch
@@ -968,32 +907,42 @@ class Scheduler:
         middle of a prompt does not), and so do the decode rows of a mixed last_batch, which took them
         out of it. Their latest output token may still be in flight."""
         last = self.last_batch
-        if last is None or not last.forward_mode.is_extend() or last.merged:
+        if last is None or not last.forward_mode.is_extend() or last.joined_running:
             return
         done = [r for r, is_last in zip(last.reqs, last.is_last_chunk)
                 if is_last and not r.finished() and r.req_pool_idx is not None]
         self.running_batch.merge(done)
-        last.merged = True
+        last.joined_running = True
 
-    def update_running_batch(self) -> Optional[ScheduleBatch]:
+    def update_running_batch(self, may_retract: bool = True) -> Optional[ScheduleBatch]:
         """The next decode batch: drop finished requests and those whose last token is already in flight
-        (they finish by length, so they never overshoot), make room, allocate one slot each."""
-        rb = self.running_batch
-        rb.filter(Req.needs_decode)
-        if rb.is_empty():
+        (they finish by length, so they never overshoot), make room (retracting unless may_retract is
+        False, as for a mixed batch's decode rows), allocate one slot each."""
+        running = self.running_batch
+        running.filter(Req.needs_decode)
+        if running.is_empty():
             return None
-        if self.kv_available() < len(rb.reqs) and not self.retract_decode():
+        if self.kv_available() < len(running.reqs) and not (may_retract and self.retract_decode()):
             return None
-        rb.prepare_for_decode(use_future_map=self.enable_overlap)
-        self.new_token_ratio = max(self.min_new_token_ratio,
-                                   self.new_token_ratio - self.new_token_ratio_decay)
-        return rb
+        running.prepare_for_decode(use_future_map=self.enable_overlap)
+        return running
+
+    def kv_available(self) -> int:
+        """KV slots a plan can take: free ones plus those the radix cache can evict."""
+        return self.kv_pool.available_size() + self.tree_cache.evictable_size()
+
+    def alloc_token_slots(self, n: int) -> torch.Tensor:
+        if self.kv_pool.available_size() < n:
+            self.tree_cache.evict(n - self.kv_pool.available_size())
+        loc = self.kv_pool.alloc(n)
+        assert loc is not None, f"out of KV slots: need {n}, have {self.kv_pool.available_size()}"
+        return loc
 
     def run_batch(self, batch: ScheduleBatch):
         """Launches the step on the device stream (returns before the forward finishes) and queues its
         snapshot and handle for the commit. A step that fails to reach the queue is rolled back."""
         try:
-            result = self.worker.launch(batch.fb)
+            result = self.worker.launch(batch.forward_batch)
             snapshot = batch.copy()
         except BaseException:  # an interrupt or a broken stream: the plan's memory must not leak
             self.roll_back(batch)
@@ -1004,7 +953,7 @@ class Scheduler:
         """The commit point of the oldest launched step: read its tokens, append them, check stop
         conditions, settle KV. Interrupted while waiting, the step stays queued for the next try."""
         batch, result = self.result_queue[0]
-        next_ids = self.wait_for(batch, result)  # sync point: waits for this step's copy_done
+        next_ids = self.wait_for(batch, result)  # sync point
         self.result_queue.popleft()
         for i, r in enumerate(batch.reqs):
             if r.finished() or r.epoch != batch.epochs[i]:
@@ -1024,6 +973,11 @@ class Scheduler:
             elif i < batch.n_prefill:
                 self.cache_unfinished_req(r)  # a prompt just prefilled: share it
 
+    def wait_for(self, batch: BatchSnapshot, result: StepHandle) -> list:
+        """The one place the host blocks on the device (sync point): the step's tokens once they are
+        on the host (copy_done). Part II's StepTimer wraps it to time each step and each wait."""
+        return result.wait().tolist()
+
     def release_kv_cache(self, r: Req, insert: bool):
         """Gives back a request's KV by allocated length (overshoot and tail included) and its row.
 
@@ -1031,13 +985,10 @@ class Scheduler:
         row = r.req_pool_idx
         kv = self.req_to_token_pool.req_to_token_host[row, :r.kv_allocated_len].clone()
         if insert and not self.tree_cache.disable:
-            k = r.kv_committed_len
-            cached = self.tree_cache.insert(r.fill_ids[:k], kv[:k])
-            assert cached >= r.cache_protected_len, "the request's locked prefix vanished from the tree"
-            self.kv_pool.free(kv[r.cache_protected_len:cached])  # our copies of tokens the tree already had
-            self.kv_pool.free(kv[k:])                            # overshoot and over-allocated tail
+            self.insert_committed(r, kv)
+            self.kv_pool.free(kv[r.kv_committed_len:])  # overshoot and over-allocated tail
         else:
-            self.kv_pool.free(kv[r.cache_protected_len:])
+            self.kv_pool.free(kv[len(r.prefix_indices):])
         if r.last_node is not None:
             self.tree_cache.dec_lock_ref(r.last_node)
         self.req_to_token_pool.free(row)
@@ -1053,9 +1004,7 @@ class Scheduler:
         if self.tree_cache.disable:
             return
         k, row = r.kv_committed_len, r.req_pool_idx
-        kv = self.req_to_token_pool.req_to_token_host[row, :k].clone()
-        cached = self.tree_cache.insert(r.fill_ids[:k], kv)
-        self.kv_pool.free(kv[r.cache_protected_len:cached])
+        self.insert_committed(r, self.req_to_token_pool.req_to_token_host[row, :k].clone())
         slots, node = self.tree_cache.match_prefix(r.fill_ids[:k])
         assert len(slots) == k, "a just-inserted prefix must match in full"
         self.tree_cache.inc_lock_ref(node)
@@ -1063,6 +1012,14 @@ class Scheduler:
         self.req_to_token_pool.req_to_token_host[row, :k] = slots
         self.worker.write_row(row, slots)  # after the in-flight step that may still read the old slots
         r.last_node, r.prefix_indices = node, slots
+
+    def insert_committed(self, r: Req, kv: torch.Tensor):
+        """Inserts r's committed tokens, with their slots kv[:kv_committed_len], into the radix cache and
+        frees r's private copies of the tokens the tree already had."""
+        protected = len(r.prefix_indices)
+        cached = self.tree_cache.insert(r.fill_ids[:r.kv_committed_len], kv[:r.kv_committed_len])
+        assert cached >= protected, "the request's locked prefix vanished from the tree"
+        self.kv_pool.free(kv[protected:cached])
 
     # -- admitting new requests ------------------------------------------------------------------------
 
@@ -1110,12 +1067,10 @@ class Scheduler:
     def mix_running_batch_into(self, batch: ScheduleBatch):
         """enable_mixed_chunk: the running batch's next decode step joins this prefill batch (its KV was
         kept by the PrefillAdder); the running batch empties and is merged back from last_batch."""
-        rb = self.running_batch
-        rb.filter(Req.needs_decode)
-        if rb.is_empty() or self.kv_available() < len(rb.reqs):
+        running = self.update_running_batch(may_retract=False)
+        if running is None:
             return
-        rb.prepare_for_decode(use_future_map=self.enable_overlap)
-        batch.mix_with_running(rb)
+        batch.mix_with_running(running)
         self.running_batch = ScheduleBatch([], ForwardMode.DECODE, self)
 
     def prompts_being_prefilled(self, planned: list) -> RadixCache:
@@ -1137,17 +1092,6 @@ class Scheduler:
         self.req_to_token_pool.req_to_token_host[row, :len(r.prefix_indices)] = r.prefix_indices
         r.kv_allocated_len = r.kv_committed_len = len(r.prefix_indices)
 
-    def kv_available(self) -> int:
-        """KV slots a plan can take: free ones plus those the radix cache can evict."""
-        return self.kv_pool.available_size() + self.tree_cache.evictable_size()
-
-    def alloc_token_slots(self, n: int) -> torch.Tensor:
-        if self.kv_pool.available_size() < n:
-            self.tree_cache.evict(n - self.kv_pool.available_size())
-        loc = self.kv_pool.alloc(n)
-        assert loc is not None, f"out of KV slots: need {n}, have {self.kv_pool.available_size()}"
-        return loc
-
     # -- rare cases: memory pressure, aborts -----------------------------------------------------------
 
     def retract_decode(self) -> bool:
@@ -1155,19 +1099,19 @@ class Scheduler:
         flight, and what it frees is used one iteration later. A half-prefilled prompt gives way first;
         then running requests are retracted (recomputed later) in SGLang's order, fewest output tokens
         first, then the longest prompt. False: no decode step this iteration."""
-        rb = self.running_batch
+        running = self.running_batch
         if self.chunked_req is not None and self.chunked_req.req_pool_idx is not None:
             r, self.chunked_req = self.chunked_req, None
             self.retract(r)
-        rb.reqs.sort(key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
-        while self.kv_available() < len(rb.reqs):
-            if len(rb.reqs) > 1:
-                self.retract(rb.reqs.pop())
+        running.reqs.sort(key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
+        while self.kv_available() < len(running.reqs):
+            if len(running.reqs) > 1:
+                self.retract(running.reqs.pop())
             elif self.result_queue:
                 return False  # alone, it fits the pool (add_request checked): the commit frees the rest
             else:  # nothing in flight holds the memory it needs: never spin
-                self.abort_req(rb.reqs[0], "the KV pool is too small for this request")
-                rb.filter(Req.needs_decode)
+                self.abort_req(running.reqs[0], "the KV pool is too small for this request")
+                running.filter(Req.needs_decode)
                 return False
         return True
 
@@ -1226,51 +1170,7 @@ class Scheduler:
             self.release_kv_cache(r, insert=False)
         r.last_node = None  # a waiting request's matched prefix was never locked
 
-    # -- instrumentation and checks: the bench and the tests read these; the loops do not ---------------
-
-    @contextlib.contextmanager
-    def iteration(self):
-        """Times one loop iteration: its span, and its host time (the span minus the time blocked on
-        results). With debug_ledger, checks the books after it."""
-        t0, self.wait_time = time.perf_counter(), 0.0
-        yield
-        t1 = time.perf_counter()
-        self.stats["host_times"].append(t1 - t0 - self.wait_time)
-        self.stats["iterations"].append((t0, t1))
-        if self.server_args.debug_ledger:
-            self.check_ledger()
-        if self.tp is not None and self.server_args.debug_tp_plan:
-            self.check_plan_agrees()
-
-    def wait_for(self, batch: BatchSnapshot, result: StepHandle) -> list:
-        """Waits for a step's copy_done and returns its tokens; records the wait and the step's times."""
-        t0 = time.perf_counter()
-        next_ids = result.wait().tolist()
-        t1 = time.perf_counter()
-        self.wait_time += t1 - t0
-        self.stats["waits"].append((t0, t1))
-        self.stats["steps"].append({"forward_mode": batch.forward_mode.value, "bs": len(batch.reqs),
-                                    "device_time": result.device_time, "t_launch": result.t_launch,
-                                    "t_start": result.t_start, "t_end": result.t_end})
-        return next_ids
-
-    def check_plan_agrees(self):
-        """debug_tp_plan: every rank planned the same step from the same state. Each planned it alone,
-        so a hash of the plan, gathered from all ranks, must be the same everywhere."""
-        digests = self.tp.all_gather(self.plan_digest())
-        assert len(set(digests)) == 1, f"tensor-parallel ranks planned different steps: {digests}"
-
-    def plan_digest(self) -> str:
-        """A hash of the step just planned and of the committed state it was planned from."""
-        b = self.last_batch
-        step = None if b is None else (b.forward_mode.value, [r.rid for r in b.reqs], b.seq_lens,
-                                       b.fb.out_cache_loc.tolist(), b.fb.input_ids.tolist())
-        # subtle: an overlap decode step's input ids are FutureMap rows (fb.input_ids is empty), so the
-        # tokens the ranks committed go in on their own: the count and the last one of each request
-        committed = [(r.rid, len(r.output_ids), r.output_ids[-1:]) for r in self.running_batch.reqs]
-        plan = (step, [r.rid for r in self.waiting], committed,
-                self.kv_pool.available_size(), self.tree_cache.evictable_size())
-        return hashlib.sha256(repr(plan).encode()).hexdigest()
+    # -- checks: the tests and the debug flags read these; the loops do not ----------------------------
 
     def is_idle(self) -> bool:
         batches = [self.running_batch] + ([self.last_batch] if self.last_batch is not None else [])
@@ -1279,9 +1179,9 @@ class Scheduler:
 
     def check_ledger(self):
         """Every KV slot is exactly one of: free, owned by the radix tree, or private to a live request
-        (its positions cache_protected_len..kv_allocated_len); rows likewise; lock refs match holders."""
+        (its positions len(prefix_indices)..kv_allocated_len); rows likewise; lock refs match holders."""
         req_to_token, tree = self.req_to_token_pool.req_to_token_host, self.tree_cache
-        private = [req_to_token[row, r.cache_protected_len:r.kv_allocated_len]
+        private = [req_to_token[row, len(r.prefix_indices):r.kv_allocated_len]
                    for row, r in self.row_owner.items()]
         slots = torch.cat([self.kv_pool.free_slots, tree.all_slots()] + private).sort().values
         assert torch.equal(slots, torch.arange(1, self.kv_pool.size + 1)), \
@@ -1299,6 +1199,370 @@ class Scheduler:
             assert node.lock_ref == holders.get(id(node), 0), "lock_ref does not match its holders"
         assert tree.protected_size() == sum(len(n.key) for n in tree._nodes() if n.lock_ref > 0), "protected"
         assert tree.evictable_size() == tree.total_size() - tree.protected_size(), "evictable size"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model and attention: Llama (math only), sampling, and the backends that read the paged KV pool
+
+
+@dataclass
+class ModelConfig:
+    """The Llama hyper-parameters the model needs, read from an HF config.json dict."""
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None     # {"rope_type": "llama3", "factor": ..., ...} or None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple = ()
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        rope = cfg.get("rope_parameters") or {}  # transformers 5 nests rope_theta and the scaling here
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        eos = cfg.get("eos_token_id")
+        eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        n_heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=n_heads, num_key_value_heads=cfg.get("num_key_value_heads", n_heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)), rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x if x.dtype == torch.float64 else x.float()  # half precision normalises in fp32, like HF
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig, dtype=torch.float64) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,), with Llama 3's wavelength-dependent scaling if configured."""
+    D = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    sc = cfg.rope_scaling
+    if sc and sc.get("rope_type", sc.get("type")) == "llama3":
+        factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+        old_len = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - lo) / (hi - lo)  # 0 at the low-frequency edge, 1 at the high one
+        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / lo) & (wavelen >= old_len / hi)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    return inv_freq.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (N, H, D); cos, sin: (N, 1, D). HF layout: rotate the two halves of the head dimension.
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1).mul_(sin).addcmul_(x, cos)  # x * cos + rotate_half(x) * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.layer_id, self.H, self.Hkv, self.D = layer_id, H, Hkv, D
+        # q, k and v side by side: one matmul (SGLang's QKVParallelLinear); loading stacks the three
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (H + 2 * Hkv) * D, bias=False)
+        self.o_proj = nn.Linear(H * D, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, attn) -> torch.Tensor:
+        N, H, Hkv = x.shape[0], self.H, self.Hkv
+        qkv = self.qkv_proj(x).view(N, H + 2 * Hkv, self.D)
+        qk = apply_rope(qkv[:, :H + Hkv], cos, sin)  # the query and key heads rotate alike
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]  # (N, H, D), (N, Hkv, D), (N, Hkv, D): views
+        o = attn.forward(q, k, v, self.layer_id)          # (N, H, D)
+        return self.o_proj(o.reshape(N, H * self.D))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)  # gate and up: one matmul
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))  # SwiGLU
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.self_attn, self.mlp = LlamaAttention(cfg, layer_id), LlamaMLP(cfg)
+        self.eps = cfg.rms_norm_eps
+        self.input_layernorm = nn.Module()
+        self.input_layernorm.weight = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.post_attention_layernorm = nn.Module()
+        self.post_attention_layernorm.weight = nn.Parameter(torch.ones(cfg.hidden_size))
+
+    def forward(self, x, cos, sin, attn):
+        x = x + self.self_attn(rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin, attn)
+        return x + self.mlp(rms_norm(x, self.post_attention_layernorm.weight, self.eps))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names follow HF (model.layers.N.self_attn.o_proj.weight ...), except the fused qkv_proj
+    and gate_up_proj, which loading stacks from HF's q/k/v_proj and gate/up_proj."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.model.norm = nn.Module()
+        self.model.norm.weight = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @torch.no_grad()
+    def forward(self, input_ids, positions, attn, logit_rows) -> torch.Tensor:
+        """input_ids, positions: (N,) flat tokens of the batch; returns logits (len(logit_rows), vocab)."""
+        x = self.model.embed_tokens(input_ids)                                  # (N, hidden)
+        ang = positions[:, None].to(self.inv_freq.dtype) * self.inv_freq[None]  # (N, D/2)
+        ang = torch.cat((ang, ang), dim=-1)[:, None, :]                         # (N, 1, D)
+        cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attn)
+        x = rms_norm(x[logit_rows], self.model.norm.weight, self.cfg.rms_norm_eps)
+        # logits in fp32, as SGLang keeps them: sampling reads all of them, and argmax over a bf16 row of
+        # 49k ran 4x slower here (5.6 ms against 1.5 ms at batch 64, conversion included)
+        return self.lm_head(x).to(torch.promote_types(x.dtype, torch.float32))
+
+
+# -- sampling: runs inside the step, on the device --
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix on int64 tensors (values stay below 2^60, so no overflow)."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    return (x >> 16) ^ x
+
+
+def sampling_noise(seed: torch.Tensor, out_pos: torch.Tensor, V: int) -> torch.Tensor:
+    """Exponential(1) noise of shape (B, V) that depends only on (seed, output position, token id)."""
+    M = 0xFFFFFFFF
+    base = _hash32(_hash32((seed ^ (seed >> 32)) & M) ^ (out_pos & M))                 # (B,)
+    h = _hash32((base[:, None] * 65599 + torch.arange(V, device=seed.device)[None]) & M)  # (B, V)
+    return -torch.log((h.double() + 0.5) / 2.0**32)
+
+
+def sample(logits: torch.Tensor, sampling: dict) -> torch.Tensor:
+    """Greedy where temperature == 0; else argmax(p / E), E ~ Exp(1), which draws from p exactly
+    (the exponential race), with p filtered by top_k, top_p and min_p."""
+    greedy = logits.argmax(-1)
+    if sampling["all_greedy"]:
+        return greedy
+    t = sampling["temperature"]
+    probs = torch.softmax(logits.double() / torch.where(t > 0, t, 1.0)[:, None], dim=-1)  # (B, V)
+    if sampling["need_filter"]:
+        p, idx = probs.sort(dim=-1, descending=True, stable=True)                               # (B, V)
+        rank = torch.arange(p.shape[1], device=p.device)[None]
+        keep = rank < torch.where(sampling["top_k"] > 0, sampling["top_k"], p.shape[1])[:, None]
+        keep &= (p.cumsum(-1) - p) < sampling["top_p"][:, None]  # the smallest set with mass >= top_p
+        keep &= p >= sampling["min_p"][:, None] * p[:, :1]
+        keep[:, 0] = True
+        probs = torch.zeros_like(probs).scatter_(1, idx, p * keep)
+    noise = sampling_noise(sampling["seed"], sampling["out_pos"], probs.shape[1])  # (B, V)
+    drawn = (probs / noise).argmax(-1)
+    return torch.where(t == 0, greedy, drawn)
+
+
+# -- attention backends: read and write the paged KV pool through req_to_token rows --
+
+
+@dataclass(kw_only=True)
+class ForwardMetadata:
+    """What attention needs for one step, already on the device (built inside the step)."""
+    forward_mode: ForwardMode
+    req_pool_indices: torch.Tensor  # (B,)
+    seq_lens: torch.Tensor          # (B,) lengths after this step
+    out_cache_loc: torch.Tensor     # (N,) slots this step writes
+    req_pool_indices_cpu: list      # host copies: known at plan time, so reading them costs no sync
+    seq_lens_cpu: list
+    prefix_lens_cpu: list
+    extend_lens_cpu: list
+
+
+DECODE_GATHER_BYTES = 4 << 20  # torch decode attention reads the pool in groups of about this many bytes
+
+
+class TorchAttnBackend:
+    """Plain-torch paged attention: decode runs SDPA over length-sorted groups; extend runs per request.
+
+    The pool is read with `index_select` on flat slot lists: on a CPU that is several times faster than
+    indexing the buffer with a 2-D slot table.
+    """
+
+    def __init__(self, kv_pool: TokenToKVPool, req_to_token_pool: ReqToTokenPool):
+        self.kv, self.meta = kv_pool, None
+        self.req_to_token = req_to_token_pool.req_to_token  # (rows, ctx) on the device
+
+    def init_forward_metadata(self, meta: ForwardMetadata):
+        self.meta = meta
+        if meta.forward_mode.is_decode():
+            groups = self._group_by_length(meta.seq_lens_cpu)
+            self.decode_groups = [self._decode_group(meta, g) for g in groups]
+        else:  # per request, once per step (not once per layer): its rows of the batch, its slots, its mask
+            self.extend_reqs, start = [], 0
+            for row, pre, ext in zip(meta.req_pool_indices_cpu, meta.prefix_lens_cpu, meta.extend_lens_cpu):
+                slots = self.req_to_token[row, :pre + ext].long()
+                self.extend_reqs.append((start, ext, slots, prefix_causal_mask(pre, ext, slots.device)))
+                start += ext
+
+    def _group_by_length(self, seq_lens: list) -> list:
+        """Batch indices in groups of similar length whose padded K+V gather stays near DECODE_GATHER_BYTES.
+
+        Small groups waste little on padding, and each group's gathered K/V is still in cache when SDPA
+        reads it: at batch 64 this halves decode attention time on a CPU against one padded gather.
+        """
+        kb = self.kv.k_buffer[0]
+        budget = max(1, DECODE_GATHER_BYTES // (2 * kb[0].numel() * kb.element_size()))  # padded tokens
+        groups, cur = [], []
+        for i in sorted(range(len(seq_lens)), key=seq_lens.__getitem__):  # ascending: i sets the padding
+            if cur and (len(cur) + 1) * seq_lens[i] > budget:
+                groups.append(cur)
+                cur = []
+            cur.append(i)
+        return groups + [cur]
+
+    def _decode_group(self, meta: ForwardMetadata, group: list) -> tuple:
+        dev = meta.seq_lens.device
+        idx = to_device(torch.tensor(group), dev)                                # (n,) positions in the batch
+        L = meta.seq_lens_cpu[group[-1]]
+        slots = self.req_to_token[meta.req_pool_indices[idx], :L].reshape(-1).long()  # (n * L,)
+        visible = torch.arange(L, device=dev)[None] < meta.seq_lens[idx][:, None]      # (n, L)
+        mask = torch.zeros(visible.shape, dtype=self.kv.k_buffer[0].dtype, device=dev)
+        mask.masked_fill_(~visible, -math.inf)
+        return idx, slots, mask[:, None, None, :]  # (n, 1, 1, L): added to the scores, hides the padding
+
+    def forward(self, q, k, v, layer_id: int) -> torch.Tensor:
+        m = self.meta
+        self.kv.k_buffer[layer_id].index_copy_(0, m.out_cache_loc, k)
+        self.kv.v_buffer[layer_id].index_copy_(0, m.out_cache_loc, v)
+        if m.forward_mode.is_decode():
+            return self._decode(q, layer_id)
+        return self._extend(q, layer_id)
+
+    def _decode(self, q, layer_id):
+        B, H, D = q.shape
+        kb, vb, out = self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id], torch.empty_like(q)
+        Hkv = kb.shape[1]
+        for idx, slots, mask in self.decode_groups:
+            n, L = mask.shape[0], mask.shape[-1]
+            kc = kb.index_select(0, slots).view(n, L, Hkv, D).transpose(1, 2)  # (n, Hkv, L, D)
+            vc = vb.index_select(0, slots).view(n, L, Hkv, D).transpose(1, 2)  # (n, Hkv, L, D)
+            # one query token per request, so the H // Hkv query heads that share a KV head can stand in
+            # for that many query rows of one head: no GQA expansion of K and V
+            qg = q.index_select(0, idx).view(n, Hkv, H // Hkv, D)
+            o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask)  # (n, Hkv, H // Hkv, D)
+            out.index_copy_(0, idx, o.reshape(n, H, D))
+        return out
+
+    def _extend(self, q, layer_id):
+        out, kb, vb = torch.empty_like(q), self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id]
+        for start, ext, slots, mask in self.extend_reqs:
+            out[start:start + ext] = causal_attention(q[start:start + ext], kb.index_select(0, slots),
+                                                      vb.index_select(0, slots), mask)
+        return out
+
+
+def prefix_causal_mask(prefix_len: int, T: int, device) -> Optional[torch.Tensor]:
+    """(T, prefix_len + T) bool: new token t sees the prefix and new tokens up to t; None: no prefix."""
+    if prefix_len == 0:
+        return None  # plain causal: SDPA's is_causal
+    # SDPA's is_causal aligns the diagonal top-left; with a prefix the new tokens sit bottom-right
+    last_visible = prefix_len + torch.arange(T, device=device)  # (T,)
+    return torch.arange(prefix_len + T, device=device)[None] <= last_visible[:, None]
+
+
+def causal_attention(q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """q: (T, H, D) new tokens; k, v: (prefix_len + T, Hkv, D); mask from prefix_causal_mask.
+    Returns (T, H, D)."""
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+    return o.transpose(0, 1)
+
+
+class TritonAttnBackend:
+    """Attention through kernels.py (split-K decode, extend over the cached prefix, KV store)."""
+
+    def __init__(self, kv_pool: TokenToKVPool, req_to_token_pool: ReqToTokenPool):
+        self.kv, self.meta = kv_pool, None
+        self.req_to_token = req_to_token_pool.req_to_token  # (rows, ctx) on the device
+        import kernels  # imported late: triton is only needed by this backend
+        self.kernels = kernels
+
+    def init_forward_metadata(self, meta: ForwardMetadata):
+        self.meta = meta
+        if meta.forward_mode.is_extend():
+            dev = meta.seq_lens.device
+            self.prefix_lens = to_device(torch.tensor(meta.prefix_lens_cpu, dtype=torch.int32), dev)  # (B,)
+            self.extend_lens = to_device(torch.tensor(meta.extend_lens_cpu, dtype=torch.int32), dev)  # (B,)
+
+    def forward(self, q, k, v, layer_id: int) -> torch.Tensor:
+        m, kb, vb = self.meta, self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id]
+        self.kernels.store_kv(kb, vb, m.out_cache_loc, k, v)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        if m.forward_mode.is_decode():
+            return self.kernels.decode_attention(q, kb, vb, self.req_to_token, m.req_pool_indices,
+                                                 m.seq_lens, scale)
+        return self.kernels.extend_attention(q, kb, vb, self.req_to_token, m.req_pool_indices,
+                                             self.prefix_lens, self.extend_lens, scale,
+                                             max_extend_len=max(m.extend_lens_cpu))  # host-known: no sync
+
+
+# ====================================================================================================
+# Part II: the plumbing. The Engine API and its argument checks, tensor parallelism, quantization,
+# compile, checkpoint loading, CPU tuning, the CLI and the server. Each changes Part I's objects from
+# outside: apply_tp shards the built model, quantization swaps its nn.Linear modules, compile wraps the
+# model callable the worker is handed, and the Engine sizes the pools and times the loop it drives.
+# Their imports sit here, so that Part I's list above shows what the lesson needs: torch alone.
+
+import _signal  # the C module under signal: see CtrlCHeld
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import glob
+import hashlib
+import ipaddress
+import json
+import logging
+import os
+import pickle
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import field
+from datetime import datetime, timedelta
+
+import jinja2.ext
+import jinja2.sandbox
+import numpy as np
+import torch.distributed as dist
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1521,6 +1785,51 @@ class CtrlCHeld:
                 raise KeyboardInterrupt
 
 
+class StepTimer:
+    """The bench's records of each loop iteration and each step, taken from outside the loop: the Engine
+    times each iteration it drives, and StepTimer wraps the scheduler's one blocking call, wait_for, to
+    time the waits and each step's device span. Bounded: a long-lived engine must not grow."""
+
+    def __init__(self, scheduler: Scheduler, device: str):
+        self.records = {k: deque(maxlen=100_000) for k in ("steps", "host_times", "iterations", "waits")}
+        self.wait_time, self.clock = 0.0, None  # host seconds blocked on results in this iteration
+        self.unwrapped_wait_for, scheduler.wait_for = scheduler.wait_for, self.wait_for
+        if device == "cuda":  # one event whose host time is known: the steps' events are placed from it
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            event.synchronize()
+            self.clock = (event, time.perf_counter())
+
+    @contextlib.contextmanager
+    def time_iteration(self):
+        """One iteration's span, and its host time: the span minus the time blocked on results."""
+        t0, self.wait_time = time.perf_counter(), 0.0
+        yield
+        t1 = time.perf_counter()
+        self.records["host_times"].append(t1 - t0 - self.wait_time)
+        self.records["iterations"].append((t0, t1))
+
+    def wait_for(self, batch: BatchSnapshot, result: StepHandle) -> list:
+        t0 = time.perf_counter()
+        next_ids = self.unwrapped_wait_for(batch, result)
+        t1 = time.perf_counter()
+        self.wait_time += t1 - t0
+        self.records["waits"].append((t0, t1))
+        if getattr(result, "ev_start", None) is not None:  # CUDA: the step's events on the host clock
+            clock_event, clock_host = self.clock
+            result.t_start = clock_host + clock_event.elapsed_time(result.ev_start) / 1e3
+            result.t_end = result.t_start + result.ev_start.elapsed_time(result.ev_end) / 1e3
+        self.records["steps"].append({"forward_mode": batch.forward_mode.value, "bs": len(batch.reqs),
+                                      "device_time": result.t_end - result.t_start,
+                                      "t_launch": result.t_launch, "t_start": result.t_start,
+                                      "t_end": result.t_end})
+        return next_ids
+
+    def clear(self):
+        for v in self.records.values():
+            v.clear()
+
+
 class Engine:
     """The user-facing engine: `generate` for text, `add_request` + `step` for servers and tests.
 
@@ -1569,18 +1878,25 @@ class Engine:
         if self.tp is not None:  # every rank plans with the same pool: the smallest one
             self.max_total_tokens = min(self.tp.all_gather(self.max_total_tokens))
         req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.context_len + 1, args.device)
-        kv_pool = TokenToKVPool(self.max_total_tokens, cfg, dtype, args.device, self.kv_heads)
-        backend_cls = TritonAttnBackend if args.attention_backend == "triton" else TorchAttnBackend
+        kv_pool = TokenToKVPool(self.max_total_tokens, cfg.num_hidden_layers, self.kv_heads, cfg.head_dim,
+                                dtype, args.device)
         compile_max_bs = args.torch_compile_max_bs if args.enable_torch_compile else 0
-        backend = backend_cls(kv_pool, req_to_token_pool, compile_max_bs)
+        if args.attention_backend == "triton":
+            backend = TritonAttnBackend(kv_pool, req_to_token_pool)
+        elif compile_max_bs:
+            backend = OneGroupDecodeBackend(kv_pool, req_to_token_pool, compile_max_bs)
+        else:
+            backend = TorchAttnBackend(kv_pool, req_to_token_pool)
         if args.device == "cuda":
             stream = CudaDeviceStream()
         else:
+            keep_freed_memory_in_process()  # before the device thread exists: it shares the host's arena
             stream = CpuDeviceStream(args.worker_jitter_ms, args.random_seed)
         self.future_map = FutureMap(args.max_running_requests, args.device, args.debug_future_map)
-        worker = ModelWorker(self.model, req_to_token_pool, self.future_map, backend, stream, args.device,
-                             compile_max_bs)
-        self.scheduler = Scheduler(args, self.tokenizer, worker, req_to_token_pool, kv_pool, self.tp)
+        model = CompiledDecode(self.model, compile_max_bs) if compile_max_bs else self.model
+        worker = ModelWorker(model, req_to_token_pool, self.future_map, backend, stream, args.device)
+        self.scheduler = Scheduler(args, self.tokenizer, worker, req_to_token_pool, kv_pool)
+        self.step_timer = StepTimer(self.scheduler, args.device)
         self._loop = self._new_loop()
         self._rng = random.Random(args.random_seed)
         self._reqs: dict[str, Req] = {}
@@ -1606,9 +1922,7 @@ class Engine:
             self.generate(input_ids=[[1, 2, 3 + i] for i in range(n)], sampling_params=sp)
             print(f" {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         self.flush_cache()
-        for v in self.scheduler.stats.values():  # the warm-up's steps are not the user's
-            if isinstance(v, deque):
-                v.clear()
+        self.step_timer.clear()  # the warm-up's steps are not the user's
 
     @staticmethod
     def _check_args(kwargs: dict) -> ServerArgs:
@@ -1723,6 +2037,7 @@ class Engine:
         return self._reqs[rid]
 
     def _to_ids(self, prompt, input_ids):
+        """The token ids of exactly one of prompt (text) and input_ids."""
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt and input_ids")
         if input_ids is not None:
@@ -1748,7 +2063,9 @@ class Engine:
         try:
             with self._ctrl_c_held:
                 self._tp_send("step")  # tensor parallel: every rank runs this iteration, same inputs
-                next(self._loop)
+                with self.step_timer.time_iteration():
+                    next(self._loop)
+                self._check_iteration()
                 done = True
         except BaseException as e:
             self._loop = self._new_loop()  # a generator that raised is finished: start a fresh one
@@ -1760,6 +2077,14 @@ class Engine:
             self._reqs.pop(o["meta_info"]["id"], None)
         return out
 
+    def _check_iteration(self):
+        """The debug checks after each iteration: the books (debug_ledger) and, with tensor parallelism,
+        that every rank planned the same step (debug_tp_plan)."""
+        if self.server_args.debug_ledger:
+            self.scheduler.check_ledger()
+        if self.tp is not None and self.server_args.debug_tp_plan:
+            check_plan_agrees(self.tp, self.scheduler)
+
     def abort(self, rid: str):
         """Aborts a queued or running request; its output (finish_reason abort) comes from a later step()."""
         r = self._reqs.get(rid)
@@ -1769,20 +2094,16 @@ class Engine:
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False):
         """One prompt (str or ids) in, one dict out; a list in, a list out; stream=True yields chunks."""
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompt and input_ids")
-        given = prompt if prompt is not None else input_ids
         batched = isinstance(prompt, list) or (
             isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list))
-        prompts = given if batched else [given]
-        n = len(prompts)
-        if batched and n == 0:
+        prompts, id_lists = (prompt, input_ids) if batched else ([prompt], [input_ids])
+        n = len(prompts if prompts is not None else id_lists)
+        if n == 0:
             raise ValueError("an empty list of prompts")
         sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         if len(sps) != n:
             raise ValueError(f"sampling_params has {len(sps)} entries for {n} prompts")
-        use_prompt = prompt is not None
-        ids = [self._to_ids(p if use_prompt else None, None if use_prompt else p) for p in prompts]
+        ids = [self._to_ids(p, i) for p, i in zip(prompts or [None] * n, id_lists or [None] * n)]
         reqs = [self._reqs[rid] for rid in self.add_requests(ids, sps)]
         self._streamed.update(r.rid for r in reqs)
         it = self._drive(reqs, batched)
@@ -1953,8 +2274,7 @@ class Engine:
 
     def _memory_usage_here(self) -> dict:
         kv, params = self.scheduler.kv_pool, list(self.model.parameters())  # a tied head counts once
-        quantized = [t for m in self.model.modules() if isinstance(m, Linear) and m.quant
-                     for t in (m.qweight, m.scales)]
+        quantized = [t for m in self.model.modules() if isinstance(m, QuantizedLinear) for t in m.buffers()]
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         return {"kv_cache": size(kv.k_buffer + kv.v_buffer),
                 "sharded_weights": size(p for p in params if p.dim() == 2) + size(quantized),
@@ -1969,8 +2289,9 @@ class Engine:
         return scheduler
 
     def stats(self) -> dict:
-        """Per-step host time, device time and overshoot counts, for the bench (a snapshot)."""
-        return {k: list(v) if isinstance(v, deque) else v for k, v in self.scheduler.stats.items()}
+        """Overshoot, stale and retraction counts, and StepTimer's per-step and per-iteration records, for
+        the bench (a snapshot)."""
+        return {**self.scheduler.stats, **{k: list(v) for k, v in self.step_timer.records.items()}}
 
     def shutdown(self):
         """Stops the device stream; with tensor parallelism, tells the other ranks to stop and joins them."""
@@ -2233,146 +2554,6 @@ def run_tp_node(args: ServerArgs):
     procs.join(timeout=0)  # all have ended: raises the error of one that failed (this one's came first)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Model and attention: Llama (math only), sampling, and the backends that read the paged KV pool
-
-
-@dataclass
-class ModelConfig:
-    """The Llama hyper-parameters the model needs, read from an HF config.json dict."""
-    vocab_size: int = 256
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 16
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: Optional[dict] = None     # {"rope_type": "llama3", "factor": ..., ...} or None
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    bos_token_id: Optional[int] = None
-    eos_token_ids: tuple = ()
-
-    @classmethod
-    def from_hf(cls, cfg: dict) -> "ModelConfig":
-        rope = cfg.get("rope_parameters") or {}  # transformers 5 nests rope_theta and the scaling here
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        eos = cfg.get("eos_token_id")
-        eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        n_heads = cfg["num_attention_heads"]
-        return cls(
-            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=n_heads, num_key_value_heads=cfg.get("num_key_value_heads", n_heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)), rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x if x.dtype == torch.float64 else x.float()  # half precision normalises in fp32, like HF
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def rope_inv_freq(cfg: ModelConfig, dtype=torch.float64) -> torch.Tensor:
-    """Inverse frequencies (head_dim/2,), with Llama 3's wavelength-dependent scaling if configured."""
-    D = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
-    sc = cfg.rope_scaling
-    if sc and sc.get("rope_type", sc.get("type")) == "llama3":
-        factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
-        old_len = sc["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_len / wavelen - lo) / (hi - lo)  # 0 at the low-frequency edge, 1 at the high one
-        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
-        mid = (wavelen <= old_len / lo) & (wavelen >= old_len / hi)
-        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    return inv_freq.to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (N, H, D); cos, sin: (N, 1, D). HF layout: rotate the two halves of the head dimension.
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1).mul_(sin).addcmul_(x, cos)  # x * cos + rotate_half(x) * sin
-
-
-# -- weight-only quantization: integer weights, float activations, torch's CPU weight-pack matmuls --
-#
-# One token of one request reads every weight once, so a lone request decodes as fast as the weights
-# stream from memory: int8 halves the bytes of bf16, int4 quarters them. torch ships the matmuls that
-# gpt-fast uses on a CPU: _weight_int8pack_mm (int8, a scale per output row) and _weight_int4pack_mm_for_cpu
-# (int4 in groups of inputs, each with a scale and a zero). Both are fast with bf16 activations only.
-
-INT4_GROUP_SIZE = 32  # inputs per int4 scale and zero: the block of llama.cpp's Q4_0/Q4_1 formats
-
-
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w (N, K) float -> (q int8 (N, K), scale (N,) fp32) with w ~ q * scale: symmetric, per output row."""
-    scale = w.float().abs().amax(dim=1).clamp(min=1e-12) / 127  # all-zero rows (vocab padding) stay zero
-    return torch.round(w.float() / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
-
-
-def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP_SIZE) -> tuple[torch.Tensor, ...]:
-    """w (N, K) float -> (q (N, K) int32 in [0, 15], scale (N, K/group), zero (N, K/group)), fp32, with
-    w ~ (q - 8) * scale + zero: asymmetric, each group of inputs spans [min, max] in 16 steps, as
-    llama.cpp's Q4_1 does, so a Q4_1 tensor quantizes back to its own integers."""
-    N, K = w.shape
-    g = w.float().view(N, K // group, group)
-    lo, hi = g.amin(dim=-1), g.amax(dim=-1)  # (N, K / group)
-    scale = (hi - lo).clamp(min=1e-12) / 15
-    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(N, K)
-    return q, scale, lo + 8 * scale
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The float weights (N, K) that quantize_int8 (zero None) or quantize_int4 stands for."""
-    if zero is None:
-        return q.float() * scale[:, None]
-    N, K = q.shape
-    g = (q.view(N, scale.shape[1], -1).float() - 8) * scale[..., None] + zero[..., None]
-    return g.view(N, K)
-
-
-class Linear(nn.Linear):
-    """A linear layer without bias whose weight can be swapped for weight-only int8 or int4 (quantize)."""
-
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
-        self.quant: Optional[str] = None
-
-    def quantize(self, mode: str, w: torch.Tensor, dtype: torch.dtype):
-        """Replaces the float weight by `mode` ("int8" or "int4") quantized from w (N, K), the checkpoint's
-        own values (before rounding to dtype); scales and zeros are kept in dtype, the activations'. A
-        weight that torch's int4 packing refuses (K not in whole groups, N not a multiple of 16) is kept
-        in int8, as llama.cpp keeps such tensors in another format."""
-        N, K = w.shape
-        if mode == "int4" and (K % INT4_GROUP_SIZE or N % 16):
-            mode = "int8"
-        if mode == "int8":
-            qweight, scale = quantize_int8(w)
-            scales = scale.to(dtype)
-        else:
-            q, scale, zero = quantize_int4(w)
-            qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # (N, K/2) uint8
-            scales = torch.stack((scale.T, zero.T), dim=-1).to(dtype).contiguous()  # (K/group, N, 2)
-        del self.weight  # a tied LM head drops its reference only: the embedding keeps the float table
-        self.register_buffer("qweight", qweight, persistent=False)
-        self.register_buffer("scales", scales, persistent=False)
-        self.quant = mode
-
-    def forward(self, x):
-        if self.quant == "int8":
-            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
-        if self.quant == "int4":
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP_SIZE, self.scales)
-        return F.linear(x, self.weight)
-
-
 # -- tensor parallelism, the math: Megatron's split of each layer; the engine section starts the ranks --
 
 
@@ -2438,19 +2619,34 @@ def padded_vocab(vocab_size: int, tp_size: int) -> int:
     return -(-vocab_size // step) * step
 
 
-class RowParallelLinear(Linear):
-    """A linear layer whose input features are split across ranks: each rank's output is a partial sum,
-    and an all-reduce adds them (o_proj, down_proj). It runs inside the step, on the device stream."""
+def apply_tp(model: LlamaForCausalLM, tp: TPShard):
+    """Shards a plain model, built on the meta device, for rank tp.rank of tp.size (gpt-fast's apply_tp):
+    q/k/v and gate/up keep this rank's rows (column parallel), o and down its columns (row parallel: an
+    all-reduce adds the ranks' partial sums after each attention and MLP block), the embedding and LM
+    head its slice of the vocabulary, whose logits are gathered. Loading fills in shard_weight's parts."""
+    cfg = model.cfg
+    H, Hkv, _ = tp_heads(cfg, tp)
+    D, E, inter = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size // tp.size
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.H, attn.Hkv = H, Hkv
+        attn.qkv_proj = nn.Linear(E, (H + 2 * Hkv) * D, bias=False)
+        attn.o_proj = nn.Linear(H * D, E, bias=False)
+        mlp.gate_up_proj = nn.Linear(E, 2 * inter, bias=False)
+        mlp.down_proj = nn.Linear(inter, E, bias=False)
+        for block in (attn, mlp):  # in place, inside the step, on the device stream
+            block.register_forward_hook(lambda module, args, y: dist.all_reduce(y, group=tp.group))
+    model.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, E, tp)
+    model.lm_head = nn.Linear(E, padded_vocab(cfg.vocab_size, tp.size) // tp.size, bias=False)
+    model.register_forward_hook(lambda module, args, logits: gather_vocab(logits, tp, cfg.vocab_size))
 
-    def __init__(self, in_features: int, out_features: int, tp: TPShard):
-        super().__init__(in_features, out_features)
-        self.tp = tp
 
-    def forward(self, x):
-        y = super().forward(x)
-        if self.tp.size > 1:
-            dist.all_reduce(y, group=self.tp.group)
-        return y
+def gather_vocab(logits: torch.Tensor, tp: TPShard, vocab_size: int) -> torch.Tensor:
+    """(B, padded vocab / tp_size) logits of this rank's slice -> (B, vocab) of all ranks, so that every
+    rank samples the same token from the full vocabulary."""
+    parts = [torch.empty_like(logits) for _ in range(tp.size)]
+    dist.all_gather(parts, logits, group=tp.group)
+    return torch.cat(parts, dim=-1)[:, :vocab_size]  # the padding dropped
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -2462,8 +2658,6 @@ class VocabParallelEmbedding(nn.Embedding):
         self.tp = tp
 
     def forward(self, ids):
-        if self.tp.size == 1:
-            return super().forward(ids)
         local = ids - self.tp.rank * self.num_embeddings  # (N,) row in this rank's slice, if it is there
         mine = (local >= 0) & (local < self.num_embeddings)
         x = F.embedding(local * mine, self.weight).masked_fill_(~mine[:, None], 0)  # (N, hidden)
@@ -2471,101 +2665,147 @@ class VocabParallelEmbedding(nn.Embedding):
         return x
 
 
-class ParallelLMHead(Linear):
-    """The LM head split by vocabulary rows, like the embedding (tied: the same tensor); the logits of
-    all ranks are gathered, so that every rank samples the same token from the full vocabulary."""
+def check_plan_agrees(tp: TPGroup, scheduler: Scheduler):
+    """debug_tp_plan, after each iteration: every rank planned the same step from the same state. Each
+    planned it alone, so a hash of the plan, gathered from all ranks, must be the same everywhere."""
+    digests = tp.all_gather(plan_digest(scheduler))
+    assert len(set(digests)) == 1, f"tensor-parallel ranks planned different steps: {digests}"
 
-    def __init__(self, hidden: int, vocab_size: int, tp: TPShard):
-        super().__init__(hidden, padded_vocab(vocab_size, tp.size) // tp.size)
-        self.tp, self.vocab_size = tp, vocab_size
+
+def plan_digest(scheduler: Scheduler) -> str:
+    """A hash of the step just planned and of the committed state it was planned from."""
+    b = scheduler.last_batch
+    step = None if b is None else (b.forward_mode.value, [r.rid for r in b.reqs], b.seq_lens,
+                                   b.forward_batch.out_cache_loc.tolist(), b.forward_batch.input_ids.tolist())
+    # subtle: an overlap decode step's input ids are FutureMap rows (its input_ids are empty), so the
+    # tokens the ranks committed go in on their own: the count and the last one of each request
+    committed = [(r.rid, len(r.output_ids), r.output_ids[-1:]) for r in scheduler.running_batch.reqs]
+    plan = (step, [r.rid for r in scheduler.waiting], committed,
+            scheduler.kv_pool.available_size(), scheduler.tree_cache.evictable_size())
+    return hashlib.sha256(repr(plan).encode()).hexdigest()
+
+
+# -- weight-only quantization: integer weights, float activations, torch's CPU weight-pack matmuls --
+#
+# One token of one request reads every weight once, so a lone request decodes as fast as the weights
+# stream from memory: int8 halves the bytes of bf16, int4 quarters them. torch ships the matmuls that
+# gpt-fast uses on a CPU: _weight_int8pack_mm (int8, a scale per output row) and _weight_int4pack_mm_for_cpu
+# (int4 in groups of inputs, each with a scale and a zero). Both are fast with bf16 activations only.
+
+INT4_GROUP_SIZE = 32  # inputs per int4 scale and zero: the block of llama.cpp's Q4_0/Q4_1 formats
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (N, K) float -> (q int8 (N, K), scale (N,) fp32) with w ~ q * scale: symmetric, per output row."""
+    scale = w.float().abs().amax(dim=1).clamp(min=1e-12) / 127  # all-zero rows (vocab padding) stay zero
+    return torch.round(w.float() / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP_SIZE) -> tuple[torch.Tensor, ...]:
+    """w (N, K) float -> (q (N, K) int32 in [0, 15], scale (N, K/group), zero (N, K/group)), fp32, with
+    w ~ (q - 8) * scale + zero: asymmetric, each group of inputs spans [min, max] in 16 steps, as
+    llama.cpp's Q4_1 does, so a Q4_1 tensor quantizes back to its own integers."""
+    N, K = w.shape
+    g = w.float().view(N, K // group, group)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)  # (N, K / group)
+    scale = (hi - lo).clamp(min=1e-12) / 15
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(N, K)
+    return q, scale, lo + 8 * scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The float weights (N, K) that quantize_int8 (zero None) or quantize_int4 stands for."""
+    if zero is None:
+        return q.float() * scale[:, None]
+    N, K = q.shape
+    g = (q.view(N, scale.shape[1], -1).float() - 8) * scale[..., None] + zero[..., None]
+    return g.view(N, K)
+
+
+class QuantizedLinear(nn.Module):
+    """Swapped in for a model's nn.Linear (bias-free) by quantize_model, as gpt-fast swaps its modules: the
+    weight w (N, K) in int8 or int4 ("mode"), with its scales and zeros in dtype, the activations'. A
+    weight that torch's int4 packing refuses (K not in whole groups, N not a multiple of 16) is kept in
+    int8, as llama.cpp keeps such tensors in another format."""
+
+    def __init__(self, mode: str, w: torch.Tensor, dtype: torch.dtype):
+        super().__init__()
+        N, K = w.shape
+        self.in_features, self.out_features = K, N
+        if mode == "int4" and (K % INT4_GROUP_SIZE or N % 16):
+            mode = "int8"
+        if mode == "int8":
+            qweight, scale = quantize_int8(w)
+            scales = scale.to(dtype)
+        else:
+            q, scale, zero = quantize_int4(w)
+            qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # (N, K/2) uint8
+            scales = torch.stack((scale.T, zero.T), dim=-1).to(dtype).contiguous()  # (K/group, N, 2)
+        self.register_buffer("qweight", qweight, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        self.mode = mode
 
     def forward(self, x):
-        logits = super().forward(x)  # (B, padded vocab / tp_size): this rank's slice
-        if self.tp.size == 1:
-            return logits
-        parts = [torch.empty_like(logits) for _ in range(self.tp.size)]
-        dist.all_gather(parts, logits, group=self.tp.group)
-        return torch.cat(parts, dim=-1)[:, :self.vocab_size]  # (B, vocab): the padding dropped
+        if self.mode == "int8":
+            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP_SIZE, self.scales)
 
 
-class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPShard):
-        super().__init__()
-        H, Hkv, _ = tp_heads(cfg, tp)  # this rank's query and KV heads
-        D = cfg.head_dim
-        self.layer_id = layer_id
-        self.H, self.Hkv, self.D = H, Hkv, D
-        # q, k and v of this rank's heads (column parallel) side by side: one matmul, as SGLang's
-        # QKVParallelLinear; build_model stacks the checkpoint's three weights
-        self.qkv_proj = Linear(cfg.hidden_size, (H + 2 * Hkv) * D)
-        self.o_proj = RowParallelLinear(H * D, cfg.hidden_size, tp)  # row parallel: sums over ranks
-
-    def forward(self, x, cos, sin, attn) -> torch.Tensor:
-        N, H, Hkv = x.shape[0], self.H, self.Hkv
-        qkv = self.qkv_proj(x).view(N, H + 2 * Hkv, self.D)
-        qk = apply_rope(qkv[:, :H + Hkv], cos, sin)  # the query and key heads rotate alike
-        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]  # (N, H, D), (N, Hkv, D), (N, Hkv, D): views
-        o = attn.forward(q, k, v, self.layer_id)          # (N, H, D)
-        return self.o_proj(o.reshape(N, H * self.D))
+def quantize_model(model: nn.Module, mode: str, source: dict, dtype: torch.dtype):
+    """Swaps every nn.Linear of the model for a QuantizedLinear of `mode` ("int8" or "int4"; the LM head
+    int8 either way: llama.cpp files keep it in 8 bits or more too), quantized from `source`, the
+    checkpoint's own values (not the copies rounded to dtype). A tied LM head lets go of the embedding's
+    table, which stays float."""
+    for name, layer in list(model.named_modules()):
+        if isinstance(layer, nn.Linear):
+            parent, _, attr = name.rpartition(".")
+            w = source[name + ".weight"].to(layer.weight.device)
+            quantized = QuantizedLinear("int8" if name == "lm_head" else mode, w, dtype)
+            setattr(model.get_submodule(parent), attr, quantized)
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPShard):
-        super().__init__()
-        inter = cfg.intermediate_size // tp.size  # gate/up column parallel, down row parallel
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter)  # gate and up side by side: one matmul
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp)
-
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))  # SwiGLU
+# -- torch.compile: the model callable the worker is handed, and the attention grouping it needs --
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPShard):
-        super().__init__()
-        self.self_attn, self.mlp = LlamaAttention(cfg, layer_id, tp), LlamaMLP(cfg, tp)
-        self.eps = cfg.rms_norm_eps
-        self.input_layernorm = nn.Module()
-        self.input_layernorm.weight = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.post_attention_layernorm = nn.Module()
-        self.post_attention_layernorm.weight = nn.Parameter(torch.ones(cfg.hidden_size))
+class CompiledDecode:
+    """enable_torch_compile: decode batches of up to max_bs requests run the model through torch.compile,
+    the others the eager model. Inductor fuses each layer's small ops into a few C++ loops, and one call
+    replaces the dispatch of a few thousand ops: at batch 1 that is most of a step. The guards skip the
+    modules, whose weights never change after loading: checking them cost 1.3 ms a step."""
 
-    def forward(self, x, cos, sin, attn):
-        x = x + self.self_attn(rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin, attn)
-        return x + self.mlp(rms_norm(x, self.post_attention_layernorm.weight, self.eps))
+    def __init__(self, model: nn.Module, max_bs: int):
+        self.eager, self.max_bs = model, max_bs
+
+        def forward(*args):
+            return model(*args)
+        # Dynamo keeps compiled graphs on the code object it compiles, and these skip the guards on the
+        # modules, so this engine's graph must be one that no other model in the process can reach:
+        # a code object of its own, compiled whole (fullgraph: no frame below it is compiled apart)
+        forward.__code__ = forward.__code__.replace()
+        skip_modules = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+        self.compiled = torch.compile(forward, dynamic=True, fullgraph=True,
+                                      options={"guard_filter_fn": skip_modules})
+
+    def __call__(self, input_ids, positions, attn, logit_rows) -> torch.Tensor:
+        small_decode = attn.meta.forward_mode.is_decode() and len(logit_rows) <= self.max_bs  # a shape
+        return (self.compiled if small_decode else self.eager)(input_ids, positions, attn, logit_rows)
 
 
-class LlamaForCausalLM(nn.Module):
-    """Parameter names follow HF (model.layers.N.self_attn.o_proj.weight ...), except the fused qkv_proj
-    and gate_up_proj, which build_model stacks from HF's q/k/v_proj and gate/up_proj."""
+class OneGroupDecodeBackend(TorchAttnBackend):
+    """The torch backend beside CompiledDecode: the decode batches it compiles attend as one length
+    group, so that one graph serves each batch size."""
 
-    def __init__(self, cfg: ModelConfig, tp: Optional[TPShard] = None):
-        super().__init__()
-        self.cfg, tp = cfg, tp or TPShard()
-        self.model = nn.Module()
-        self.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.model.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
-        self.model.norm = nn.Module()
-        self.model.norm.weight = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+    def __init__(self, kv_pool: TokenToKVPool, req_to_token_pool: ReqToTokenPool, max_bs: int):
+        super().__init__(kv_pool, req_to_token_pool)
+        self.max_bs = max_bs
 
-    @torch.no_grad()
-    def forward(self, input_ids, positions, attn, logit_rows) -> torch.Tensor:
-        """input_ids, positions: (N,) flat tokens of the batch; returns logits (len(logit_rows), vocab)."""
-        x = self.model.embed_tokens(input_ids)                                  # (N, hidden)
-        ang = positions[:, None].to(self.inv_freq.dtype) * self.inv_freq[None]  # (N, D/2)
-        ang = torch.cat((ang, ang), dim=-1)[:, None, :]                         # (N, 1, D)
-        cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, attn)
-        x = rms_norm(x[logit_rows], self.model.norm.weight, self.cfg.rms_norm_eps)
-        # logits in fp32, as SGLang keeps them: sampling reads all of them, and argmax over a bf16 row of
-        # 49k ran 4x slower here (5.6 ms against 1.5 ms at batch 64, conversion included)
-        return self.lm_head(x).to(torch.promote_types(x.dtype, torch.float32))
+    def _group_by_length(self, seq_lens: list) -> list:
+        if len(seq_lens) <= self.max_bs:
+            return [sorted(range(len(seq_lens)), key=seq_lens.__getitem__)]
+        return super()._group_by_length(seq_lens)
+
+
+# -- building the model: Part I's plain Llama from a checkpoint's tensors --
 
 
 FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -2583,11 +2823,13 @@ def fuse_projections(state: dict, num_layers: int) -> dict:
 
 def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str,
                 tp: Optional[TPShard] = None, quantization: Optional[str] = None) -> LlamaForCausalLM:
-    """The model from a state dict (this rank's shard of it, with tensor parallelism). quantization
-    "int8" or "int4" stores the weights of the linear layers so (the LM head in int8 either way: llama.cpp
-    files keep it in 8 bits or more too); the embedding table stays float."""
+    """Part I's plain model from a state dict. With tensor parallelism, apply_tp shards it before it is
+    filled (the state dict holds this rank's shard); with quantization ("int8" or "int4"), quantize_model
+    swaps its linear layers once it is."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, tp)
+        model = LlamaForCausalLM(cfg)
+        if tp is not None and tp.size > 1:
+            apply_tp(model, tp)
     state = fuse_projections(dict(state), cfg.num_hidden_layers)
     if cfg.tie_word_embeddings:  # one tensor under both names; re-tied after loading
         state["lm_head.weight"] = state.get("model.embed_tokens.weight")
@@ -2605,199 +2847,11 @@ def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str,
     model.load_state_dict(state, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    for name, layer in model.named_modules() if quantization else ():
-        if isinstance(layer, Linear):
-            mode = "int8" if name == "lm_head" else quantization
-            layer.quantize(mode, source[name + ".weight"].to(device), dtype)
+    if quantization:
+        quantize_model(model, quantization, source, dtype)
     rope_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     model.inv_freq = rope_inv_freq(cfg, rope_dtype).to(device)
     return model.eval()
-
-
-# -- sampling: runs inside the step, on the device --
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mix on int64 tensors (values stay below 2^60, so no overflow)."""
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
-    return (x >> 16) ^ x
-
-
-def sampling_noise(seed: torch.Tensor, out_pos: torch.Tensor, V: int) -> torch.Tensor:
-    """Exponential(1) noise of shape (B, V) that depends only on (seed, output position, token id)."""
-    M = 0xFFFFFFFF
-    base = _hash32(_hash32((seed ^ (seed >> 32)) & M) ^ (out_pos & M))                 # (B,)
-    h = _hash32((base[:, None] * 65599 + torch.arange(V, device=seed.device)[None]) & M)  # (B, V)
-    return -torch.log((h.double() + 0.5) / 2.0**32)
-
-
-def sample(logits: torch.Tensor, sampling: dict) -> torch.Tensor:
-    """Greedy where temperature == 0; else argmax(p / E), E ~ Exp(1), which draws from p exactly
-    (the exponential race), with p filtered by top_k, top_p and min_p."""
-    greedy = logits.argmax(-1)
-    if sampling["all_greedy"]:
-        return greedy
-    t = sampling["temperature"]
-    probs = torch.softmax(logits.double() / torch.where(t > 0, t, 1.0)[:, None], dim=-1)  # (B, V)
-    if sampling["need_filter"]:
-        p, idx = probs.sort(dim=-1, descending=True, stable=True)                               # (B, V)
-        rank = torch.arange(p.shape[1], device=p.device)[None]
-        keep = rank < torch.where(sampling["top_k"] > 0, sampling["top_k"], p.shape[1])[:, None]
-        keep &= (p.cumsum(-1) - p) < sampling["top_p"][:, None]  # the smallest set with mass >= top_p
-        keep &= p >= sampling["min_p"][:, None] * p[:, :1]
-        keep[:, 0] = True
-        probs = torch.zeros_like(probs).scatter_(1, idx, p * keep)
-    noise = sampling_noise(sampling["seed"], sampling["out_pos"], probs.shape[1])  # (B, V)
-    drawn = (probs / noise).argmax(-1)
-    return torch.where(t == 0, greedy, drawn)
-
-
-# -- attention backends: read and write the paged KV pool through req_to_token rows --
-
-
-@dataclass(kw_only=True)
-class ForwardMetadata:
-    """What attention needs for one step, already on the device (built inside the step)."""
-    forward_mode: ForwardMode
-    req_pool_indices: torch.Tensor  # (B,)
-    seq_lens: torch.Tensor          # (B,) lengths after this step
-    out_cache_loc: torch.Tensor     # (N,) slots this step writes
-    req_pool_indices_cpu: list      # host copies: known at plan time, so reading them costs no sync
-    seq_lens_cpu: list
-    prefix_lens_cpu: list
-    extend_lens_cpu: list
-
-
-DECODE_GATHER_BYTES = 4 << 20  # torch decode attention reads the pool in groups of about this many bytes
-
-
-class TorchAttnBackend:
-    """Plain-torch paged attention: decode runs SDPA over length-sorted groups; extend runs per request.
-
-    The pool is read with `index_select` on flat slot lists: on a CPU that is several times faster than
-    indexing the buffer with a 2-D slot table.
-    """
-
-    def __init__(self, kv_pool: TokenToKVPool, req_to_token_pool: ReqToTokenPool, one_group_max_bs: int = 0):
-        self.kv, self.meta = kv_pool, None
-        self.req_to_token = req_to_token_pool.req_to_token  # (rows, ctx) on the device
-        self.one_group_max_bs = one_group_max_bs  # compiled decode batches: one group, so one graph
-
-    def init_forward_metadata(self, meta: ForwardMetadata):
-        self.meta = meta
-        if meta.forward_mode.is_decode():
-            groups = self._group_by_length(meta.seq_lens_cpu)
-            self.decode_groups = [self._decode_group(meta, g) for g in groups]
-        else:  # per request, once per step (not once per layer): its rows of the batch, its slots, its mask
-            self.extend_reqs, start = [], 0
-            for row, pre, ext in zip(meta.req_pool_indices_cpu, meta.prefix_lens_cpu, meta.extend_lens_cpu):
-                slots = self.req_to_token[row, :pre + ext].long()
-                self.extend_reqs.append((start, ext, slots, prefix_causal_mask(pre, ext, slots.device)))
-                start += ext
-
-    def _group_by_length(self, seq_lens: list) -> list:
-        """Batch indices in groups of similar length whose padded K+V gather stays near DECODE_GATHER_BYTES.
-
-        Small groups waste little on padding, and each group's gathered K/V is still in cache when SDPA
-        reads it: at batch 64 this halves decode attention time on a CPU against one padded gather.
-        Batches of up to one_group_max_bs (those the compiled model runs) are one group: one graph.
-        """
-        kb = self.kv.k_buffer[0]
-        budget = max(1, DECODE_GATHER_BYTES // (2 * kb[0].numel() * kb.element_size()))  # padded tokens
-        if len(seq_lens) <= self.one_group_max_bs:
-            budget = math.inf
-        groups, cur = [], []
-        for i in sorted(range(len(seq_lens)), key=seq_lens.__getitem__):  # ascending: i sets the padding
-            if cur and (len(cur) + 1) * seq_lens[i] > budget:
-                groups.append(cur)
-                cur = []
-            cur.append(i)
-        return groups + [cur]
-
-    def _decode_group(self, meta: ForwardMetadata, group: list) -> tuple:
-        dev = meta.seq_lens.device
-        idx = to_device(torch.tensor(group), dev)                                # (n,) positions in the batch
-        L = meta.seq_lens_cpu[group[-1]]
-        slots = self.req_to_token[meta.req_pool_indices[idx], :L].reshape(-1).long()  # (n * L,)
-        visible = torch.arange(L, device=dev)[None] < meta.seq_lens[idx][:, None]      # (n, L)
-        mask = torch.zeros(visible.shape, dtype=self.kv.k_buffer[0].dtype, device=dev)
-        mask.masked_fill_(~visible, -math.inf)
-        return idx, slots, mask[:, None, None, :]  # (n, 1, 1, L): added to the scores, hides the padding
-
-    def forward(self, q, k, v, layer_id: int) -> torch.Tensor:
-        m = self.meta
-        self.kv.k_buffer[layer_id].index_copy_(0, m.out_cache_loc, k)
-        self.kv.v_buffer[layer_id].index_copy_(0, m.out_cache_loc, v)
-        if m.forward_mode.is_decode():
-            return self._decode(q, layer_id)
-        return self._extend(q, layer_id)
-
-    def _decode(self, q, layer_id):
-        B, H, D = q.shape
-        kb, vb, out = self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id], torch.empty_like(q)
-        Hkv = kb.shape[1]
-        for idx, slots, mask in self.decode_groups:
-            n, L = mask.shape[0], mask.shape[-1]
-            kc = kb.index_select(0, slots).view(n, L, Hkv, D).transpose(1, 2)  # (n, Hkv, L, D)
-            vc = vb.index_select(0, slots).view(n, L, Hkv, D).transpose(1, 2)  # (n, Hkv, L, D)
-            # one query token per request, so the H // Hkv query heads that share a KV head can stand in
-            # for that many query rows of one head: no GQA expansion of K and V
-            qg = q.index_select(0, idx).view(n, Hkv, H // Hkv, D)
-            o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask)  # (n, Hkv, H // Hkv, D)
-            out.index_copy_(0, idx, o.reshape(n, H, D))
-        return out
-
-    def _extend(self, q, layer_id):
-        out, kb, vb = torch.empty_like(q), self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id]
-        for start, ext, slots, mask in self.extend_reqs:
-            out[start:start + ext] = causal_attention(q[start:start + ext], kb.index_select(0, slots),
-                                                      vb.index_select(0, slots), mask)
-        return out
-
-
-def prefix_causal_mask(prefix_len: int, T: int, device) -> Optional[torch.Tensor]:
-    """(T, prefix_len + T) bool: new token t sees the prefix and new tokens up to t; None: no prefix."""
-    if prefix_len == 0:
-        return None  # plain causal: SDPA's is_causal
-    # SDPA's is_causal aligns the diagonal top-left; with a prefix the new tokens sit bottom-right
-    last_visible = prefix_len + torch.arange(T, device=device)  # (T,)
-    return torch.arange(prefix_len + T, device=device)[None] <= last_visible[:, None]
-
-
-def causal_attention(q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """q: (T, H, D) new tokens; k, v: (prefix_len + T, Hkv, D); mask from prefix_causal_mask.
-    Returns (T, H, D)."""
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
-    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-    return o.transpose(0, 1)
-
-
-class TritonAttnBackend(TorchAttnBackend):
-    """Attention through kernels.py (split-K decode, extend over the cached prefix, KV store)."""
-
-    def __init__(self, kv_pool, req_to_token_pool, one_group_max_bs: int = 0):
-        super().__init__(kv_pool, req_to_token_pool, one_group_max_bs)
-        import kernels  # imported late: triton is only needed by this backend
-        self.kernels = kernels
-
-    def init_forward_metadata(self, meta: ForwardMetadata):
-        self.meta = meta
-        if meta.forward_mode.is_extend():
-            dev = meta.seq_lens.device
-            self.prefix_lens = to_device(torch.tensor(meta.prefix_lens_cpu, dtype=torch.int32), dev)  # (B,)
-            self.extend_lens = to_device(torch.tensor(meta.extend_lens_cpu, dtype=torch.int32), dev)  # (B,)
-
-    def forward(self, q, k, v, layer_id: int) -> torch.Tensor:
-        m, kb, vb = self.meta, self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id]
-        self.kernels.store_kv(kb, vb, m.out_cache_loc, k, v)
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        if m.forward_mode.is_decode():
-            return self.kernels.decode_attention(q, kb, vb, self.req_to_token, m.req_pool_indices,
-                                                 m.seq_lens, scale)
-        return self.kernels.extend_attention(q, kb, vb, self.req_to_token, m.req_pool_indices,
-                                             self.prefix_lens, self.extend_lens, scale,
-                                             max_extend_len=max(m.extend_lens_cpu))  # host-known: no sync
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -3248,7 +3302,8 @@ def keep_freed_memory_in_process() -> bool:
     them on free, so each step faulted its activations in again page by page: about 100k page faults
     per 2048-token prefill step of SmolLM2-135M, a quarter of its time. One arena (the device thread
     shares the host's) with fixed mmap and trim thresholds keeps up to 1 GiB of freed memory for reuse.
-    CPU inference guides get the same by preloading jemalloc or tcmalloc. CpuDeviceStream calls it.
+    CPU inference guides get the same by preloading jemalloc or tcmalloc. The Engine calls it before it
+    starts the CPU device thread.
     """
     if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":  # macOS, Windows, musl: left alone
         return False
@@ -3284,9 +3339,9 @@ def cpp_compiler() -> Optional[str]:
 # weight layout whose one-token matmul is fastest on this machine makes the fastest chat. The CLI measures
 # it at start for what the user left unset (a fraction of a second) and compiles the batch-1 step.
 
-ONE_STREAM_ARGS = ("dtype", "quantization", "enable_torch_compile", "torch_compile_max_bs")
-ONE_STREAM_CANDIDATES = {"float32": ("float32", None), "bfloat16": ("bfloat16", None),  # name: (dtype,
-                         "int8": ("bfloat16", "int8"), "int4": ("bfloat16", "int4")}   #  quantization)
+ONE_REQUEST_ARGS = ("dtype", "quantization", "enable_torch_compile", "torch_compile_max_bs")
+ONE_REQUEST_CANDIDATES = {"float32": ("float32", None), "bfloat16": ("bfloat16", None),  # name: (dtype,
+                          "int8": ("bfloat16", "int8"), "int4": ("bfloat16", "int4")}   #  quantization)
 
 
 @torch.no_grad()
@@ -3296,13 +3351,14 @@ def one_token_matmul_ms(shape: tuple = (1536, 576), count: int = 24, passes: int
     of `passes`."""
     w = torch.randn(shape) * 0.02
     ms = {}
-    for name, (dtype, quant) in ONE_STREAM_CANDIDATES.items():
+    for name, (dtype, quant) in ONE_REQUEST_CANDIDATES.items():
         dt = getattr(torch, dtype)
-        layers = [Linear(shape[1], shape[0]).to(dt) for _ in range(count)]
-        for layer in layers:
-            layer.weight.copy_(w)
-            if quant:
-                layer.quantize(quant, w, dt)
+        if quant:
+            layers = [QuantizedLinear(quant, w, dt) for _ in range(count)]
+        else:
+            layers = [nn.Linear(shape[1], shape[0], bias=False).to(dt) for _ in range(count)]
+            for layer in layers:
+                layer.weight.copy_(w)
         ms[name] = one_token_ms(layers, dt, passes)
     return ms
 
@@ -3320,8 +3376,8 @@ def one_token_ms(layers: list, dtype: torch.dtype, passes: int) -> float:
     return 1e3 * best
 
 
-def one_stream_defaults(given: dict, chat: bool = True) -> tuple[dict, str]:
-    """For one stream on the CPU, values of the ONE_STREAM_ARGS that are not in `given`: the dtype and
+def one_request_defaults(given: dict, chat: bool = True) -> tuple[dict, str]:
+    """For one request alone on the CPU, values of the ONE_REQUEST_ARGS that are not in `given`: the dtype and
     quantization measured fastest for one token here (unless --dtype or --quantization is given), and for
     the interactive chat torch.compile of the batch-1 decode step (one --prompt would spend longer
     compiling than it saves). Also the line that says what was picked and why."""
@@ -3329,7 +3385,7 @@ def one_stream_defaults(given: dict, chat: bool = True) -> tuple[dict, str]:
     if "dtype" not in given and "quantization" not in given:
         ms = one_token_matmul_ms()
         best = min(ms, key=ms.get)
-        picked["dtype"], picked["quantization"] = ONE_STREAM_CANDIDATES[best]
+        picked["dtype"], picked["quantization"] = ONE_REQUEST_CANDIDATES[best]
         timings = ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(ms.items(), key=lambda kv: kv[1]))
         why.append(f"{best} weights{' (bf16 activations)' if picked['quantization'] else ''}, the fastest "
                    f"one-token matmul here ({timings})")
@@ -3338,7 +3394,7 @@ def one_stream_defaults(given: dict, chat: bool = True) -> tuple[dict, str]:
         if "torch_compile_max_bs" not in given:
             picked["torch_compile_max_bs"] = 1
         why.append("torch.compile of the batch-1 step")
-    line = ("overlap_engine: one stream: " + "; ".join(why) + " (--dtype, --quantization and "
+    line = ("overlap_engine: one request: " + "; ".join(why) + " (--dtype, --quantization and "
             "--no-enable-torch-compile choose otherwise)") if why else ""
     return picked, line
 
@@ -3395,12 +3451,12 @@ def cli_parser() -> argparse.ArgumentParser:
     for group, names in CLI_GROUPS.items():
         for f in map(fields.pop, names):
             flag, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
-            if f.name in ONE_STREAM_ARGS:  # the chat picks these where not given (one_stream_defaults)
-                help += ("; the chat and one --prompt on a CPU: measured for one stream unless given"
+            if f.name in ONE_REQUEST_ARGS:  # the chat picks these where not given (one_request_defaults)
+                help += ("; the chat and one --prompt on a CPU: measured for one request unless given"
                          if f.name in ("dtype", "quantization") else
                          "; the interactive chat on a CPU: compiled for batch 1 unless given")
             if f.type in ("bool", bool):
-                action = argparse.BooleanOptionalAction if f.name in ONE_STREAM_ARGS else "store_true"
+                action = argparse.BooleanOptionalAction if f.name in ONE_REQUEST_ARGS else "store_true"
                 groups[group].add_argument(flag, action=action, default=False, help=help)
                 continue
             kind = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), str)
@@ -3436,9 +3492,9 @@ def main(argv=None):
             return run_tp_node(Engine._check_args(engine_args))
         on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
         line = ""
-        # one stream, the chat's case; not with tensor parallelism, whose machines must all agree on these
+        # one request alone, the chat's case; not with tensor parallelism, whose machines must all agree
         if on_cpu and not args.serve and len(args.prompt or [None]) == 1 and args.tp_size == 1:
-            picked, line = one_stream_defaults(cli_given(argv), chat=not args.prompt)
+            picked, line = one_request_defaults(cli_given(argv), chat=not args.prompt)
             engine_args.update(picked)
         engine = Engine(**engine_args)
         if line:  # once the engine stands: bad input ends in its one line alone
@@ -3459,11 +3515,11 @@ def main(argv=None):
 
 
 def cli_given(argv) -> dict:
-    """The ONE_STREAM_ARGS given on the command line, with their values."""
+    """The ONE_REQUEST_ARGS given on the command line, with their values."""
     probe = cli_parser()
-    probe.set_defaults(**dict.fromkeys(ONE_STREAM_ARGS, None))  # None: not given
+    probe.set_defaults(**dict.fromkeys(ONE_REQUEST_ARGS, None))  # None: not given
     ns = probe.parse_args(argv)
-    return {k: getattr(ns, k) for k in ONE_STREAM_ARGS if getattr(ns, k) is not None}
+    return {k: getattr(ns, k) for k in ONE_REQUEST_ARGS if getattr(ns, k) is not None}
 
 
 def cli_error(e: Exception):

@@ -1,14 +1,17 @@
 """Tests for overlap_engine: overlap == serial == a plain reference, nothing leaked, bad input refused.
 
-Sections: shared helpers; the two loops; KV memory and the radix cache; sampling; FutureMap and device
-streams; attention backends and Triton kernels; checkpoints and tokenizer; Engine API; tensor
-parallelism; command line; HTTP server; bench.
+Sections follow the module's two parts. Part I, the lesson: shared helpers; Part I's rule; the two loops;
+KV memory and the radix cache; sampling; FutureMap and device streams; attention backends and Triton
+kernels. Part II, the plumbing: CPU tuning, quantization and compile; checkpoints and tokenizer; Engine
+API; tensor parallelism; command line; HTTP server; bench.
 
 Tiny random Llama checkpoints are written by the tests (float64, so near-ties cannot flip a token);
 the reference forward below is written independently of the engine: no KV cache, no batching.
 """
+import ast
 import collections
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -43,8 +46,7 @@ settings.register_profile("ci", max_examples=30, deadline=None, derandomize=True
 settings.register_profile("dev", parent=settings.get_profile("ci"), max_examples=400, derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))  # HYPOTHESIS_PROFILE=dev hunts longer
 
-LOOPS = [False, True]  # disable_overlap_schedule: False = overlap loop, True = normal (serial) loop
-LOOP_IDS = ["overlap", "serial"]
+LOOPS = ["overlap", "serial"]  # event_loop_overlap, and event_loop_normal (disable_overlap_schedule)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -120,14 +122,14 @@ def ckpt(tmp_path_factory):
     return oe.write_random_checkpoint(str(tmp_path_factory.mktemp("tiny")))
 
 
-def make_engine(path, overlap_off, **kw):
+def make_engine(path, loop, **kw):
     kw.setdefault("dtype", "float64")
     kw.setdefault("device", "cpu")
     kw.setdefault("debug_future_map", True)
     kw.setdefault("debug_ledger", True)
     kw.setdefault("debug_tp_plan", True)
     kw.setdefault("max_total_tokens", 2048)
-    return Engine(model_path=path, disable_overlap_schedule=overlap_off, **kw)
+    return Engine(model_path=path, disable_overlap_schedule=loop == "serial", **kw)
 
 
 def run_workload(engine, workload, max_steps=5000):
@@ -159,11 +161,11 @@ def run_through_interrupts(engine, workload, max_steps=200):
 
 
 def run_both_loops(ckpt, wl, **kw):
-    """{disable_overlap_schedule: output ids} for the workload in each loop; invariants checked after each."""
+    """{loop: output ids} for the workload in each loop; invariants checked after each."""
     outs = {}
-    for off in LOOPS:
-        with make_engine(ckpt, off, **kw) as e:
-            outs[off] = [o["output_ids"] for o in run_workload(e, wl)]
+    for loop in LOOPS:
+        with make_engine(ckpt, loop, **kw) as e:
+            outs[loop] = [o["output_ids"] for o in run_workload(e, wl)]
             e.check_invariants()
     return outs
 
@@ -221,15 +223,70 @@ def slow_forward(monkeypatch, seconds):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Part I is the lesson: what one decode step passes through, plain, before the `# Part II` banner
+
+PART_I_MAX_LINES = 1600  # DESIGN.md section 9 (the sampling and grammar lessons may take it to 1,900)
+# words of the plumbing that Part I's code may not name (its comments may say where they plug in)
+PLUMBING_WORDS = {"tp", "dist", "distributed", "parallel", "quant", "quantize", "quantized", "quantization",
+                  "compile", "compiled", "dynamo", "inductor", "gguf", "http", "fastapi", "uvicorn", "cli",
+                  "argparse", "serve"}
+# the definitions one decode step passes through, from event_loop_overlap to its commit
+DECODE_STEP = ["Scheduler.event_loop_overlap", "Scheduler.get_next_batch_to_run",
+               "Scheduler.update_running_batch", "ScheduleBatch.prepare_for_decode", "Scheduler.run_batch",
+               "ModelWorker.launch", "CpuDeviceStream.launch", "CudaDeviceStream.launch",
+               "ModelWorker.forward_step", "FutureMap.resolve", "TorchAttnBackend.init_forward_metadata",
+               "LlamaForCausalLM.forward", "LlamaDecoderLayer.forward", "LlamaAttention.forward",
+               "TorchAttnBackend.forward", "TritonAttnBackend.forward", "LlamaMLP.forward", "sample",
+               "FutureMap.publish", "Scheduler.process_batch_result", "Scheduler.wait_for", "StepHandle.wait",
+               "Req.update_finish_state", "Scheduler.release_kv_cache"]
+
+
+def part_one() -> tuple[str, int]:
+    """Part I's source (the module up to the `# Part II` banner) and its length in lines."""
+    with open(oe.__file__) as f:
+        lines = f.read().split("\n")
+    banners = [i for i, line in enumerate(lines) if line.startswith("# Part II")]
+    assert len(banners) == 1, f"one '# Part II' banner, found {len(banners)}"
+    return "\n".join(lines[:banners[0]]), banners[0]
+
+
+def test_part_one_is_the_plain_lesson_and_the_plumbing_plugs_in_from_outside():
+    """Part I fits its budget, imports torch, the standard library and kernels.py only, names nothing of
+    tensor parallelism, quantization, compile, GGUF, HTTP or the CLI in its code, and holds every
+    definition one decode step passes through."""
+    import io
+    import re
+    import tokenize
+    source, n_lines = part_one()
+    assert n_lines <= PART_I_MAX_LINES, f"Part I has {n_lines} lines"
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    names = {t.string for t in tokens if t.type == tokenize.NAME}  # code only: no comments or strings
+    words = {n: {w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+", n)} for n in names}
+    assert not {n for n in names if words[n] & PLUMBING_WORDS}, "plumbing named in Part I"
+    imported = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module.split(".")[0])
+    assert imported - sys.stdlib_module_names <= {"torch", "kernels"}, imported - sys.stdlib_module_names
+    for qualname in DECODE_STEP:
+        obj = oe
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        assert inspect.getsourcelines(obj)[1] <= n_lines, f"{qualname} is not in Part I"
+
+
+# ----------------------------------------------------------------------------------------------------
 # The two loops: overlap == serial == reference
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_greedy_matches_reference(ckpt, overlap_off):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_greedy_matches_reference(ckpt, loop):
     prompts = random_prompts(6, seed=1)
     max_news = [1, 5, 9, 3, 12, 7]
     wl = [(p, {"max_new_tokens": m, "temperature": 0, "ignore_eos": True}) for p, m in zip(prompts, max_news)]
-    with make_engine(ckpt, overlap_off) as e:
+    with make_engine(ckpt, loop) as e:
         outs = run_workload(e, wl)
         e.check_invariants()
     for (p, sp), o in zip(wl, outs):
@@ -246,11 +303,11 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_greedy_workload_exact(ckpt, mixed_workload, overlap_off, config):
+def test_greedy_workload_exact(ckpt, mixed_workload, loop, config):
     wl, expected = mixed_workload
-    with make_engine(ckpt, overlap_off, **CONFIGS[config]) as e:
+    with make_engine(ckpt, loop, **CONFIGS[config]) as e:
         outs = run_workload(e, wl)
         e.check_invariants()
     assert [o["output_ids"] for o in outs] == expected
@@ -267,17 +324,17 @@ def test_overlap_equals_serial_on_longer_outputs(ckpt):
     prompts = random_prompts(8, seed=11, lo=5, hi=50)
     wl = greedy_workload(prompts, [30] * 8)
     outs = run_both_loops(ckpt, wl, max_total_tokens=160)
-    assert outs[False] == outs[True]
-    assert outs[False][0] == reference_greedy(ckpt, prompts[0], 30)
+    assert outs["overlap"] == outs["serial"]
+    assert outs["overlap"][0] == reference_greedy(ckpt, prompts[0], 30)
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_retraction_recomputes_same_tokens(ckpt, overlap_off):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_retraction_recomputes_same_tokens(ckpt, loop):
     """A pool too small for all running requests forces retraction; recomputed requests give the
     same tokens."""
     prompts = random_prompts(6, seed=21, lo=18, hi=22)
     wl = greedy_workload(prompts, [24] * 6)
-    with make_engine(ckpt, overlap_off, max_total_tokens=96, schedule_conservativeness=0.0) as e:
+    with make_engine(ckpt, loop, max_total_tokens=96, schedule_conservativeness=0.0) as e:
         outs = run_workload(e, wl)
         e.check_invariants()
         assert e.stats()["retractions"] > 0, "the squeezed pool should force retraction"
@@ -287,14 +344,14 @@ def test_retraction_recomputes_same_tokens(ckpt, overlap_off):
 CTRL_C_POINTS = {  # a real SIGINT sent from inside planning and committing code
     "planning a decode step": (oe.ScheduleBatch, "prepare_for_decode"),
     "mixing decodes into a prefill": (oe.ScheduleBatch, "mix_with_running"),
-    "building a step's plan": (oe.ScheduleBatch, "forward_batch"),
+    "building a step's plan": (oe.ScheduleBatch, "build_forward_batch"),
     "committing a token": (oe.Req, "update_finish_state"),
 }
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("point", list(CTRL_C_POINTS))
-def test_ctrl_c_is_held_until_the_iteration_ends(ckpt, monkeypatch, overlap_off, point):
+def test_ctrl_c_is_held_until_the_iteration_ends(ckpt, monkeypatch, loop, point):
     """Ctrl-C in the middle of a plan or a commit would leave it half done; it is raised when the
     iteration ends instead, and stepping on gives every request the reference tokens."""
     import signal
@@ -308,20 +365,20 @@ def test_ctrl_c_is_held_until_the_iteration_ends(ckpt, monkeypatch, overlap_off,
         return real(*args, **kw)
     monkeypatch.setattr(cls, name, ctrl_c)
     wl = greedy_workload(random_prompts(5, seed=171, lo=3, hi=20), [7, 3, 9, 5, 6])
-    with make_engine(ckpt, overlap_off, enable_mixed_chunk=True, chunked_prefill_size=8) as e:
+    with make_engine(ckpt, loop, enable_mixed_chunk=True, chunked_prefill_size=8) as e:
         outs, interrupts = run_through_interrupts(e, wl)
         assert interrupts == 1 and len(calls) >= 3
         e.check_invariants()
     assert [o["output_ids"] for o in outs] == expected_greedy(ckpt, wl)
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("config", ["chunked", "squeezed"])
-def test_mixed_chunks_give_the_reference_tokens(ckpt, mixed_workload, overlap_off, config):
+def test_mixed_chunks_give_the_reference_tokens(ckpt, mixed_workload, loop, config):
     """enable_mixed_chunk: prefill chunks and the running decodes share batches (ForwardMode.MIXED),
     with chunked prefill and with a pool small enough to retract; the tokens stay the reference's."""
     wl, expected = mixed_workload
-    with make_engine(ckpt, overlap_off, enable_mixed_chunk=True, **CONFIGS[config]) as e:
+    with make_engine(ckpt, loop, enable_mixed_chunk=True, **CONFIGS[config]) as e:
         outs = run_workload(e, wl)
         e.check_invariants()
         stats = e.stats()
@@ -332,8 +389,8 @@ def test_mixed_chunks_give_the_reference_tokens(ckpt, mixed_workload, overlap_of
         assert stats["retractions"] > 0
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_retraction_with_a_step_in_flight(ckpt, overlap_off, monkeypatch):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_retraction_with_a_step_in_flight(ckpt, loop, monkeypatch):
     """Under memory pressure the overlap loop retracts with the previous step still in flight (no sync
     first) and skips the retracted requests' late results by epoch; both loops give the tokens of an
     unconstrained run."""
@@ -345,18 +402,18 @@ def test_retraction_with_a_step_in_flight(ckpt, overlap_off, monkeypatch):
     monkeypatch.setattr(oe.Scheduler, "retract", spy)
     prompts = random_prompts(6, seed=22, lo=18, hi=22)
     wl = greedy_workload(prompts, [24] * 6)
-    with make_engine(ckpt, overlap_off, max_total_tokens=96, schedule_conservativeness=0.0) as e:
+    with make_engine(ckpt, loop, max_total_tokens=96, schedule_conservativeness=0.0) as e:
         outs = run_workload(e, wl)
         e.check_invariants()
         stats = e.stats()
     assert [o["output_ids"] for o in outs] == expected_greedy(ckpt, wl)
     assert stats["retractions"] > 0
-    if not overlap_off:
+    if loop == "overlap":
         assert max(in_flight) == 1 and stats["stale_results"] > 0, (in_flight, stats["stale_results"])
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_retraction_picks_victims_in_sglang_order(ckpt, overlap_off, monkeypatch):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_retraction_picks_victims_in_sglang_order(ckpt, loop, monkeypatch):
     """Victims go in SGLang's order: the fewest committed output tokens first, then the longest prompt;
     not simply the last request of the running batch (here the 25-token prompt, not the 30-token one)."""
     victims, real_retract = [], oe.Scheduler.retract
@@ -369,7 +426,7 @@ def test_retraction_picks_victims_in_sglang_order(ckpt, overlap_off, monkeypatch
     monkeypatch.setattr(oe.Scheduler, "retract", spy)
     prompts = [random_prompts(1, seed=160 + n, lo=n, hi=n)[0] for n in (10, 30, 20, 25)]
     wl = greedy_workload(prompts, [12] * 4)
-    with make_engine(ckpt, overlap_off, max_total_tokens=100, schedule_conservativeness=0.0,
+    with make_engine(ckpt, loop, max_total_tokens=100, schedule_conservativeness=0.0,
                      chunked_prefill_size=-1, schedule_policy="fcfs") as e:
         outs = run_workload(e, wl)
         e.check_invariants()
@@ -379,12 +436,12 @@ def test_retraction_picks_victims_in_sglang_order(ckpt, overlap_off, monkeypatch
     assert all(key <= min(others, default=key) for key, others in victims), victims
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_a_request_alone_waits_for_memory_a_step_in_flight_frees(ckpt, overlap_off):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_request_alone_waits_for_memory_a_step_in_flight_frees(ckpt, loop):
     """B's last token is in flight when A, now alone in the running batch, finds the pool full: A must
     wait for that step's commit (which frees B's KV), not be aborted as too big for the pool."""
     wl = greedy_workload(random_prompts(2, seed=170, lo=10, hi=10), [20, 8])
-    with make_engine(ckpt, overlap_off, max_total_tokens=34, schedule_conservativeness=0.0) as e:
+    with make_engine(ckpt, loop, max_total_tokens=34, schedule_conservativeness=0.0) as e:
         outs = run_workload(e, wl)
         e.check_invariants()
     assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["length", "length"]
@@ -399,10 +456,10 @@ INTERRUPT_POINTS = {  # where a KeyboardInterrupt lands: (class, method, before 
 }
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("point", list(INTERRUPT_POINTS))
 @pytest.mark.parametrize("nth", [2, 5])
-def test_an_interrupt_in_a_step_loses_nothing(ckpt, monkeypatch, overlap_off, point, nth):
+def test_an_interrupt_in_a_step_loses_nothing(ckpt, monkeypatch, loop, point, nth):
     """Ctrl-C at any point between planning and commit: stepping on afterwards finishes every request
     with the reference tokens, and no slot, row or lock is left behind."""
     cls, name, when = INTERRUPT_POINTS[point]
@@ -418,7 +475,7 @@ def test_an_interrupt_in_a_step_loses_nothing(ckpt, monkeypatch, overlap_off, po
         return out
     monkeypatch.setattr(cls, name, interrupted)
     wl = greedy_workload(random_prompts(4, seed=141, lo=3, hi=20), [7, 3, 9, 5])
-    with make_engine(ckpt, overlap_off) as e:
+    with make_engine(ckpt, loop) as e:
         outs, interrupts = run_through_interrupts(e, wl)
         assert interrupts == 1
         e.check_invariants()
@@ -432,31 +489,30 @@ def test_overshoot_counted_skipped_and_returned(ckpt):
     free_run = [reference_greedy(ckpt, p, 6) for p in prompts]
     stop_wl = greedy_workload(prompts, [12] * 4, [r[3] for r in free_run])
     length_wl = greedy_workload(prompts, [6] * 4)
-    for off in LOOPS:
-        with make_engine(ckpt, off) as e:
+    for loop in LOOPS:
+        with make_engine(ckpt, loop) as e:
             outs = run_workload(e, stop_wl)
             e.check_invariants()
             assert [o["output_ids"] for o in outs] == expected_greedy(ckpt, stop_wl)
             overshoot = e.stats()["overshoot_tokens"]
-            assert overshoot == (0 if off else 4), (
-                f"overshoot {overshoot} with disable_overlap_schedule={off}")
-        with make_engine(ckpt, off) as e:
+            assert overshoot == (4 if loop == "overlap" else 0), f"overshoot {overshoot} in the {loop} loop"
+        with make_engine(ckpt, loop) as e:
             run_workload(e, length_wl)
             e.check_invariants()
             assert e.stats()["overshoot_tokens"] == 0
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_host_plans_next_step_before_device_finishes(ckpt, monkeypatch, overlap_off):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_host_plans_next_step_before_device_finishes(ckpt, monkeypatch, loop):
     """Overlap: step n+1 is launched (planned on the host) before step n's forward ends on the worker.
     Serial: every launch comes after the previous step ended."""
     slow_forward(monkeypatch, 0.02)
-    with make_engine(ckpt, overlap_off) as e:
+    with make_engine(ckpt, loop) as e:
         run_workload(e, greedy_workload(random_prompts(3, seed=51), [8] * 3))
         e.check_invariants()
         steps = e.stats()["steps"]
     ahead = [nxt["t_launch"] < cur["t_end"] for cur, nxt in zip(steps, steps[1:])]
-    if overlap_off:
+    if loop == "serial":
         assert not any(ahead)
     else:
         assert sum(ahead) >= len(ahead) - 1, f"only {sum(ahead)} of {len(ahead)} launches overlapped"
@@ -465,8 +521,8 @@ def test_host_plans_next_step_before_device_finishes(ckpt, monkeypatch, overlap_
 def test_random_worker_delays_do_not_change_tokens(ckpt, mixed_workload):
     wl, expected = mixed_workload
     for jitter_seed in (0, 1):
-        with make_engine(ckpt, False, worker_jitter_ms=3.0, random_seed=jitter_seed, chunked_prefill_size=9,
-                         max_total_tokens=120) as e:
+        with make_engine(ckpt, "overlap", worker_jitter_ms=3.0, random_seed=jitter_seed,
+                         chunked_prefill_size=9, max_total_tokens=120) as e:
             outs = run_workload(e, wl)
             e.check_invariants()
         assert [o["output_ids"] for o in outs] == expected
@@ -479,7 +535,7 @@ def test_row_and_slots_reused_while_overshoot_in_flight(ckpt, monkeypatch):
     prompts = random_prompts(4, seed=61, lo=3, hi=9)
     free_run = [reference_greedy(ckpt, p, 4) for p in prompts]
     wl = greedy_workload(prompts, [10] * 4, [r[2] for r in free_run])
-    with make_engine(ckpt, False, max_running_requests=1, max_total_tokens=24, worker_jitter_ms=2.0) as e:
+    with make_engine(ckpt, "overlap", max_running_requests=1, max_total_tokens=24, worker_jitter_ms=2.0) as e:
         outs = run_workload(e, wl)
         e.check_invariants()
         assert e.stats()["overshoot_tokens"] == 4
@@ -490,7 +546,7 @@ def test_several_chunks_of_one_prompt_in_flight(ckpt, monkeypatch):
     """Overlap: chunk k+1 of a prompt is planned and launched while chunk k still runs; same tokens."""
     slow_forward(monkeypatch, 0.01)
     prompt = random_prompts(1, seed=121, lo=30, hi=30)[0]
-    with make_engine(ckpt, False, chunked_prefill_size=4) as e:
+    with make_engine(ckpt, "overlap", chunked_prefill_size=4) as e:
         out = e.generate(input_ids=prompt,
                          sampling_params={"max_new_tokens": 5, "temperature": 0, "ignore_eos": True})
         e.check_invariants()
@@ -500,8 +556,8 @@ def test_several_chunks_of_one_prompt_in_flight(ckpt, monkeypatch):
     assert out["output_ids"] == reference_greedy(ckpt, prompt, 5)
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_a_commit_that_frees_the_pool_does_not_abort_the_waiting(ckpt, overlap_off):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_commit_that_frees_the_pool_does_not_abort_the_waiting(ckpt, loop):
     """Two requests fill the pool and stop by token; a third waits. While their finishing step is in
     flight nothing can be planned; its commit frees the pool: the waiting request must then run, not be
     aborted as stuck."""
@@ -509,7 +565,7 @@ def test_a_commit_that_frees_the_pool_does_not_abort_the_waiting(ckpt, overlap_o
     fa, fb = reference_greedy(ckpt, A, 12), reference_greedy(ckpt, B, 12)
     k = next(i for i in range(1, 12) if fa[i] not in fa[:i] and fb[i] not in fb[:i])
     sp = lambda t: {"max_new_tokens": 20, "temperature": 0, "stop_token_ids": [t]}  # noqa: E731
-    with make_engine(ckpt, overlap_off, disable_radix_cache=True, max_total_tokens=40 + 2 * k,
+    with make_engine(ckpt, loop, disable_radix_cache=True, max_total_tokens=40 + 2 * k,
                      schedule_conservativeness=0.0) as e:
         e.add_request(input_ids=A, sampling_params=sp(fa[k]))
         e.add_request(input_ids=B, sampling_params=sp(fb[k]))
@@ -523,12 +579,12 @@ def test_a_commit_that_frees_the_pool_does_not_abort_the_waiting(ckpt, overlap_o
     assert out_w["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_a_half_prefilled_prompt_gives_way_to_decoding(ckpt, overlap_off):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_half_prefilled_prompt_gives_way_to_decoding(ckpt, loop):
     """A decode request and a chunked prefill that each fit the pool alone, but not together: the chunked
     prompt is retracted and recomputed later; neither is aborted, and both get the reference tokens."""
     wl = greedy_workload([list(range(1, 11)), list(range(100, 150))], [40, 5])
-    with make_engine(ckpt, overlap_off, max_total_tokens=64, chunked_prefill_size=8,
+    with make_engine(ckpt, loop, max_total_tokens=64, chunked_prefill_size=8,
                      disable_radix_cache=True) as e:
         r = e.add_request(input_ids=wl[0][0], sampling_params=wl[0][1])
         e.step()
@@ -544,7 +600,7 @@ def test_a_half_prefilled_prompt_gives_way_to_decoding(ckpt, overlap_off):
 def test_prefill_admission_deducts_the_decode_reserve(ckpt):
     """Pool 100; each request needs 10 prompt slots + ceil(0.7 * 50) = 35 reserved: the first prefill
     admits 2 (90 <= 100), not all 8 (which would then have to be retracted)."""
-    with make_engine(ckpt, True, max_total_tokens=100, disable_radix_cache=True) as e:
+    with make_engine(ckpt, "serial", max_total_tokens=100, disable_radix_cache=True) as e:
         wl = [([i + 1] * 10, {"max_new_tokens": 50, "temperature": 0, "ignore_eos": True}) for i in range(8)]
         for ids, sp in wl:
             e.add_request(input_ids=ids, sampling_params=sp)
@@ -559,7 +615,7 @@ def test_prefill_admission_deducts_the_decode_reserve(ckpt):
 def test_a_pool_that_cannot_progress_never_spins(ckpt):
     """Steal most of the pool: the request can never be admitted; it ends with an error reason instead
     of the loop spinning, and the engine serves again once the memory is back."""
-    with make_engine(ckpt, False, max_total_tokens=64) as e:
+    with make_engine(ckpt, "overlap", max_total_tokens=64) as e:
         stolen = e.scheduler.kv_pool.alloc(60)
         e.server_args.debug_ledger = False  # the stolen slots are outside the ledger on purpose
         rid = e.add_request(input_ids=list(range(10)), sampling_params={"max_new_tokens": 4})
@@ -574,12 +630,12 @@ def test_a_pool_that_cannot_progress_never_spins(ckpt):
         e.check_invariants()
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_abort_in_the_middle_of_a_chunked_prefill(ckpt, overlap_off):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_abort_in_the_middle_of_a_chunked_prefill(ckpt, loop):
     """Aborted while its prompt is half prefilled (a chunk possibly in flight): its KV and row come back,
     and the request queued behind it gets the reference tokens."""
     wl = greedy_workload([list(range(1, 41)), [7, 8, 9]], [5, 6])
-    with make_engine(ckpt, overlap_off, chunked_prefill_size=8) as e:
+    with make_engine(ckpt, loop, chunked_prefill_size=8) as e:
         rid = e.add_request(input_ids=wl[0][0], sampling_params=wl[0][1])
         other = e.add_request(input_ids=wl[1][0], sampling_params=wl[1][1])
         e.step()
@@ -638,12 +694,12 @@ def test_random_workloads_match_an_unconstrained_serial_run(ckpt, wl):
     pools and both loops: every request that was not aborted gets exactly the tokens of an unconstrained
     serial run, an aborted one a prefix of them; the ledger holds after every iteration."""
     reqs, config = wl
-    off = config.pop("disable_overlap_schedule")
-    with make_engine(ckpt, True, max_total_tokens=4096) as ref_engine:
+    loop = "serial" if config.pop("disable_overlap_schedule") else "overlap"
+    with make_engine(ckpt, "serial", max_total_tokens=4096) as ref_engine:
         expected = [o["output_ids"] for o in run_workload(ref_engine, [(p, sp) for p, sp, _, _ in reqs])]
     too_big = {i for i, (p, sp, _, _) in enumerate(reqs)
                if len(p) + sp["max_new_tokens"] > config["max_total_tokens"]}
-    with make_engine(ckpt, off, **config) as e:
+    with make_engine(ckpt, loop, **config) as e:
         rids, done, it = [None] * len(reqs), {}, 0
         while len(done) + len(too_big) < len(reqs):
             for i, (p, sp, arrive, abort_at) in enumerate(reqs):
@@ -675,7 +731,8 @@ def test_random_workloads_match_an_unconstrained_serial_run(ckpt, wl):
 
 def test_allocator_alloc_free():
     cfg = oe.ModelConfig(num_hidden_layers=1)
-    pool = oe.TokenToKVPool(8, cfg, torch.float32, "cpu")
+    pool = oe.TokenToKVPool(8, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32,
+                            "cpu")
     a = pool.alloc(5)
     assert a.tolist() == [1, 2, 3, 4, 5] and pool.available_size() == 3  # slot 0 is the dummy
     assert pool.alloc(4) is None and pool.available_size() == 3          # all or nothing
@@ -690,7 +747,7 @@ def test_allocator_alloc_free():
 
 
 def make_tree(size=32):
-    pool = oe.TokenToKVPool(size, oe.ModelConfig(num_hidden_layers=1), torch.float32, "cpu")
+    pool = oe.TokenToKVPool(size, 1, 2, 16, torch.float32, "cpu")
     return oe.RadixCache(pool), pool
 
 
@@ -738,20 +795,20 @@ def test_radix_evicts_inner_node_after_its_children():
     assert tree.evict(100) == 4 and pool.available_size() == 32
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_radix_hits_give_same_tokens(ckpt, overlap_off):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_radix_hits_give_same_tokens(ckpt, loop):
     """A second wave behind the same system prompt reuses its KV (cached_tokens) and gets the same tokens."""
     rng = random.Random(5)
     system = [rng.randrange(256) for _ in range(40)]
     first = greedy_workload([system + [1, 2, 3]], [6])
     wave = greedy_workload(random_prompts(4, seed=6, lo=1, hi=10, shared=system), [6] * 4)
-    with make_engine(ckpt, overlap_off) as e:
+    with make_engine(ckpt, loop) as e:
         run_workload(e, first)
         outs = run_workload(e, wave)
         e.check_invariants()
     assert [o["output_ids"] for o in outs] == expected_greedy(ckpt, wave)
     assert all(o["meta_info"]["cached_tokens"] >= 40 for o in outs)
-    e2 = make_engine(ckpt, overlap_off)
+    e2 = make_engine(ckpt, loop)
     with e2:
         run_workload(e2, first)
         e2.flush_cache()
@@ -771,13 +828,13 @@ def steps_until_done(e, rids, limit=500):
     raise AssertionError("the requests did not finish")
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_each_prefill_chunk_is_shared_while_the_prompt_still_prefills(ckpt, overlap_off):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_each_prefill_chunk_is_shared_while_the_prompt_still_prefills(ckpt, loop):
     """A's 20-token prompt runs in chunks of 8, 8 and 4. B shares those 20 tokens and arrives after A's
     first chunk: it joins A's last chunk and already reuses the chunks committed so far."""
     shared = random_prompts(1, seed=151, lo=20, hi=20)[0]
     wl = greedy_workload([shared, shared + [7, 8, 9, 10]], [5, 5])
-    with make_engine(ckpt, overlap_off, chunked_prefill_size=8) as e:
+    with make_engine(ckpt, loop, chunked_prefill_size=8) as e:
         first = e.add_request(input_ids=wl[0][0], sampling_params=wl[0][1])
         e.step()
         e.step()
@@ -788,13 +845,13 @@ def test_each_prefill_chunk_is_shared_while_the_prompt_still_prefills(ckpt, over
     assert 8 <= done[second]["meta_info"]["cached_tokens"] < 20  # cached chunks, not the whole prompt
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_a_prefix_in_the_same_batch_is_waited_for_in_both_loops(ckpt, overlap_off):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_prefix_in_the_same_batch_is_waited_for_in_both_loops(ckpt, loop):
     """B shares 36 tokens with A, whose last chunk is planned together with B's admission: B waits one
     round and reuses them (the serial loop used to miss the continuing chunked prompt and recompute)."""
     a = random_prompts(1, seed=152, lo=40, hi=40)[0]
     wl = greedy_workload([a, a[:36] + [1, 2, 3]], [4, 4])
-    with make_engine(ckpt, overlap_off, chunked_prefill_size=24) as e:
+    with make_engine(ckpt, loop, chunked_prefill_size=24) as e:
         first = e.add_request(input_ids=wl[0][0], sampling_params=wl[0][1])
         e.step()
         second = e.add_request(input_ids=wl[1][0], sampling_params=wl[1][1])
@@ -804,13 +861,13 @@ def test_a_prefix_in_the_same_batch_is_waited_for_in_both_loops(ckpt, overlap_of
     assert done[second]["meta_info"]["cached_tokens"] == 36
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_without_a_radix_cache_nothing_waits_for_a_shared_prefix(ckpt, overlap_off):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_without_a_radix_cache_nothing_waits_for_a_shared_prefix(ckpt, loop):
     """With the cache off, lpm becomes fcfs (as in SGLang): a request sharing 36 tokens with another
     cannot hit a cache, so it is admitted in the same first batch instead of waiting a round."""
     a = random_prompts(1, seed=153, lo=40, hi=40)[0]
     wl = greedy_workload([a, a[:36] + [1, 2, 3]], [4, 4])
-    with make_engine(ckpt, overlap_off, disable_radix_cache=True, schedule_policy="lpm") as e:
+    with make_engine(ckpt, loop, disable_radix_cache=True, schedule_policy="lpm") as e:
         outs = run_workload(e, wl)
         e.check_invariants()
         first_batch = e.stats()["steps"][0]
@@ -818,13 +875,13 @@ def test_without_a_radix_cache_nothing_waits_for_a_shared_prefix(ckpt, overlap_o
     assert [o["output_ids"] for o in outs] == expected_greedy(ckpt, wl)
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_radix_holds_exactly_the_committed_tokens_at_finish(ckpt, overlap_off):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_radix_holds_exactly_the_committed_tokens_at_finish(ckpt, loop):
     """After a stop-token finish (an overshoot step in flight in overlap mode) the tree holds the prompt
     and every output token but the last (whose KV was never committed), and nothing more."""
     prompt = random_prompts(1, seed=111, lo=12, hi=12)[0]
     stop = reference_greedy(ckpt, prompt, 6)[4]
-    with make_engine(ckpt, overlap_off) as e:
+    with make_engine(ckpt, loop) as e:
         out = e.generate(input_ids=prompt,
                          sampling_params={"max_new_tokens": 20, "temperature": 0, "stop_token_ids": [stop]})
         e.check_invariants()
@@ -855,23 +912,23 @@ def sampling_workload(n=8, seed=31, with_seed=True):
 def test_seeded_sampling_overlap_equals_serial_and_is_batch_independent(ckpt):
     wl = sampling_workload()
     runs = run_both_loops(ckpt, wl, max_total_tokens=200)
-    assert runs[False] == runs[True]
+    assert runs["overlap"] == runs["serial"]
     # each request alone, in a different engine configuration: same tokens (noise = f(seed, position))
-    with make_engine(ckpt, False, chunked_prefill_size=5) as e:
+    with make_engine(ckpt, "overlap", chunked_prefill_size=5) as e:
         alone = [run_workload(e, [w])[0]["output_ids"] for w in wl[:4]]
         e.check_invariants()
-    assert alone == runs[False][:4]
+    assert alone == runs["overlap"][:4]
     # and the draws really are random: different seeds give different text
-    with make_engine(ckpt, False) as e:
+    with make_engine(ckpt, "overlap") as e:
         other = [o["output_ids"] for o in run_workload(e, [(p, {**sp, "sampling_seed": 7}) for p, sp in wl])]
-    assert other != runs[False]
+    assert other != runs["overlap"]
 
 
 def test_unseeded_sampling_follows_random_seed(ckpt):
     wl = sampling_workload(n=4, with_seed=False)
     outs = []
-    for off in (False, True, False):
-        with make_engine(ckpt, off, random_seed=3) as e:
+    for loop in ("overlap", "serial", "overlap"):
+        with make_engine(ckpt, loop, random_seed=3) as e:
             outs.append([o["output_ids"] for o in run_workload(e, wl)])
     assert outs[0] == outs[1] == outs[2]
 
@@ -933,7 +990,7 @@ def test_future_map_catches_a_missing_publish(ckpt, monkeypatch):
             return  # skip the second publish
         real(self, rows, tokens)
     monkeypatch.setattr(oe.FutureMap, "publish", lossy_publish)
-    with make_engine(ckpt, False) as e:
+    with make_engine(ckpt, "overlap") as e:
         e.add_request(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 8, "temperature": 0})
         with pytest.raises(AssertionError, match="unpublished"):
             for _ in range(20):
@@ -949,9 +1006,9 @@ def test_failure_inside_a_step_surfaces_and_shutdown_joins(ckpt, monkeypatch):
             raise RuntimeError("injected device failure")
         return real(self, fb)
     monkeypatch.setattr(oe.ModelWorker, "forward_step", failing)
-    for off in LOOPS:
+    for loop in LOOPS:
         calls.clear()
-        e = make_engine(ckpt, off)
+        e = make_engine(ckpt, loop)
         with pytest.raises(RuntimeError, match="injected"):
             e.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 10, "temperature": 0})
         thread = e.scheduler.worker.stream.thread
@@ -976,14 +1033,6 @@ def test_a_failed_launch_raises_at_wait_and_breaks_the_stream(make_stream):
     stream.shutdown()
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt only")
-def test_cpu_stream_keeps_freed_memory_in_process():
-    """glibc accepts the allocator settings (one arena, fixed mmap and trim thresholds) that keep a CPU
-    step's freed activations mapped for the next step instead of faulting them in again."""
-    oe.keep_freed_memory_in_process.cache_clear()
-    assert oe.keep_freed_memory_in_process() is True
-
-
 @cuda
 def test_cuda_stream_handle_without_result_can_be_waited_on():
     """A launch that returns nothing (write_row, poison_row) still gives a handle whose wait() returns."""
@@ -999,7 +1048,7 @@ def test_cuda_overlap_equals_serial(ckpt, backend):
     wl = greedy_workload(random_prompts(6, seed=101, lo=3, hi=40), [16] * 6)
     outs = run_both_loops(ckpt, wl, device="cuda", dtype="float32", attention_backend=backend,
                           max_total_tokens=300, chunked_prefill_size=16)
-    assert outs[False] == outs[True]
+    assert outs["overlap"] == outs["serial"]
 
 
 @cuda
@@ -1008,7 +1057,7 @@ def test_cuda_launches_never_wait_for_the_device(ckpt, backend):
     """Everything queued on the forward stream (steps, row writes, poisons) is queued without a host
     sync, so the host runs ahead of the device; torch's sync debug mode raises on any sync in a launch."""
     wl = greedy_workload(random_prompts(5, seed=103, lo=3, hi=30), [6, 9, 4, 12, 7])
-    with make_engine(ckpt, False, device="cuda", attention_backend=backend, chunked_prefill_size=8,
+    with make_engine(ckpt, "overlap", device="cuda", attention_backend=backend, chunked_prefill_size=8,
                      debug_future_map=False, debug_ledger=False) as e:  # float64: exact against the reference
         stream, launched = e.scheduler.worker.stream, []
         queue_only = stream.launch
@@ -1183,27 +1232,27 @@ def test_kernel_extend_then_decode_equals_one_longer_extend():
     assert_close(last, full[12:], torch.float32)
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("mixed", [False, True], ids=["", "mixed"])
-def test_triton_backend_matches_torch_backend(ckpt, overlap_off, mixed):
+def test_triton_backend_matches_torch_backend(ckpt, loop, mixed):
     """The engine end to end with attention_backend=triton: same tokens as the torch backend (with mixed
     chunks, decode rows go through the extend kernel)."""
     wl = greedy_workload(random_prompts(3, seed=91, lo=3, hi=14, shared=[9, 8, 7, 6, 5, 4, 3, 2]), [4, 3, 5])
     outs = {}
     for backend in ("torch", "triton"):
-        with make_engine(ckpt, overlap_off, device=DEVICE, attention_backend=backend,
+        with make_engine(ckpt, loop, device=DEVICE, attention_backend=backend,
                          chunked_prefill_size=6, enable_mixed_chunk=mixed) as e:
             outs[backend] = [o["output_ids"] for o in run_workload(e, wl)]
             e.check_invariants()
     assert outs["triton"] == outs["torch"] == expected_greedy(ckpt, wl)
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_decode_in_small_length_groups_gives_same_tokens(ckpt, mixed_workload, overlap_off, monkeypatch):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_decode_in_small_length_groups_gives_same_tokens(ckpt, mixed_workload, loop, monkeypatch):
     """Torch decode attention reads the pool in length-sorted groups; with a budget of 100 padded tokens per
     group the batch splits into many groups of unequal sizes, and the tokens stay exact."""
     wl, expected = mixed_workload
-    with make_engine(ckpt, overlap_off) as e:
+    with make_engine(ckpt, loop) as e:
         kb = e.scheduler.kv_pool.k_buffer[0]
         monkeypatch.setattr(oe, "DECODE_GATHER_BYTES",
                             100 * 2 * kb[0].numel() * kb.element_size())  # 100 tokens
@@ -1224,6 +1273,28 @@ def test_decode_in_small_length_groups_gives_same_tokens(ckpt, mixed_workload, o
 
 
 # Precision on the CPU: bf16 where the CPU has it, logits in fp32
+
+
+def test_bf16_overlap_equals_serial(ckpt, mixed_workload, monkeypatch):
+    """In bf16 rounding differs from the float64 reference, but both loops run the same batches through
+    the same kernels, so they agree token for token; sampling sees fp32 logits."""
+    seen, sample = set(), oe.sample
+    monkeypatch.setattr(oe, "sample", lambda logits, sp: seen.add(logits.dtype) or sample(logits, sp))
+    outs = run_both_loops(ckpt, mixed_workload[0], dtype="bfloat16")
+    assert outs["overlap"] == outs["serial"] and seen == {torch.float32}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Part II, the plumbing, from here on. CPU tuning; one request alone: weight-only quantization and
+# the compiled decode step
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt only")
+def test_cpu_stream_keeps_freed_memory_in_process():
+    """glibc accepts the allocator settings (one arena, fixed mmap and trim thresholds) that keep a CPU
+    step's freed activations mapped for the next step instead of faulting them in again."""
+    oe.keep_freed_memory_in_process.cache_clear()
+    assert oe.keep_freed_memory_in_process() is True
 
 
 @pytest.mark.parametrize("flags, native", [
@@ -1250,18 +1321,6 @@ def test_dtype_auto_on_cpu_follows_native_bf16(ckpt, monkeypatch, native):
         assert e.server_args.dtype == str(want).removeprefix("torch.")
         assert e.model.lm_head.weight.dtype == want and e.scheduler.kv_pool.k_buffer[0].dtype == want
 
-
-def test_bf16_overlap_equals_serial(ckpt, mixed_workload, monkeypatch):
-    """In bf16 rounding differs from the float64 reference, but both loops run the same batches through
-    the same kernels, so they agree token for token; sampling sees fp32 logits."""
-    seen, sample = set(), oe.sample
-    monkeypatch.setattr(oe, "sample", lambda logits, sp: seen.add(logits.dtype) or sample(logits, sp))
-    outs = run_both_loops(ckpt, mixed_workload[0], dtype="bfloat16")
-    assert outs[False] == outs[True] and seen == {torch.float32}
-
-
-# ----------------------------------------------------------------------------------------------------
-# One request alone: weight-only quantization and the compiled decode step
 
 
 def test_quantizers_round_to_their_grids():
@@ -1295,8 +1354,7 @@ def test_a_quantized_linear_multiplies_by_its_dequantized_weights(mode):
     w, x = torch.randn(80, 64), torch.randn(5, 64)
     ref = x @ oe.dequantize(*(oe.quantize_int8(w) if mode == "int8" else oe.quantize_int4(w))).T
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
-        layer = oe.Linear(64, 80).to(dtype)
-        layer.quantize(mode, w, dtype)
+        layer = oe.QuantizedLinear(mode, w, dtype)
         assert "weight" not in dict(layer.named_parameters()) and layer.scales.dtype == dtype
         assert float((layer(x.to(dtype)).float() - ref).abs().max()) <= tol * float(ref.abs().max())
 
@@ -1305,7 +1363,7 @@ def test_a_quantized_linear_multiplies_by_its_dequantized_weights(mode):
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_overlap_equals_serial(ckpt, mixed_workload, mode, dtype):
     outs = run_both_loops(ckpt, mixed_workload[0], dtype=dtype, quantization=mode)
-    assert outs[False] == outs[True]
+    assert outs["overlap"] == outs["serial"]
 
 
 def quantized_state(state: dict, mode: str) -> dict:
@@ -1346,8 +1404,8 @@ def test_quantized_logits_are_the_dequantized_models_and_near_the_float_models(c
     state = load_file(os.path.join(calm_ckpt, "model.safetensors"))
     with open(os.path.join(calm_ckpt, "config.json")) as f:
         cfg = json.load(f)
-    with make_engine(calm_ckpt, True, dtype="float32", quantization=mode) as e:
-        assert e.model.lm_head.quant == "int8" and e.model.model.layers[0].mlp.gate_up_proj.quant == mode
+    with make_engine(calm_ckpt, "serial", dtype="float32", quantization=mode) as e:
+        assert e.model.lm_head.mode == "int8" and e.model.model.layers[0].mlp.gate_up_proj.mode == mode
         for seed in (5, 6, 7, 8):
             ids = random_prompts(1, seed=seed, lo=20, hi=20)[0]
             e.generate(input_ids=ids, sampling_params={"max_new_tokens": 1})
@@ -1372,7 +1430,7 @@ def test_quantized_weights_take_their_formats_bytes(ckpt):
             "int8": L * sum(int8(n, k) for n, k in layer) + int8(V, E),
             "int4": L * sum(int4(n, k) for n, k in layer) + int8(V, E)}
     for mode in (None, "int8", "int4"):
-        with make_engine(ckpt, False, dtype="float32", quantization=mode) as e:
+        with make_engine(ckpt, "overlap", dtype="float32", quantization=mode) as e:
             assert e.memory_usage()[0]["sharded_weights"] == want[mode] + 4 * V * E  # + the float embedding
 
 
@@ -1383,8 +1441,8 @@ def test_int4_keeps_what_it_cannot_pack_in_int8(tmp_path):
     with Engine(model_path=odd, quantization="int4", max_total_tokens=64) as e:
         assert e.server_args.dtype == "bfloat16"  # auto: the packed matmuls want bf16 activations
         layer = e.model.model.layers[0]
-        assert (layer.self_attn.qkv_proj.quant, layer.mlp.gate_up_proj.quant, layer.mlp.down_proj.quant,
-                e.model.lm_head.quant) == ("int8", "int8", "int4", "int8")
+        assert (layer.self_attn.qkv_proj.mode, layer.mlp.gate_up_proj.mode, layer.mlp.down_proj.mode,
+                e.model.lm_head.mode) == ("int8", "int8", "int4", "int8")
         assert len(e.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 3})["output_ids"]) == 3
 
 
@@ -1398,7 +1456,7 @@ def test_quantization_and_compile_arguments_are_checked(ckpt, monkeypatch):
     monkeypatch.setattr(oe, "cpp_compiler", lambda: None)
     with pytest.raises(ValueError, match="enable_torch_compile needs a C\\+\\+ compiler"):
         Engine(model_path=ckpt, enable_torch_compile=True)
-    assert "enable_torch_compile" not in oe.one_stream_defaults({"dtype": "float32"})[0]  # the chat skips it
+    assert "enable_torch_compile" not in oe.one_request_defaults({"dtype": "float32"})[0]  # the chat skips it
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match="quantization='int8' runs on the CPU only"):
@@ -1411,13 +1469,13 @@ def test_compiled_decode_gives_the_reference_tokens_in_both_loops(ckpt, mixed_wo
     """enable_torch_compile: decode batches of up to torch_compile_max_bs requests run the compiled model
     and larger ones the eager model; in float64 both give the reference's tokens."""
     wl, expected = mixed_workload
-    for off in LOOPS:
-        with make_engine(ckpt, off, enable_torch_compile=True, torch_compile_max_bs=3) as e:
+    for loop in LOOPS:
+        with make_engine(ckpt, loop, enable_torch_compile=True, torch_compile_max_bs=3) as e:
             w, calls = e.scheduler.worker, collections.Counter()
-            compiled, eager = w.compiled_model, w.model
-            w.compiled_model = lambda *a: calls.update(["compiled"]) or compiled(*a)
+            compiled, eager = w.model.compiled, w.model.eager
+            w.model.compiled = lambda *a: calls.update(["compiled"]) or compiled(*a)
             mode = lambda: "decode" if w.attn.meta.forward_mode.is_decode() else "extend"  # noqa: E731
-            w.model = lambda *a: calls.update([f"eager {mode()}"]) or eager(*a)
+            w.model.eager = lambda *a: calls.update([f"eager {mode()}"]) or eager(*a)
             assert [o["output_ids"] for o in run_workload(e, wl)] == expected
             e.check_invariants()
         assert calls["compiled"] > 10 and calls["eager decode"] > 0, calls
@@ -1429,9 +1487,9 @@ def test_quantized_compiled_decode_gives_the_eager_tokens_and_never_recompiles(c
     tokens; and the graphs compiled at start are all there is (no request waits on the compiler)."""
     from torch._dynamo.utils import counters
     wl = mixed_workload[0]
-    with make_engine(ckpt, False, dtype="float32", quantization=mode) as e:
+    with make_engine(ckpt, "overlap", dtype="float32", quantization=mode) as e:
         want = [o["output_ids"] for o in run_workload(e, wl)]
-    with make_engine(ckpt, False, dtype="float32", quantization=mode, enable_torch_compile=True,
+    with make_engine(ckpt, "overlap", dtype="float32", quantization=mode, enable_torch_compile=True,
                      torch_compile_max_bs=4) as e:
         graphs = counters["stats"]["unique_graphs"]
         assert [o["output_ids"] for o in run_workload(e, wl)] == want
@@ -1486,7 +1544,7 @@ def test_checkpoint_variants(tmp_path, variant):
         save_file(state, str(tmp_path / "ref.safetensors"))  # the reference reads one file
         os.symlink(str(tmp_path / "ref.safetensors"), os.path.join(path, "model.safetensors"))
     wl = greedy_workload(random_prompts(2, seed=81), [6, 6])
-    with make_engine(path, False) as e:
+    with make_engine(path, "overlap") as e:
         outs = run_workload(e, wl)
         e.check_invariants()
     assert [o["output_ids"] for o in outs] == expected_greedy(path, wl)
@@ -1504,7 +1562,7 @@ def test_hf_dir_half_precision_weights_and_chat_template(tmp_path):
         fh.write("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}{% endfor %}"
                  "{% if add_generation_prompt %}[assistant]{% endif %}")
     wl = greedy_workload(random_prompts(2, seed=5), [5, 5])
-    with make_engine(path, False) as e:
+    with make_engine(path, "overlap") as e:
         assert e.model.lm_head.weight.dtype == torch.float64
         assert (e.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
                 == "[user]hi</s>[assistant]")
@@ -1615,8 +1673,8 @@ def write_tiny_gguf(path, qtype="F32", pre="gpt2", hidden=64, n_head=4, n_kv=2, 
     return {k: torch.from_numpy(v) for k, v in expected.items()}
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_dummy_weights_from_a_config_alone(tmp_path, overlap_off):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_dummy_weights_from_a_config_alone(tmp_path, loop):
     """load_format="dummy": a directory with config.json and tokenizer.json but no weights file gives a
     working engine with random weights; the same seed gives the same weights, so both loops agree."""
     path = oe.write_random_checkpoint(str(tmp_path / "dummy"))
@@ -1624,8 +1682,8 @@ def test_dummy_weights_from_a_config_alone(tmp_path, overlap_off):
     with pytest.raises(ValueError, match="model_path"):  # the normal loader still wants the weights
         Engine(model_path=path, device="cpu")
     outs = []
-    for off in LOOPS:
-        with make_engine(path, off, load_format="dummy", dtype="float32") as e:
+    for loop in LOOPS:
+        with make_engine(path, loop, load_format="dummy", dtype="float32") as e:
             assert e.tokenizer is not None
             outs.append(e.generate(prompt="hello", sampling_params={"max_new_tokens": 6, "temperature": 0,
                                                                      "ignore_eos": True})["output_ids"])
@@ -1643,7 +1701,8 @@ def test_dummy_presets_have_the_published_sizes(preset, params):
 
 
 def test_dummy_preset_runs_and_unknown_names_are_refused():
-    with make_engine("smollm2-135m", False, load_format="dummy", dtype="float32", max_total_tokens=64) as e:
+    with make_engine("smollm2-135m", "overlap", load_format="dummy", dtype="float32",
+                     max_total_tokens=64) as e:
         assert e.tokenizer is None and e.model_config.num_hidden_layers == 30
         out = e.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 3, "temperature": 0,
                                                                "ignore_eos": True})
@@ -1874,8 +1933,8 @@ CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."
 
 @pytest.fixture(scope="module")
 def smollm_engines(smollm):
-    engines = {off: Engine(model_path=smollm[0], disable_overlap_schedule=off, device="cpu", dtype="float32",
-                           max_total_tokens=4096, debug_future_map=True) for off in LOOPS}
+    engines = {loop: Engine(model_path=smollm[0], disable_overlap_schedule=loop == "serial", device="cpu",
+                            dtype="float32", max_total_tokens=4096, debug_future_map=True) for loop in LOOPS}
     yield engines
     for e in engines.values():
         e.shutdown()
@@ -1887,11 +1946,11 @@ def hf_greedy(model, ids, n):
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_default_model_greedy_matches_transformers(smollm_engines, hf_model, overlap_off):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_default_model_greedy_matches_transformers(smollm_engines, hf_model, loop):
     """Token for token, or where they part the reference's own logits show a near-tie (fp32 sums
     in another order may flip a tie: then the rest of the text legitimately differs)."""
-    e = smollm_engines[overlap_off]
+    e = smollm_engines[loop]
     prompts = [e.tokenizer.encode(e.tokenizer.apply_chat_template([{"role": "user", "content": p}]))
                for p in CHAT_PROMPTS]
     outs = e.generate(input_ids=prompts, sampling_params={"max_new_tokens": 24, "temperature": 0})
@@ -1945,15 +2004,15 @@ def test_default_model_quantized_follows_the_float_model(smollm, monkeypatch):
             assert agreed >= 40, f"{mode}: {agreed} tokens agreed"
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_default_model_in_bf16_matches_transformers_in_bf16(smollm, overlap_off):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_default_model_in_bf16_matches_transformers_in_bf16(smollm, loop):
     """Both in bf16, greedy: token for token until transformers' own bf16 logits cannot tell our token
     from its own (within two bf16 steps of each other; measured here: 0 or one step, 0.125 at ~16-32)."""
     from transformers import AutoModelForCausalLM
     path = smollm[0]
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                               dtype=torch.bfloat16).eval()
-    with Engine(model_path=path, disable_overlap_schedule=overlap_off, device="cpu", dtype="bfloat16",
+    with Engine(model_path=path, disable_overlap_schedule=loop == "serial", device="cpu", dtype="bfloat16",
                 max_total_tokens=4096) as e:
         prompts = [e.tokenizer.encode(e.tokenizer.apply_chat_template([{"role": "user", "content": p}]))
                    for p in CHAT_PROMPTS]
@@ -1975,9 +2034,9 @@ def test_default_model_in_bf16_matches_transformers_in_bf16(smollm, overlap_off)
     assert agreed >= 24  # the comparison covers real text, not only a first-token tie
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_default_model_knows_paris(smollm_engines, overlap_off):
-    e = smollm_engines[overlap_off]
+@pytest.mark.parametrize("loop", LOOPS)
+def test_default_model_knows_paris(smollm_engines, loop):
+    e = smollm_engines[loop]
     prompt = e.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     out = e.generate(prompt=prompt, sampling_params={"max_new_tokens": 20, "temperature": 0})
     assert "Paris" in out["text"] and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
@@ -1989,7 +2048,7 @@ def test_default_model_knows_paris(smollm_engines, overlap_off):
 
 
 def test_generate_text_stream_and_batch(ckpt):
-    with make_engine(ckpt, False) as e:
+    with make_engine(ckpt, "overlap") as e:
         sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
         single = e.generate(prompt="hello world", sampling_params=sp)
         ids = e.tokenizer.encode("hello world")
@@ -2004,12 +2063,12 @@ def test_generate_text_stream_and_batch(ckpt):
         e.check_invariants()
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_stop_string_is_cut(ckpt, overlap_off):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_stop_string_is_cut(ckpt, loop):
     """The stop string is the character of an ASCII token that the reference emits at step 4 or later."""
     tok_ids = list(range(40, 60))
     ref = reference_greedy(ckpt, tok_ids, 30)
-    with make_engine(ckpt, overlap_off) as e:
+    with make_engine(ckpt, loop) as e:
         chars = [e.tokenizer.decode([t]) for t in ref]
         k = next(i for i, c in enumerate(chars) if i >= 3 and c.isascii() and c.isalnum())
         stop = chars[k]
@@ -2037,11 +2096,11 @@ def test_stop_string_inside_a_long_token():
     assert r.finished_reason == {"type": "stop", "matched": "inter"} and r.text == "Hello "
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_abort_queued_running_and_finished(ckpt, overlap_off):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_abort_queued_running_and_finished(ckpt, loop):
     prompts = random_prompts(4, seed=71, lo=4, hi=12)
     wl = greedy_workload(prompts, [20, 20, 6, 20])
-    with make_engine(ckpt, overlap_off, max_running_requests=3) as e:
+    with make_engine(ckpt, loop, max_running_requests=3) as e:
         rids = [e.add_request(input_ids=p, sampling_params=sp) for p, sp in wl]
         done = {}
         e.abort(rids[3])  # still queued (only 3 rows)
@@ -2060,9 +2119,9 @@ def test_abort_queued_running_and_finished(ckpt, overlap_off):
     assert done[rids[1]]["output_ids"] == exp[1] and done[rids[2]]["output_ids"] == exp[2]
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_abort_right_after_finish_is_a_no_op(ckpt, overlap_off):
-    with make_engine(ckpt, overlap_off) as e:
+@pytest.mark.parametrize("loop", LOOPS)
+def test_abort_right_after_finish_is_a_no_op(ckpt, loop):
+    with make_engine(ckpt, loop) as e:
         rid = e.add_request(input_ids=[4, 5, 6], sampling_params={"max_new_tokens": 3, "temperature": 0})
         outs = []
         while not outs:
@@ -2073,9 +2132,9 @@ def test_abort_right_after_finish_is_a_no_op(ckpt, overlap_off):
     assert outs[0]["meta_info"]["finish_reason"]["type"] == "length" and len(outs[0]["output_ids"]) == 3
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_aborted_and_stop_token_outputs_have_their_text(ckpt, overlap_off):
-    with make_engine(ckpt, overlap_off) as e:
+@pytest.mark.parametrize("loop", LOOPS)
+def test_aborted_and_stop_token_outputs_have_their_text(ckpt, loop):
+    with make_engine(ckpt, loop) as e:
         ids = e.tokenizer.encode("Hello")
         rid = e.add_request(input_ids=ids,
                             sampling_params={"max_new_tokens": 30, "temperature": 0, "ignore_eos": True})
@@ -2102,15 +2161,15 @@ def first_printable_stop(free, start=1):
     raise AssertionError("the random model emits no printable first-time token here: pick another prompt")
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_stop_token_text_is_left_out_with_stop_strings_too(ckpt, overlap_off):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_stop_token_text_is_left_out_with_stop_strings_too(ckpt, loop):
     """Detokenizing for stop strings must not leave the matched stop token's text behind: the same tokens
     give the same text with and without a stop string that never matches."""
     prompt = list(range(60, 72))
     free = reference_greedy(ckpt, prompt, 30)
     i = first_printable_stop(free)
     sp = {"max_new_tokens": 30, "temperature": 0, "stop_token_ids": [free[i]]}
-    with make_engine(ckpt, overlap_off) as e:
+    with make_engine(ckpt, loop) as e:
         plain = e.generate(input_ids=prompt, sampling_params=sp)
         with_stop = e.generate(input_ids=prompt, sampling_params={**sp, "stop": ["never said"]})
         e.check_invariants()
@@ -2122,7 +2181,7 @@ def test_stop_token_text_is_left_out_with_stop_strings_too(ckpt, overlap_off):
 def test_tiny_temperature_is_greedy(ckpt):
     """Below 1e-6 a temperature is greedy (as in SGLang); 1e-310 used to overflow logits / t into NaN."""
     prompt = list(range(10, 20))
-    with make_engine(ckpt, False) as e:
+    with make_engine(ckpt, "overlap") as e:
         for t in (1e-310, 1e-7):
             out = e.generate(input_ids=prompt, sampling_params={"max_new_tokens": 8, "temperature": t,
                                                                 "ignore_eos": True})
@@ -2131,7 +2190,7 @@ def test_tiny_temperature_is_greedy(ckpt):
 
 
 def test_generate_refuses_prompt_and_input_ids_together(ckpt):
-    with make_engine(ckpt, False) as e:
+    with make_engine(ckpt, "overlap") as e:
         with pytest.raises(ValueError, match="exactly one of prompt and input_ids"):
             e.generate(prompt="hi", input_ids=[1, 2], sampling_params={"max_new_tokens": 2})
         assert not e.scheduler.waiting
@@ -2140,7 +2199,7 @@ def test_generate_refuses_prompt_and_input_ids_together(ckpt):
 def test_abandoned_streams_leave_nothing_behind(ckpt):
     """A stream dropped half-way is aborted; its output must not pile up in the engine when nobody calls
     step() directly (generate reads its own requests' state, never the step outputs)."""
-    with make_engine(ckpt, False) as e:
+    with make_engine(ckpt, "overlap") as e:
         sp = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
         for k in range(3):
             stream = e.generate(input_ids=[5 + k, 6, 7], sampling_params=sp, stream=True)
@@ -2151,13 +2210,13 @@ def test_abandoned_streams_leave_nothing_behind(ckpt):
         e.check_invariants()
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_ignore_eos_ignores_stop_token_ids_too(ckpt, overlap_off):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_ignore_eos_ignores_stop_token_ids_too(ckpt, loop):
     """As in SGLang, ignore_eos turns off every token-based finish: EOS and stop_token_ids alike."""
     prompt = list(range(30, 42))
     free = reference_greedy(ckpt, prompt, 12)
     stop = free[3]
-    with make_engine(ckpt, overlap_off) as e:
+    with make_engine(ckpt, loop) as e:
         out = e.generate(input_ids=prompt, sampling_params={"max_new_tokens": 12, "temperature": 0,
                                                             "ignore_eos": True, "stop_token_ids": [stop]})
         e.check_invariants()
@@ -2178,9 +2237,9 @@ BAD_SAMPLING = [
 ]
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_bad_input_is_refused_and_engine_keeps_serving(ckpt, overlap_off):
-    with make_engine(ckpt, overlap_off, max_total_tokens=64) as e:
+@pytest.mark.parametrize("loop", LOOPS)
+def test_bad_input_is_refused_and_engine_keeps_serving(ckpt, loop):
+    with make_engine(ckpt, loop, max_total_tokens=64) as e:
         good = e.add_request(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4, "temperature": 0})
         for sp, key in BAD_SAMPLING:
             with pytest.raises(ValueError, match=key):
@@ -2205,7 +2264,7 @@ def test_bad_input_is_refused_and_engine_keeps_serving(ckpt, overlap_off):
 
 
 def test_out_of_range_and_mistyped_values_are_refused(ckpt):
-    with make_engine(ckpt, False) as e:
+    with make_engine(ckpt, "overlap") as e:
         for sp, key in [({"sampling_seed": 2**70}, "sampling_seed"), ({"sampling_seed": -1}, "sampling_seed"),
                         ({"stop": 5}, "stop"), ({"stop": True}, "stop"), ({"stop": {"ab": 1}}, "stop"),
                         ({"stop_token_ids": 5}, "stop_token_ids")]:
@@ -2251,12 +2310,12 @@ def test_every_engine_argument_is_type_checked(ckpt):
     assert checked > 3 * len(dataclasses.fields(oe.ServerArgs))
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_a_request_that_can_never_fit_the_pool_is_refused_not_truncated(ckpt, overlap_off):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_request_that_can_never_fit_the_pool_is_refused_not_truncated(ckpt, loop):
     """max_new_tokens is capped to the context only. A 299-token prompt asking for 50 tokens from a
     300-slot pool (the context is 512) used to return after 1 token (finish_reason length 1); now it is
     refused, clearly."""
-    with make_engine(ckpt, overlap_off, max_total_tokens=300) as e:
+    with make_engine(ckpt, loop, max_total_tokens=300) as e:
         with pytest.raises(ValueError, match="max_new_tokens=50.*KV pool"):
             e.add_request(input_ids=[7] * 299, sampling_params={"max_new_tokens": 50})
         out = e.generate(input_ids=[7] * 250, sampling_params={"max_new_tokens": 50, "temperature": 0,
@@ -2275,7 +2334,7 @@ def test_triton_on_cpu_beside_a_gpu_needs_the_interpreter(ckpt, monkeypatch):
 
 def test_prompt_longer_than_context(tmp_path):
     path = oe.write_random_checkpoint(str(tmp_path / "short"), max_pos=32)
-    with make_engine(path, False) as e:
+    with make_engine(path, "overlap") as e:
         with pytest.raises(ValueError, match="context length is 32"):
             e.add_request(input_ids=list(range(32)), sampling_params={})
         out = e.generate(input_ids=list(range(30)),
@@ -2355,11 +2414,11 @@ def run_with_an_abort(engine, wl, abort_step=18, victim=2):
 TP_SQUEEZED = {"max_total_tokens": 96, "chunked_prefill_size": 8, "schedule_conservativeness": 0.0}
 
 
-def tp_run(ckpt, overlap_off, tp_size, wl, **kw):  # callers use the loopback fixture
+def tp_run(ckpt, loop, tp_size, wl, **kw):  # callers use the loopback fixture
     """(outputs without their random ids, stats, memory per rank) of one engine; invariants checked on
     every rank after the workload."""
     threads = torch.get_num_threads()  # rank 0 shares the cores with rank 1 while they run
-    with make_engine(ckpt, overlap_off, tp_size=tp_size, dist_timeout=60, **kw) as e:
+    with make_engine(ckpt, loop, tp_size=tp_size, dist_timeout=60, **kw) as e:
         outs = run_with_an_abort(e, wl)
         e.check_invariants()
         stats, memory = e.stats(), e.memory_usage()
@@ -2381,19 +2440,21 @@ def threads_calling(monkeypatch, obj, name: str) -> list:
     return names
 
 
-@pytest.mark.parametrize("overlap_off", LOOPS, ids=LOOP_IDS)
-def test_tp2_gives_the_tokens_of_tp1(ckpt, overlap_off, monkeypatch, loopback):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_tp2_gives_the_tokens_of_tp1(ckpt, loop, monkeypatch, loopback):
     """Two ranks, each planning alone from rank 0's broadcast inputs (plan hashes compared every
     iteration), give the tokens, finish reasons and cache hits of one rank, through chunked prefill,
     radix hits, retraction, seeded sampling and an abort; each rank holds half the KV and half the
     weight matrices (with the vocabulary's padding rows), and every norm.
     The all-reduces run in the step, on the device thread; the broadcasts on the host."""
     wl = tp_workload()
-    one, one_stats, one_mem = tp_run(ckpt, overlap_off, 1, wl, **TP_SQUEEZED)
+    one, one_stats, one_mem = tp_run(ckpt, loop, 1, wl, **TP_SQUEEZED)
     all_reduces = threads_calling(monkeypatch, oe.dist, "all_reduce")
     broadcasts = threads_calling(monkeypatch, oe.TPGroup, "broadcast")
-    two, two_stats, two_mem = tp_run(ckpt, overlap_off, 2, wl, **TP_SQUEEZED)
+    plan_checks = threads_calling(monkeypatch, oe, "check_plan_agrees")
+    two, two_stats, two_mem = tp_run(ckpt, loop, 2, wl, **TP_SQUEEZED)
     assert two == one
+    assert len(plan_checks) >= len(two_stats["iterations"]) > 0  # after every iteration (debug_tp_plan)
     assert all_reduces and set(all_reduces) == {"overlap-engine-device"}
     assert broadcasts and set(broadcasts) == {"MainThread"}
     assert one_stats["retractions"] > 0 and two_stats["retractions"] == one_stats["retractions"]
@@ -2413,8 +2474,8 @@ def test_tp2_pads_the_vocabulary_and_replicates_a_kv_head(tmp_path, loopback):
     one KV head is replicated on both ranks (tp_size > num_key_value_heads); embeddings are tied."""
     ck = oe.write_random_checkpoint(str(tmp_path), vocab=257, kv_heads=1, tie=True, seed=5)
     wl = [(p, {**sp, "max_new_tokens": 8}) for p, sp in tp_workload()[:4]]
-    one, _, one_mem = tp_run(ck, False, 1, wl)
-    two, _, two_mem = tp_run(ck, False, 2, wl)
+    one, _, one_mem = tp_run(ck, "overlap", 1, wl)
+    two, _, two_mem = tp_run(ck, "overlap", 2, wl)
     assert two == one
     embedding = 257 * 32 * 8  # (vocab, hidden) float64, tied: counted once
     for rank in two_mem:
@@ -2482,20 +2543,20 @@ def test_weights_are_sharded_as_they_load(tmp_path, fmt):
 
 
 def test_tp_plan_check_catches_ranks_that_disagree(ckpt):
-    """debug_tp_plan: each iteration's plan hash is gathered from the ranks; one that differs stops
-    the engine with an error, equal ones let it run."""
+    """debug_tp_plan: each iteration's plan hash is gathered from the ranks; one that differs raises,
+    equal ones pass (test_tp2_gives_the_tokens_of_tp1 sees the engine check after every iteration)."""
     class Ranks:  # the group, as the scheduler sees it: rank 1 answers with `other`
         def __init__(self, other=None):
             self.other = other
 
         def all_gather(self, digest):
             return [digest, self.other or digest]
-    with make_engine(ckpt, False) as e:
+    with make_engine(ckpt, "overlap") as e:
         e.add_request(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 3, "temperature": 0})
-        e.scheduler.tp = Ranks("0" * 64)
+        e.step()
         with pytest.raises(AssertionError, match="tensor-parallel ranks planned different steps"):
-            e.step()
-        e.scheduler.tp = Ranks()
+            oe.check_plan_agrees(Ranks("0" * 64), e.scheduler)
+        oe.check_plan_agrees(Ranks(), e.scheduler)
         assert steps_until_done(e, list(e._reqs))
         e.check_invariants()
 
@@ -2503,18 +2564,18 @@ def test_tp_plan_check_catches_ranks_that_disagree(ckpt):
 def test_tp_plan_hash_covers_the_tokens_an_overlap_decode_takes_from_the_future_map(ckpt):
     """In an overlap decode step the input ids are FutureMap rows, not in the plan: the committed tokens
     (how many, and the last) go into the hash on their own, so ranks that sampled differently differ."""
-    with make_engine(ckpt, False) as e:
+    with make_engine(ckpt, "overlap") as e:
         rid = e.add_request(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 8, "temperature": 0})
         for _ in range(3):  # prefill, then two decodes: the first one's token is committed
             e.step()
         s, r = e.scheduler, e.request(rid)
-        assert s.last_batch.forward_mode.is_decode() and len(s.last_batch.fb.input_ids) == 0
+        assert s.last_batch.forward_mode.is_decode() and len(s.last_batch.forward_batch.input_ids) == 0
         assert r in s.running_batch.reqs and r.output_ids
-        same = s.plan_digest()
+        same = oe.plan_digest(s)
         r.output_ids[-1] += 1  # what a rank that sampled another token would have committed
-        other = s.plan_digest()
+        other = oe.plan_digest(s)
         r.output_ids[-1] -= 1
-        assert other != same and s.plan_digest() == same
+        assert other != same and oe.plan_digest(s) == same
         steps_until_done(e, [rid])
         e.check_invariants()
 
@@ -2531,7 +2592,7 @@ def test_tp_an_error_on_rank_0_alone_ends_the_group(ckpt, loopback, monkeypatch)
             raise RuntimeError("planning broke")
         return real(self)
     monkeypatch.setattr(oe.Scheduler, "update_running_batch", breaks_once)
-    with make_engine(ckpt, False, tp_size=2, dist_timeout=60) as e:
+    with make_engine(ckpt, "overlap", tp_size=2, dist_timeout=60) as e:
         rank1 = e.tp.procs.processes[0]
         e.add_request(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 20, "temperature": 0})
         with pytest.raises(oe.TPError, match="the engine cannot continue") as raised:
@@ -2551,7 +2612,7 @@ def test_tp_a_ctrl_c_between_the_length_and_the_bytes_of_a_broadcast_waits(ckpt,
     import signal
     real, sent = oe.dist.broadcast, []
     wl = greedy_workload(random_prompts(3, seed=211, lo=3, hi=20), [6, 4, 5])
-    with make_engine(ckpt, False, tp_size=2, dist_timeout=60) as e:
+    with make_engine(ckpt, "overlap", tp_size=2, dist_timeout=60) as e:
         def broadcast(tensor, src, group=None, async_op=False):
             work = real(tensor, src, group=group, async_op=async_op)
             if group is e.tp.idle_group and not sent:  # the length is out, the bytes are not
@@ -2612,7 +2673,7 @@ class GatheringRanks:
 def test_tp_an_error_a_rank_cannot_pickle_goes_to_rank_0_as_text(ckpt, monkeypatch):
     """A follower whose check raises an exception pickle refuses still answers (type and message, as
     text), and rank 0 raises it naming the rank; an AssertionError stays one."""
-    with make_engine(ckpt, False) as e:
+    with make_engine(ckpt, "overlap") as e:
         def fails():
             raise Unpicklable
         monkeypatch.setattr(e, "_check_invariants_here", fails)
@@ -2637,7 +2698,7 @@ def test_tp2_in_bf16_completes_with_its_invariants_on_every_rank(ckpt, loopback,
     a short greedy workload must finish, the ranks' plans agree (debug_tp_plan) and every rank's books
     balance."""
     wl = greedy_workload(random_prompts(4, seed=221, lo=3, hi=30), [6, 9, 4, 7])
-    with make_engine(ckpt, False, tp_size=2, dtype="bfloat16", dist_timeout=60,
+    with make_engine(ckpt, "overlap", tp_size=2, dtype="bfloat16", dist_timeout=60,
                      quantization=quantization) as e:
         outs = run_workload(e, wl)
         e.check_invariants()
@@ -2713,7 +2774,7 @@ def listening_addresses(pids: list) -> set:
 def test_tp_ranks_of_one_machine_listen_on_the_loopback_only(ckpt, loopback):
     """Rank 0's TCPStore listens on the socket the engine bound to 127.0.0.1 (torch's own would listen
     on every interface), and gloo, named the loopback, binds there too."""
-    with make_engine(ckpt, False, tp_size=2, dist_timeout=60) as e:
+    with make_engine(ckpt, "overlap", tp_size=2, dist_timeout=60) as e:
         addresses = listening_addresses([os.getpid()] + [p.pid for p in e.tp.procs.processes])
     assert addresses == {"0100007F"}  # 127.0.0.1, in /proc's byte order
 
@@ -2746,7 +2807,7 @@ def test_tp2_across_two_machines_from_the_command_line(ckpt):
     node0, node1 = two_machines(ckpt, prompt, [])
     assert node0.returncode == 0, node0.stderr
     assert node1.returncode == 0, node1.stderr
-    with make_engine(ckpt, False) as e:
+    with make_engine(ckpt, "overlap") as e:
         sp = {"max_new_tokens": 12, "temperature": 0}
         expected = e.generate(prompt="Tensor parallel", sampling_params=sp)
     text, summary = node0.stdout.rsplit("\n[", 1)
@@ -2855,13 +2916,13 @@ def test_cli_one_shot(smollm):
 
 
 def test_cli_interactive_chat(smollm):
-    """The chat as a newcomer starts it: weights measured for one stream, the batch-1 step compiled."""
+    """The chat as a newcomer starts it: weights measured for one request, the batch-1 step compiled."""
     r = subprocess.run([sys.executable, "overlap_engine.py", "--model-path", smollm[0],
                         "--max-new-tokens", "20"],
                        input="Write a haiku about the sea.\n/exit\n", capture_output=True, text=True,
                        timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
     assert r.returncode == 0, r.stderr
-    assert "one stream:" in r.stderr and "the fastest one-token matmul here" in r.stderr
+    assert "one request:" in r.stderr and "the fastest one-token matmul here" in r.stderr
     assert ("torch.compile of the batch-1 step" in r.stderr) == (oe.cpp_compiler() is not None)
     reply = r.stdout.split("> ")[1]  # after the chat's first prompt: the streamed reply
     assert len(reply.split()) >= 5 and "tokens in" in r.stdout and "time to first token" in r.stdout
@@ -2984,13 +3045,13 @@ def cli_engine_args(monkeypatch, argv) -> dict:
     return got.value.args[0]
 
 
-def test_cli_picks_the_fastest_one_stream_setup_for_what_is_not_given(ckpt, monkeypatch):
+def test_cli_picks_the_fastest_one_request_setup_for_what_is_not_given(ckpt, monkeypatch):
     ms = oe.one_token_matmul_ms(shape=(64, 64), count=2, passes=1)  # the real measurement, tiny
-    assert set(ms) == set(oe.ONE_STREAM_CANDIDATES) and all(v > 0 for v in ms.values())
+    assert set(ms) == set(oe.ONE_REQUEST_CANDIDATES) and all(v > 0 for v in ms.values())
     monkeypatch.setattr(oe, "one_token_matmul_ms", lambda: {"float32": 4.0, "bfloat16": 3.0, "int8": 1.0,
                                                             "int4": 2.0})
     monkeypatch.setattr(oe, "cpp_compiler", lambda: "/usr/bin/c++")  # as if a compiler were there
-    picked = lambda **kw: {k: kw[k] for k in oe.ONE_STREAM_ARGS}  # noqa: E731
+    picked = lambda **kw: {k: kw[k] for k in oe.ONE_REQUEST_ARGS}  # noqa: E731
     base = ["--model-path", ckpt, "--device", "cpu"]
     assert picked(**cli_engine_args(monkeypatch, base)) == {
         "dtype": "bfloat16", "quantization": "int8", "enable_torch_compile": True, "torch_compile_max_bs": 1}
@@ -3056,8 +3117,8 @@ def chat_ckpt(tmp_path_factory):
 def served(chat_ckpt):
     """A server on the tiny float64 model (ledger checked every iteration) and an offline engine."""
     pytest.importorskip("fastapi")
-    server = oe.Server(make_engine(chat_ckpt, False), port=0).start()
-    offline = make_engine(chat_ckpt, True)
+    server = oe.Server(make_engine(chat_ckpt, "overlap"), port=0).start()
+    offline = make_engine(chat_ckpt, "serial")
     yield server, offline
     server.stop()
     offline.shutdown()
@@ -3267,7 +3328,7 @@ def test_server_failed_step_is_a_500_and_health_turns_503(chat_ckpt, monkeypatch
     started, else a 500 with the message); this engine cannot continue after it (its device stream is
     broken), so /health says 503 and new requests get 503."""
     pytest.importorskip("fastapi")
-    server = oe.Server(make_engine(chat_ckpt, False), port=0).start()
+    server = oe.Server(make_engine(chat_ckpt, "overlap"), port=0).start()
     try:
         assert http_call(server, "GET", "/health")[0] == 200
         real = oe.ModelWorker.forward_step
