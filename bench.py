@@ -229,7 +229,7 @@ class SimWorker(oe.ModelWorker):
         cost = self.G * max(1.0, len(batch.positions) / max(len(batch.seq_lens), 1) / 64)
         h.t_start = max(h.t_launch, self.busy_until)
         h.t_end = self.busy_until = h.t_start + cost
-        h.value = (batch.req_pool_indices * 31 + torch.tensor(batch.seq_lens) * 7) % self.vocab
+        h.value = {"next_ids": (batch.req_pool_indices * 31 + torch.tensor(batch.seq_lens) * 7) % self.vocab}
         return h
 
     def write_row(self, row, slots):  # no device state to keep in a simulation
@@ -669,6 +669,66 @@ def cmd_profile(args):
     for cat, us in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"| {cat} | {100 * us / total:.0f}% | {ms * us / total:.1f} |")
     return {"step_ms": ms, "shares": {k: v / total for k, v in groups.items()}}
+
+
+# ----------------------------------------------------------------------------------------------
+# sampling: what logprobs and penalties cost a decode step, each on and off, in one engine
+
+SAMPLING_SETUPS = {  # name: (extra sampling parameters, (return_logprob, top_logprobs_num, start))
+    "plain": ({}, (False, 0, -1)),
+    "logprobs, top 5": ({}, (True, 5, -1)),
+    "penalties": ({"frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.2},
+                  (False, 0, -1)),
+    "logprobs and penalties": ({"frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.2},
+                               (True, 5, -1)),
+}
+
+
+def cmd_sampling(args):
+    """For each setup: one decode step of `batch` requests, `steps` tokens into their outputs, and the
+    host's median time per iteration while they decoded (planning and committing: what the overlap loop
+    hides). The steps are captured first, then replayed in turns (best of 7 rounds), so that the
+    machine's drift falls on all setups alike. Greedy; all setups in one engine."""
+    path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
+    B, steps = (4, 3) if args.quick else (args.batch, args.steps)
+    rows, batches = {}, {}
+    with oe.Engine(model_path=path, device="cpu", dtype=args.dtype, disable_overlap_schedule=True,
+                   max_total_tokens=args.max_total_tokens) as e:
+        worker, forward_step = e.scheduler.worker, e.scheduler.worker.forward_step
+        reqs = random_requests(B, *((8, 32) if args.quick else map(int, args.input.split(","))), args.seed,
+                               e.model_config.vocab_size)
+        for name, (extra, logprob) in SAMPLING_SETUPS.items():
+            captured = []
+            worker.forward_step = lambda batch: captured.append(batch) or forward_step(batch)
+            e.step_timer.clear()
+            sp = {"max_new_tokens": steps + 2, "ignore_eos": True, "temperature": 0, **extra}
+            rids = e.add_requests(reqs, [sp] * B, *logprob)
+            while not (captured and captured[-1].forward_mode.is_decode() and len(captured[-1].seq_lens) == B
+                       and min(len(r.output_ids) for r in e.scheduler.running_batch.reqs) >= steps):
+                e.step()
+            worker.forward_step = forward_step
+            rows[name] = {"host_ms": 1e3 * statistics.median(e.stats()["host_times"][-steps:])}
+            batches[name] = captured[-1]
+            for rid in rids:
+                e.abort(rid)
+            while not e.scheduler.is_idle():
+                e.step()
+            e.flush_cache()
+        best = dict.fromkeys(batches, math.inf)
+        for _ in range(7):  # in turns: a replay only rewrites what its step wrote (now free memory)
+            for name, batch in batches.items():
+                best[name] = min(best[name], timed(lambda: forward_step(batch)))
+    for name in rows:
+        rows[name]["step_ms"] = 1e3 * best[name]
+    base = rows["plain"]
+    print(f"## sampling: one decode step, {os.path.basename(path)}, {args.dtype}, batch {B}, {steps} tokens "
+          f"into the outputs (best of 7, in turns); host ms per iteration (median), one run")
+    print("| setup | device step ms | vs plain | host ms/iteration | vs plain |")
+    print("|---|---|---|---|---|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['step_ms']:.1f} | {r['step_ms'] / base['step_ms']:.2f}x | {r['host_ms']:.2f} | "
+              f"{r['host_ms'] / base['host_ms']:.2f}x |")
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1177,6 +1237,17 @@ def main():
     pr.add_argument("--quick", action="store_true")
     pr.set_defaults(fn=cmd_profile)
 
+    sa = sub.add_parser("sampling", help="what logprobs and penalties cost a decode step (on and off)")
+    sa.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    sa.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    sa.add_argument("--batch", type=int, default=TP_REQUESTS)
+    sa.add_argument("--input", default=TP_INPUT, help="input length range lo,hi")
+    sa.add_argument("--steps", type=int, default=32, help="output tokens before the timed step")
+    sa.add_argument("--max-total-tokens", type=int, default=24576)
+    sa.add_argument("--seed", type=int, default=TP_SEED)
+    sa.add_argument("--quick", action="store_true")
+    sa.set_defaults(fn=cmd_sampling)
+
     si = sub.add_parser("single", help="one request alone: TTFT and decode tok/s per setup (and llama.cpp)")
     si.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
     si.add_argument("--setups", default=SINGLE_SETUPS, help="comma-separated: a dtype or int8/int4 (bf16 "
@@ -1228,7 +1299,7 @@ def main():
     a.add_argument("--quick", action="store_true")
     a.set_defaults(fn=cmd_all)
 
-    for sp in (sm, o, t, pr, si, m, a):
+    for sp in (sm, o, t, pr, sa, si, m, a):
         sp.add_argument("--json", default=None, help="also write the results as JSON here")
     args = p.parse_args()
     result = args.fn(args)

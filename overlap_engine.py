@@ -146,10 +146,34 @@ class Req:
         self.cached_tokens = 0
         self.text, self.prefix_offset, self.read_offset = "", 0, 0   # incremental detokenizer
         self.streamed_text_len, self.streamed_ids_len = 0, 0          # what generate(stream=True) sent
+        # logprobs, committed with their tokens: (logprob, token id, None) each, as SGLang gives them
+        self.return_logprob, self.top_logprobs_num, self.logprob_start_len = False, 0, -1
+        self.output_token_logprobs: list = []
+        self.output_top_logprobs: list = []
+        self.input_token_logprobs: list = []  # prompt tokens from logprob_start_len on
+        self.input_top_logprobs: list = []
+        self.input_logprobs_done = False
+        self.shares_prefill_of: Optional[Req] = None  # n > 1: the sibling whose prompt KV it waits for
 
     @property
     def fill_ids(self) -> list:
         return self.origin_input_ids + self.output_ids
+
+    def owes_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0 and not self.input_logprobs_done
+
+    def prefix_key(self) -> list:
+        """The leading tokens whose cached KV it may reuse: all but the last (whose logits sample the next
+        token), and none from the first position whose logits its prompt logprobs need."""
+        n = len(self.fill_ids) - 1
+        if self.owes_input_logprobs():
+            n = min(n, max(self.logprob_start_len, 1) - 1)
+        return self.fill_ids[:n]
+
+    def waits_for_sibling(self) -> bool:
+        """n > 1: the first sibling prefills the prompt once; the others wait to find it cached."""
+        s = self.shares_prefill_of
+        return s is not None and not s.finished() and s.kv_committed_len < len(s.origin_input_ids) - 1
 
     def planned_outputs(self) -> int:
         """Outputs sampled by steps planned so far (valid once the final prefill chunk is planned)."""
@@ -165,9 +189,12 @@ class Req:
     def update_finish_state(self, tokenizer: Optional[Tokenizer]):
         """Called at commit, after a token was appended: length, EOS and stop ids, stop strings (in that
         order). Text is decoded here only when stop strings need it; otherwise at finish or when streamed."""
-        sp, tok = self.sampling_params, self.output_ids[-1]
+        sp, tok = self.sampling_params, self.output_ids[-1] if self.output_ids else None
         if len(self.output_ids) >= sp.max_new_tokens:
             self.finished_reason = {"type": "length", "length": sp.max_new_tokens}
+        elif len(self.output_ids) < sp.min_new_tokens:  # no stop yet (sampling masked its stop ids)
+            if sp.stop and tokenizer is not None:
+                self.detokenize(tokenizer)  # a stop string must end after the window to count
         elif tok in self.stop_ids:
             self.finished_reason = {"type": "stop", "matched": tok}
         elif sp.stop and tokenizer is not None:
@@ -198,13 +225,45 @@ class Req:
             self.text += new[len(prev):]
             self.prefix_offset, self.read_offset = self.read_offset, len(ids)
 
+    def add_input_logprobs(self, out: dict, start: int, count: int, first: int):
+        """Commits a prefill chunk's prompt logprobs: those of prompt tokens first.., from rows start.. of
+        the step's input_* results (the first prompt token has none: its entry is None)."""
+        if not self.input_token_logprobs and self.logprob_start_len == 0:
+            self.input_token_logprobs.append((None, self.origin_input_ids[0], None))
+            self.input_top_logprobs.append(None)
+        assert first == self.logprob_start_len + len(self.input_token_logprobs) or not count, "chunk order"
+        for j, tok in zip(range(start, start + count), self.origin_input_ids[first:first + count]):
+            self.input_token_logprobs.append((out["input_logprobs"][j], tok, None))
+            self.input_top_logprobs.append(top_logprobs(out, "input_", j, self.top_logprobs_num))
+
+    def add_output_logprob(self, out: dict, j: int):
+        self.output_token_logprobs.append((out["logprobs"][j], self.output_ids[-1], None))
+        self.output_top_logprobs.append(top_logprobs(out, "", j, self.top_logprobs_num))
+
     def meta_info(self) -> dict:
-        return {"id": self.rid, "finish_reason": self.finished_reason,
+        meta = {"id": self.rid, "finish_reason": self.finished_reason,
                 "prompt_tokens": len(self.origin_input_ids), "completion_tokens": len(self.output_ids),
                 "cached_tokens": self.cached_tokens}
+        if self.return_logprob:
+            meta.update(output_token_logprobs=list(self.output_token_logprobs),
+                        output_top_logprobs=list(self.output_top_logprobs),
+                        input_token_logprobs=list(self.input_token_logprobs),
+                        input_top_logprobs=list(self.input_top_logprobs))
+        return meta
 
     def output(self) -> dict:
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
+
+
+def top_logprobs(out: dict, kind: str, j: int, k: int) -> list:
+    """Row j's k best (logprob, token id, None), best first, from a step's `kind`top_* results."""
+    if not k:
+        return []
+    return [(lp, t, None) for lp, t in zip(out[kind + "top_logprobs"][j][:k], out[kind + "top_ids"][j][:k])]
+
+
+def int64(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
 
 
 @dataclass(kw_only=True)
@@ -221,8 +280,10 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor        # (N,) slots this step writes
     req_to_token_writes: tuple         # (rows, cols, slots): req_to_token[rows, cols] = slots, in the step
     logit_rows: torch.Tensor           # (B,) each request's last token in the flat batch
+    prompt_logit_rows: torch.Tensor    # (M,) flat positions whose logits score the next prompt token
+    prompt_logit_ids: torch.Tensor     # (M,) those prompt tokens (prompt logprobs)
     publish_idx: torch.Tensor          # (P,) batch positions whose sampled token goes to the FutureMap
-    sampling: dict                     # per-request tensors: temperature, top_p, top_k, min_p, seed, out_pos
+    sampling: dict                     # per-request tensors: temperature, ..., penalties, logprobs asked
 
 
 @dataclass
@@ -234,6 +295,8 @@ class BatchSnapshot:
     seq_lens: list            # KV length each request reaches with this step
     is_last_chunk: list       # extend: False for a chunk that is not the end of the prompt
     n_prefill: int            # reqs[:n_prefill] are prefill rows, the rest decode rows
+    logprob_slots: list       # each request's row in the step's output logprobs, or -1
+    input_spans: list         # each request's (start, count, first token) in its prompt logprobs, or None
 
 
 class ScheduleBatch:
@@ -245,7 +308,10 @@ class ScheduleBatch:
         self.joined_running = False  # an extend batch's requests join the running batch once
         self.seq_lens: list = []
         self.is_last_chunk: list = []
+        self.new_rows: list = []  # per request: it gets its row in this step (its first chunk)
         self.n_prefill = 0  # reqs[:n_prefill] feed prompt chunks, the others decode
+        self.logprob_slots: list = []
+        self.input_spans: list = []
 
     def is_empty(self) -> bool:
         return not self.reqs
@@ -258,7 +324,8 @@ class ScheduleBatch:
 
     def copy(self) -> BatchSnapshot:
         return BatchSnapshot(self.forward_mode, list(self.reqs), [r.epoch for r in self.reqs],
-                             list(self.seq_lens), list(self.is_last_chunk), self.n_prefill)
+                             list(self.seq_lens), list(self.is_last_chunk), self.n_prefill,
+                             self.logprob_slots, self.input_spans)
 
     def prepare_for_decode(self, use_future_map: bool):
         """One new slot per request. In overlap mode the input token is still in flight: input_ids stays
@@ -272,7 +339,7 @@ class ScheduleBatch:
         for r in self.reqs:
             r.kv_allocated_len += 1
         self.seq_lens = (pos + 1).tolist()
-        self.is_last_chunk = [True] * B
+        self.is_last_chunk, self.new_rows = [True] * B, [False] * B
         self.n_prefill = 0
         if use_future_map:
             ids, future_rows = torch.empty(0, dtype=torch.int64), rows
@@ -284,23 +351,73 @@ class ScheduleBatch:
             req_to_token_writes=(rows, pos, loc), logit_rows=torch.arange(B))
 
     def build_forward_batch(self, **fields) -> ForwardBatch:
-        """The step's plan: the fields above plus per-request sampling tensors and what to publish."""
-        params = [r.sampling_params for r in self.reqs]
-        sampling = {
-            "temperature": torch.tensor([float(p.temperature) for p in params], dtype=torch.float64),
-            "top_p": torch.tensor([float(p.top_p) for p in params], dtype=torch.float64),
-            "top_k": torch.tensor([p.top_k for p in params], dtype=torch.int64),
-            "min_p": torch.tensor([float(p.min_p) for p in params], dtype=torch.float64),
-            "seed": torch.tensor([r.seed for r in self.reqs], dtype=torch.int64),
-            # the output index each request samples: the noise is a function of (seed, out_pos) only
-            "out_pos": torch.tensor([n - len(r.origin_input_ids) for n, r in zip(self.seq_lens, self.reqs)]),
-            "all_greedy": all(p.temperature == 0 for p in params),
-            "need_filter": any(p.top_k != -1 or p.top_p < 1 or p.min_p > 0 for p in params),
-        }
+        """The step's plan: the fields above plus per-request sampling tensors, the logprobs asked for,
+        and what to publish."""
+        sampling = self.sampling_inputs()
+        # output logprobs: for the rows that really sample (not a chunk in the middle of a prompt)
+        wanted = [i for i, r in enumerate(self.reqs) if r.return_logprob and self.is_last_chunk[i]]
+        self.logprob_slots = [-1] * len(self.reqs)
+        for j, i in enumerate(wanted):
+            self.logprob_slots[i] = j
+        rows, ids = self.plan_prompt_logprobs(fields["prefix_lens"], fields["extend_lens"])
+        if wanted or rows:
+            sampling["logprob_idx"] = int64(wanted)
+            sampling["top_logprobs_num"] = max(r.top_logprobs_num for r in self.reqs if r.return_logprob)
         # overlap mode publishes each sampled token (not a mid-prompt chunk's) for the next step to gather
         publish = [i for i, last in enumerate(self.is_last_chunk) if last and self.scheduler.enable_overlap]
         return ForwardBatch(forward_mode=self.forward_mode, seq_lens=self.seq_lens, sampling=sampling,
-                            publish_idx=torch.tensor(publish, dtype=torch.int64), **fields)
+                            prompt_logit_rows=int64(rows), prompt_logit_ids=int64(ids),
+                            publish_idx=int64(publish), **fields)
+
+    def sampling_inputs(self) -> dict:
+        """Per-request sampling tensors, made on the host. Penalties, logit_bias and min_new_tokens add
+        theirs only when a request of the batch uses them: the others pay no (B, vocab) work."""
+        reqs, params = self.reqs, [r.sampling_params for r in self.reqs]
+        out_pos = [n - len(r.origin_input_ids) for n, r in zip(self.seq_lens, reqs)]  # the output it samples
+        f64 = functools.partial(torch.tensor, dtype=torch.float64)
+        s = {"temperature": f64([p.temperature for p in params]), "top_p": f64([p.top_p for p in params]),
+             "top_k": int64([p.top_k for p in params]), "min_p": f64([p.min_p for p in params]),
+             "seed": int64([r.seed for r in reqs]),
+             "out_pos": int64(out_pos),  # the noise is a function of (seed, out_pos) only
+             "all_greedy": all(p.temperature == 0 for p in params),
+             "need_filter": any(p.top_k != -1 or p.top_p < 1 or p.min_p > 0 for p in params)}
+        # penalties: their state lives on the device (TokenCounts), rebuilt where a request gets its row
+        new = [r for r, p, first in zip(reqs, params, self.new_rows) if first and p.has_penalties()]
+        if new:
+            s["reset_rows"] = int64([r.req_pool_idx for r in new])
+            s["reset_tokens"] = int64([[r.req_pool_idx, i, t] for r in new for i, t in enumerate(r.fill_ids)])
+            s["reset_counts"] = int64([[r.req_pool_idx, t] for r in new for t in r.output_ids]).view(-1, 2)
+        pen = [i for i, p in enumerate(params) if p.has_penalties() and self.is_last_chunk[i]]  # sampling
+        if pen:
+            s["penalized"], s["penalty_rows"] = int64(pen), int64([reqs[i].req_pool_idx for i in pen])
+            s["penalty_lens"] = int64([self.seq_lens[i] for i in pen])  # tokens held: the new one's position
+            s["penalty_len"] = max(self.seq_lens[i] for i in pen)
+            for key in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
+                s[key] = f64([getattr(params[i], key) for i in pen])
+        bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
+        if bias:
+            s["bias_at"], s["bias"] = int64([b[:2] for b in bias]), f64([b[2] for b in bias])
+        # min_new_tokens: the tokens that would finish a request cannot be sampled while it is short
+        banned = [(i, t) for i, r in enumerate(reqs) if out_pos[i] < params[i].min_new_tokens
+                  for t in r.stop_ids]
+        if banned:
+            s["banned"] = int64(banned)
+        return s
+
+    def plan_prompt_logprobs(self, prefix_lens: list, extend_lens: list) -> tuple[list, list]:
+        """Prompt logprobs: a logits row at each fed position q whose next token q + 1 is a prompt token
+        its request asks about (from logprob_start_len on). Returns the rows' flat positions and tokens."""
+        rows, ids, start = [], [], 0
+        self.input_spans = [None] * len(self.reqs)
+        for i, (r, pre, ext) in enumerate(zip(self.reqs[:self.n_prefill], prefix_lens, extend_lens)):
+            if r.owes_input_logprobs():
+                lo = max(pre, max(r.logprob_start_len, 1) - 1)
+                n = max(0, min(pre + ext, len(r.origin_input_ids) - 1) - lo)
+                self.input_spans[i] = (len(rows), n, lo + 1)
+                rows += range(start + lo - pre, start + lo - pre + n)
+                ids += r.origin_input_ids[lo + 1:lo + 1 + n]
+            start += ext
+        return rows, ids
 
     def prepare_for_extend(self):
         """Each request's chunk gets KV slots; on its first chunk the request also gets a row, which
@@ -309,6 +426,7 @@ class ScheduleBatch:
         ids, positions, out_loc = [], [], []
         rows, cols, slots = [], [], []  # what the step writes into the device's req_to_token
         prefix_lens, extend_lens = [], []
+        self.new_rows = [r.req_pool_idx is None for r in self.reqs]
         for r in self.reqs:
             first = r.kv_allocated_len  # req_to_token positions this step writes start here
             if r.req_pool_idx is None:
@@ -346,6 +464,7 @@ class ScheduleBatch:
         self.reqs = self.reqs + running.reqs
         self.seq_lens = self.seq_lens + running.seq_lens
         self.is_last_chunk = self.is_last_chunk + running.is_last_chunk
+        self.new_rows = self.new_rows + running.new_rows
         extend_lens = ext.extend_lens + dec.extend_lens
         writes = tuple(torch.cat(pair) for pair in zip(ext.req_to_token_writes, dec.req_to_token_writes))
         self.forward_batch = self.build_forward_batch(
@@ -754,12 +873,18 @@ class CudaDeviceStream:
             return h
         self.copy_stream.wait_stream(self.forward_stream)  # the next forward need not wait for this copy
         with torch.cuda.stream(self.copy_stream):
-            h.value = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-            h.value.copy_(out, non_blocking=True)
-            out.record_stream(self.copy_stream)
+            h.value = ({k: self.to_host(v) for k, v in out.items()} if isinstance(out, dict)
+                       else self.to_host(out))
             h.copy_done = torch.cuda.Event()
             h.copy_done.record()
         return h
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A non-blocking D2H copy into pinned memory, queued on the copy stream."""
+        pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        pinned.copy_(t, non_blocking=True)
+        t.record_stream(self.copy_stream)  # t's memory is not reused before the copy has read it
+        return pinned
 
     def synchronize(self):
         torch.cuda.synchronize()
@@ -774,12 +899,14 @@ class ModelWorker:
     def __init__(self, model: Callable, req_to_token_pool, future_map, attn_backend, stream, device):
         self.model, self.req_to_token_pool, self.future_map = model, req_to_token_pool, future_map
         self.attn, self.stream, self.device = attn_backend, stream, device
+        self.token_counts: Optional[TokenCounts] = None  # the penalties' per-row state, on the device
 
     def launch(self, batch: ForwardBatch) -> StepHandle:
         return self.stream.launch(lambda: self.forward_step(batch))
 
-    def forward_step(self, batch: ForwardBatch) -> torch.Tensor:
-        """Runs on the device stream; everything it touches on the device is ordered after earlier steps."""
+    def forward_step(self, batch: ForwardBatch) -> dict:
+        """Runs on the device stream; everything it touches on the device is ordered after earlier steps.
+        Returns the step's result, still on the device: the sampled tokens and the logprobs asked for."""
         to = functools.partial(to_device, device=self.device)
         rows = to(batch.req_pool_indices)
         input_ids = to(batch.input_ids)  # (N,) or a mixed batch's prefill part; empty for overlap decode
@@ -794,13 +921,36 @@ class ModelWorker:
             seq_lens=to(torch.tensor(batch.seq_lens)), req_pool_indices_cpu=batch.req_pool_indices.tolist(),
             seq_lens_cpu=batch.seq_lens, prefix_lens_cpu=batch.prefix_lens,
             extend_lens_cpu=batch.extend_lens))
-        logits = self.model(input_ids, to(batch.positions), self.attn, to(batch.logit_rows))  # (B, vocab)
+        B, logit_rows = len(batch.seq_lens), batch.logit_rows
+        if len(batch.prompt_logit_rows):  # prompt logprobs: more rows through the LM head, for who asks
+            logit_rows = torch.cat((logit_rows, batch.prompt_logit_rows))
+        logits = self.model(input_ids, to(batch.positions), self.attn, to(logit_rows))  # (B + M, vocab)
         sampling = {k: (to(v) if isinstance(v, torch.Tensor) else v) for k, v in batch.sampling.items()}
-        next_ids = sample(logits, sampling)                                                  # (B,)
+        out = self.sample_tokens(logits[:B], sampling)
+        if len(batch.prompt_logit_rows):
+            out |= logprobs(logits[B:], to(batch.prompt_logit_ids), sampling["top_logprobs_num"], "input_")
         if len(batch.publish_idx):  # host-known: no sync (a device boolean mask would sync)
             sel = to(batch.publish_idx)
-            self.future_map.publish(rows[sel], next_ids[sel])
-        return next_ids
+            self.future_map.publish(rows[sel], out["next_ids"][sel])
+        return out
+
+    def sample_tokens(self, logits: torch.Tensor, s: dict) -> dict:
+        """Each row's next token, and its logprobs where asked. With penalties, the rows requests just got
+        are rebuilt first and what they sample is counted after: step n+1 sees step n's token, no sync."""
+        if self.token_counts is None and ("reset_rows" in s or "penalized" in s):  # made on first use:
+            rows, ctx = self.req_to_token_pool.req_to_token.shape     # most workloads never pay for it
+            self.token_counts = TokenCounts(rows, ctx, logits.shape[1], self.device)
+        counts = self.token_counts
+        if "reset_rows" in s:
+            counts.reset(s["reset_rows"], s["reset_tokens"], s["reset_counts"])
+        next_ids = sample(logits, s, counts)  # (B,)
+        if "penalized" in s:
+            counts.add(s["penalty_rows"], s["penalty_lens"], next_ids[s["penalized"]])
+        out = {"next_ids": next_ids}
+        if "logprob_idx" in s:
+            idx = s["logprob_idx"]
+            out |= logprobs(logits[idx], next_ids[idx], s["top_logprobs_num"])
+        return out
 
     def write_row(self, row: int, slots: torch.Tensor):
         """req_to_token[row, :len(slots)] = slots, ordered on the device stream after in-flight steps."""
@@ -953,19 +1103,26 @@ class Scheduler:
         """The commit point of the oldest launched step: read its tokens, append them, check stop
         conditions, settle KV. Interrupted while waiting, the step stays queued for the next try."""
         batch, result = self.result_queue[0]
-        next_ids = self.wait_for(batch, result)  # sync point
+        out = self.wait_for(batch, result)  # sync point
         self.result_queue.popleft()
         for i, r in enumerate(batch.reqs):
             if r.finished() or r.epoch != batch.epochs[i]:
-                # overshoot (finished at the previous commit but already in this step), retracted or aborted
+                # overshoot (finished at the previous commit but already in this step), retracted or aborted:
+                # its token and logprobs are dropped
                 overshoot = r.finished() and r.finished_reason["type"] != "abort"
                 self.stats["overshoot_tokens" if overshoot else "stale_results"] += 1
                 continue
             r.kv_committed_len = batch.seq_lens[i]
+            if batch.input_spans[i] is not None:  # this chunk's prompt logprobs
+                r.add_input_logprobs(out, *batch.input_spans[i])
+                r.input_logprobs_done = batch.is_last_chunk[i]
             if not batch.is_last_chunk[i]:
                 self.cache_unfinished_req(r)  # a chunk in the middle of a prompt: share it already
                 continue                      # (its sample is meaningless)
-            r.output_ids.append(next_ids[i])
+            if r.sampling_params.max_new_tokens:  # 0: a prefill for its prompt logprobs alone (echo)
+                r.output_ids.append(out["next_ids"][i])
+                if batch.logprob_slots[i] >= 0:
+                    r.add_output_logprob(out, batch.logprob_slots[i])
             r.update_finish_state(self.tokenizer)
             if r.finished():
                 self.release_kv_cache(r, insert=True)
@@ -973,10 +1130,10 @@ class Scheduler:
             elif i < batch.n_prefill:
                 self.cache_unfinished_req(r)  # a prompt just prefilled: share it
 
-    def wait_for(self, batch: BatchSnapshot, result: StepHandle) -> list:
-        """The one place the host blocks on the device (sync point): the step's tokens once they are
-        on the host (copy_done). Part II's StepTimer wraps it to time each step and each wait."""
-        return result.wait().tolist()
+    def wait_for(self, batch: BatchSnapshot, result: StepHandle) -> dict:
+        """The one place the host blocks on the device (sync point): the step's tokens and logprobs once
+        they are on the host (copy_done). Part II's StepTimer wraps it to time each step and each wait."""
+        return {k: v.tolist() for k, v in result.wait().items()}
 
     def release_kv_cache(self, r: Req, insert: bool):
         """Gives back a request's KV by allocated length (overshoot and tail included) and its row.
@@ -1037,13 +1194,15 @@ class Scheduler:
         lpm = self.schedule_policy == "lpm"
         if lpm:
             for r in self.waiting:
-                r.prefix_indices, r.last_node = self.tree_cache.match_prefix(r.fill_ids[:-1])
+                r.prefix_indices, r.last_node = self.tree_cache.match_prefix(r.prefix_key())
             self.waiting.sort(key=lambda r: -len(r.prefix_indices))  # stable: FCFS among equals
         pending = self.prompts_being_prefilled(adder.can_run_list) if lpm else None
         admitted = []
         for r in self.waiting:
+            if r.waits_for_sibling() and not self.tree_cache.disable:
+                continue  # n > 1: it will find the prompt its first sibling is prefilling in the cache
             if not lpm:
-                r.prefix_indices, r.last_node = self.tree_cache.match_prefix(r.fill_ids[:-1])
+                r.prefix_indices, r.last_node = self.tree_cache.match_prefix(r.prefix_key())
             elif (len(r.prefix_indices) < IN_BATCH_PREFIX_MIN
                   and len(pending.match_prefix(r.fill_ids)[0]) >= IN_BATCH_PREFIX_MIN):
                 continue  # waits a round: it will hit the cache rather than compute the same prefix again
@@ -1149,6 +1308,8 @@ class Scheduler:
         self.release_kv_cache(r, insert=False)
         r.epoch += 1
         r.kv_allocated_len, r.kv_committed_len = 0, 0
+        if not r.input_logprobs_done:  # the recomputed prefill scores the prompt again
+            r.input_token_logprobs, r.input_top_logprobs = [], []
         self.waiting.insert(0, r)
         self.stats["retractions"] += 1
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
@@ -1207,7 +1368,7 @@ class Scheduler:
 
 @dataclass
 class ModelConfig:
-    """The Llama hyper-parameters the model needs, read from an HF config.json dict."""
+    """The Llama hyper-parameters the model needs (Part II reads them from a checkpoint)."""
     vocab_size: int = 256
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -1222,24 +1383,6 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple = ()
-
-    @classmethod
-    def from_hf(cls, cfg: dict) -> "ModelConfig":
-        rope = cfg.get("rope_parameters") or {}  # transformers 5 nests rope_theta and the scaling here
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        eos = cfg.get("eos_token_id")
-        eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        n_heads = cfg["num_attention_heads"]
-        return cls(
-            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=n_heads, num_key_value_heads=cfg.get("num_key_value_heads", n_heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)), rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -1364,9 +1507,11 @@ def sampling_noise(seed: torch.Tensor, out_pos: torch.Tensor, V: int) -> torch.T
     return -torch.log((h.double() + 0.5) / 2.0**32)
 
 
-def sample(logits: torch.Tensor, sampling: dict) -> torch.Tensor:
+def sample(logits: torch.Tensor, sampling: dict, counts: Optional[TokenCounts] = None) -> torch.Tensor:
     """Greedy where temperature == 0; else argmax(p / E), E ~ Exp(1), which draws from p exactly
-    (the exponential race), with p filtered by top_k, top_p and min_p."""
+    (the exponential race), with p filtered by top_k, top_p and min_p; penalties and biases first."""
+    if any(k in sampling for k in ("penalized", "bias", "banned")):
+        logits = adjust_logits(logits, sampling, counts)
     greedy = logits.argmax(-1)
     if sampling["all_greedy"]:
         return greedy
@@ -1383,6 +1528,65 @@ def sample(logits: torch.Tensor, sampling: dict) -> torch.Tensor:
     noise = sampling_noise(sampling["seed"], sampling["out_pos"], probs.shape[1])  # (B, V)
     drawn = (probs / noise).argmax(-1)
     return torch.where(t == 0, greedy, drawn)
+
+
+def adjust_logits(logits: torch.Tensor, s: dict, counts: Optional[TokenCounts]) -> torch.Tensor:
+    """Penalties and biases, before temperature and the filters, with SGLang's and OpenAI's rules (on a
+    copy: logprobs report the raw logits). repetition_penalty p (CTRL's rule, over prompt and output): a
+    seen token's logit l becomes l / p if l > 0, else l * p. frequency f and presence r (over the output):
+    l - f * count - r * [count > 0]. logit_bias: added. min_new_tokens: the stop ids masked."""
+    logits = logits.clone()
+    if "penalized" in s:  # only the tokens a request holds are touched: (P, its length), not (P, vocab)
+        idx, rows, lens, L = s["penalized"], s["penalty_rows"], s["penalty_lens"], s["penalty_len"]
+        held = counts.tokens[rows, :L]                                                # (P, L)
+        past_end = torch.arange(L, device=held.device)[None] >= lens[:, None]
+        held = torch.where(past_end, held[:, :1], held)  # padding repeats a held token: writes agree
+        at = (idx[:, None], held)
+        y, n = logits[at].double(), counts.counts[rows[:, None], held]                # (P, L) each
+        rep = s["repetition_penalty"][:, None]
+        y = torch.where(y > 0, y / rep, y * rep)  # a token held twice gets the same value twice
+        logits[at] = (y - s["frequency_penalty"][:, None] * n - s["presence_penalty"][:, None] * (n > 0)
+                      ).to(logits.dtype)
+    if "bias" in s:
+        logits.index_put_(tuple(s["bias_at"].T), s["bias"].to(logits.dtype), accumulate=True)
+    if "banned" in s:
+        logits[tuple(s["banned"].T)] = -math.inf
+    return logits
+
+
+class TokenCounts:
+    """The penalties' state, per request-pool row, on the device: the request's tokens by position
+    (prompt and output: what repetition_penalty sees) and how often each token was sampled (frequency,
+    presence). The step that samples a token writes it on the device stream, so step n+1 sees step n's
+    token while the host has not committed it yet: no lag and no sync. The step that gives a request its
+    row rebuilds the row from the host's tokens: a reused row starts clean, a retracted request gets its
+    committed output back."""
+
+    def __init__(self, num_rows: int, context_len: int, vocab: int, device):
+        self.tokens = torch.zeros((num_rows, context_len), dtype=torch.int64, device=device)  # (rows, ctx)
+        self.counts = torch.zeros((num_rows, vocab), dtype=torch.int32, device=device)        # (rows, V)
+
+    def reset(self, rows: torch.Tensor, held: torch.Tensor, counted: torch.Tensor):
+        """rows start over: held (S, 3) are (row, position, token) of their prompt and output, counted
+        (C, 2) (row, token) of their output."""
+        self.counts[rows] = 0
+        self.tokens[tuple(held[:, :2].T)] = held[:, 2]
+        self.counts.index_put_(tuple(counted.T), torch.ones_like(counted[:, 0], dtype=torch.int32),
+                               accumulate=True)
+
+    def add(self, rows: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor):
+        self.tokens[rows, positions] = tokens
+        self.counts[rows, tokens] += 1  # a row appears once per step: no repeated index
+
+
+def logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int, kind: str = "") -> dict:
+    """The model's own logprobs (log_softmax of the raw logits: before penalties, temperature and
+    filters, as OpenAI and vLLM report them) of ids (R,) under logits (R, V), and each row's k best."""
+    lp = torch.log_softmax(logits, dim=-1)  # (R, V), fp32 or fp64: the model's logits are at least fp32
+    out = {kind + "logprobs": lp.gather(1, ids[:, None]).squeeze(1)}
+    if k:
+        out[kind + "top_logprobs"], out[kind + "top_ids"] = lp.topk(k, dim=-1)
+    return out
 
 
 # -- attention backends: read and write the paged KV pool through req_to_token rows --
@@ -1688,6 +1892,20 @@ def _is_real(x) -> bool:
 
 
 SAMPLING_EPS = 1e-6  # a temperature below this samples greedily
+MAX_TOP_LOGPROBS = 20  # top_logprobs_num at most (OpenAI's top_logprobs limit)
+SIBLING_SEED_STEP = 0x9E3779B97F4A7C15  # n > 1: sibling i samples with seed + i * this (mod 2**63)
+
+
+def check_logprob_args(return_logprob, top_logprobs_num, logprob_start_len):
+    """Engine.generate's logprob arguments (SGLang's names); a ValueError names a bad one."""
+    if not isinstance(return_logprob, bool):
+        raise ValueError(f"return_logprob={return_logprob!r} must be a bool")
+    if not _is_int(top_logprobs_num) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs_num={top_logprobs_num!r} must be an integer in "
+                         f"[0, {MAX_TOP_LOGPROBS}]")
+    if not _is_int(logprob_start_len) or logprob_start_len < -1:
+        raise ValueError(f"logprob_start_len={logprob_start_len!r} must be -1 (no prompt logprobs) or an "
+                         "integer >= 0")
 
 
 @dataclass
@@ -1702,6 +1920,15 @@ class SamplingParams:
     stop_token_ids: list = field(default_factory=list)
     ignore_eos: bool = False       # also ignores stop_token_ids (SGLang: no token-based finish at all)
     sampling_seed: Optional[int] = None  # the noise depends only on (seed, output position)
+    frequency_penalty: float = 0.0  # -2..2: minus this times a token's count in the output so far
+    presence_penalty: float = 0.0   # -2..2: minus this once a token is in the output
+    repetition_penalty: float = 1.0  # > 0: CTRL's rule over prompt and output; 1 is off
+    min_new_tokens: int = 0        # no stop (EOS, stop ids, stop strings) before this many outputs
+    logit_bias: dict = field(default_factory=dict)  # {token id (int or its str): -100..100}, added
+    n: int = 1                     # samples of the prompt, which is prefilled once
+
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
 
     @classmethod
     def from_dict(cls, d: Optional[dict], vocab_size: int) -> SamplingParams:
@@ -1749,6 +1976,26 @@ class SamplingParams:
         seed = self.sampling_seed
         if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
             bad("sampling_seed", "must be an integer in [0, 2**63) or None")
+        for key in ("frequency_penalty", "presence_penalty"):
+            if not _is_real(getattr(self, key)) or not -2 <= getattr(self, key) <= 2:
+                bad(key, "must be a number in [-2, 2]")
+        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be a number > 0")
+        if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            bad("min_new_tokens", f"must be an integer in [0, max_new_tokens={self.max_new_tokens}]")
+        if not _is_int(self.n) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if not isinstance(self.logit_bias, dict):
+            bad("logit_bias", "must be a dict {token id: bias}")
+        bias = {}
+        for t, b in self.logit_bias.items():
+            tok = int(t) if isinstance(t, str) and t.strip().lstrip("-").isdigit() else t
+            if not _is_int(tok) or not 0 <= tok < vocab_size:
+                bad("logit_bias", f"key {t!r} is not a token id in [0, {vocab_size})")
+            if not _is_real(b) or not -100 <= b <= 100:
+                bad("logit_bias", f"bias {b!r} of token {t!r} is not a number in [-100, 100]")
+            bias[tok] = bias.get(tok, 0) + b
+        self.logit_bias = bias
 
 
 class CtrlCHeld:
@@ -1981,8 +2228,9 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------------------
 
-    def _make_req(self, input_ids, sampling_params, rid=None) -> Req:
-        """Validates one request completely before anything is allocated."""
+    def _make_reqs(self, input_ids, sampling_params, rid=None, logprob: tuple = (False, 0, -1)) -> list:
+        """Validates one prompt's request completely before anything is allocated. n > 1 makes n
+        siblings, seeded apart, the first of which prefills the prompt for all."""
         V = self.model_config.vocab_size
         if not isinstance(input_ids, (list, tuple)) or len(input_ids) == 0:
             raise ValueError(f"input_ids must be a non-empty list of token ids, got {input_ids!r:.80}")
@@ -2000,6 +2248,9 @@ class Engine:
         for s in sp.stop:
             if self.tokenizer is None:
                 raise ValueError(f"stop={s!r} needs a tokenizer, and this checkpoint has none")
+        if sp.n > self.server_args.max_running_requests:
+            raise ValueError(f"sampling parameter n={sp.n}: more than max_running_requests="
+                             f"{self.server_args.max_running_requests} requests")
         sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - L)  # capped to the context
         if L + sp.max_new_tokens > self.max_total_tokens:  # never silently cut short by the pool
             raise ValueError(f"input_ids has {L} tokens and max_new_tokens={sp.max_new_tokens}: "
@@ -2007,29 +2258,47 @@ class Engine:
                              f"({self.max_total_tokens}); lower max_new_tokens or raise max_total_tokens")
         if rid is not None and (not isinstance(rid, str) or rid in self._reqs):
             raise ValueError(f"rid={rid!r} must be a new string")
+        check_logprob_args(*logprob)
         seed = sp.sampling_seed if sp.sampling_seed is not None else self._rng.getrandbits(63)
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model_config.eos_token_ids
         eos = eos or self.model_config.eos_token_ids
-        return Req(rid or os.urandom(16).hex(), list(input_ids), sp, seed, eos)
+        reqs = []
+        for i in range(sp.n):  # sibling i draws with a seed of its own, derived from the request's
+            r = Req(rid if rid and not i else os.urandom(16).hex(), list(input_ids), sp,
+                    (seed + i * SIBLING_SEED_STEP) % 2**63, eos)
+            r.return_logprob, r.top_logprobs_num, r.logprob_start_len = logprob
+            reqs.append(r)
+        return reqs
 
-    def _submit(self, r: Req) -> str:
-        self._tp_record("add", pickle.dumps(r))  # as it is now: an abort before the broadcast changes r
-        self._reqs[r.rid] = r
-        if r.sampling_params.max_new_tokens == 0:  # nothing to generate: finished without touching the device
-            r.finished_reason = {"type": "length", "length": 0}
+    def _submit(self, r: Req, sibling: Optional[str] = None) -> str:
+        """Queues a request; sibling: the rid of the n > 1 sibling whose prefill it waits for."""
+        self._tp_record("add", pickle.dumps(r), sibling)  # as it is now: an abort before the broadcast
+        self._reqs[r.rid] = r                              # would change r
+        r.shares_prefill_of = self._reqs.get(sibling) if sibling else None
+        if r.sampling_params.max_new_tokens == 0 and not r.owes_input_logprobs():
+            r.finished_reason = {"type": "length", "length": 0}  # nothing to run: it never reaches the device
             self.scheduler.finished_outputs.append(r.output())
         else:
             self.scheduler.waiting.append(r)
         return r.rid
 
-    def add_request(self, input_ids=None, sampling_params=None, prompt=None, rid=None) -> str:
-        """Queues one request; returns its id (later meta_info['id'])."""
-        return self._submit(self._make_req(self._to_ids(prompt, input_ids), sampling_params, rid))
+    def add_request(self, input_ids=None, sampling_params=None, prompt=None, rid=None,
+                    return_logprob=False, top_logprobs_num=0, logprob_start_len=-1) -> str:
+        """Queues one request; returns its id (later meta_info['id']). Logprobs as in generate()."""
+        logprob = (return_logprob, top_logprobs_num, logprob_start_len)
+        reqs = self._make_reqs(self._to_ids(prompt, input_ids), sampling_params, rid, logprob)
+        if len(reqs) > 1:
+            raise ValueError(f"sampling parameter n={len(reqs)}: add_request queues one request; "
+                             "add_requests and generate take n > 1")
+        return self._submit(reqs[0])
 
-    def add_requests(self, input_ids: list, sampling_params: list) -> list[str]:
-        """Queues several requests, all validated before any is queued (a server's batch); their ids."""
-        reqs = [self._make_req(ids, sp) for ids, sp in zip(input_ids, sampling_params)]
-        return [self._submit(r) for r in reqs]
+    def add_requests(self, input_ids: list, sampling_params: list, return_logprob=False, top_logprobs_num=0,
+                     logprob_start_len=-1) -> list[str]:
+        """Queues several requests, all validated before any is queued (a server's batch); their ids,
+        n for a prompt whose sampling_params ask for n > 1."""
+        logprob = (return_logprob, top_logprobs_num, logprob_start_len)
+        groups = [self._make_reqs(ids, sp, logprob=logprob) for ids, sp in zip(input_ids, sampling_params)]
+        return [self._submit(r, group[0].rid if i else None) for group in groups for i, r in enumerate(group)]
 
     def request(self, rid: str) -> Req:
         """The live Req of a queued or running request (its committed tokens and text), for a server that
@@ -2092,8 +2361,13 @@ class Engine:
             self._tp_record("abort", rid)
             self.scheduler.abort_req(r)
 
-    def generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False):
-        """One prompt (str or ids) in, one dict out; a list in, a list out; stream=True yields chunks."""
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False,
+                 return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1):
+        """One prompt (str or ids) in, one dict out; a list in, a list out (n > 1: n outputs a prompt, in
+        prompt order); stream=True yields chunks. return_logprob adds SGLang's logprobs to meta_info: of
+        the output, with the top_logprobs_num best of each position, and of the prompt from token
+        logprob_start_len on (-1: none). They are the model's raw distribution (before temperature,
+        penalties and filters), as OpenAI and vLLM report them."""
         batched = isinstance(prompt, list) or (
             isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list))
         prompts, id_lists = (prompt, input_ids) if batched else ([prompt], [input_ids])
@@ -2104,8 +2378,10 @@ class Engine:
         if len(sps) != n:
             raise ValueError(f"sampling_params has {len(sps)} entries for {n} prompts")
         ids = [self._to_ids(p, i) for p, i in zip(prompts or [None] * n, id_lists or [None] * n)]
-        reqs = [self._reqs[rid] for rid in self.add_requests(ids, sps)]
-        self._streamed.update(r.rid for r in reqs)
+        rids = self.add_requests(ids, sps, return_logprob, top_logprobs_num, logprob_start_len)
+        reqs = [self._reqs[rid] for rid in rids]
+        self._streamed.update(rids)
+        batched = batched or len(reqs) > n  # n > 1: a list out
         it = self._drive(reqs, batched)
         if stream:
             return it
@@ -2113,7 +2389,7 @@ class Engine:
         for chunk in it:
             if chunk["meta_info"]["finish_reason"] is not None:
                 finals[chunk.get("index", 0)] = chunk["final"]
-        outs = [finals[i] for i in range(n)]
+        outs = [finals[i] for i in range(len(reqs))]
         return outs if batched else outs[0]
 
     def _drive(self, reqs: list, batched: bool):
@@ -2201,7 +2477,7 @@ class Engine:
                     if kind == "step":
                         self._iterate()
                     elif kind == "add":
-                        self._submit(pickle.loads(payload[0]))
+                        self._submit(pickle.loads(payload[0]), *payload[1:])
                     elif kind == "abort":
                         self.abort(payload[0])
                     elif kind == "reset_loop":
@@ -2858,6 +3134,25 @@ def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str,
 # Checkpoint loading: HF directories, GGUF files (weights, tokenizer, chat template), the default model
 
 
+def model_config_from_hf(cfg: dict) -> ModelConfig:
+    """Part I's ModelConfig from an HF config.json dict."""
+    rope = cfg.get("rope_parameters") or {}  # transformers 5 nests rope_theta and the scaling here
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    eos = cfg.get("eos_token_id")
+    eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    n_heads = cfg["num_attention_heads"]
+    return ModelConfig(
+        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=n_heads, num_key_value_heads=cfg.get("num_key_value_heads", n_heads),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)), rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
+
+
 class Tokenizer:
     """A thin wrapper over `tokenizers.Tokenizer`: encode adds no special tokens; decode keeps none."""
 
@@ -2876,6 +3171,28 @@ class Tokenizer:
         return render_chat_template(self.chat_template, messages, self.bos_token or "", self.eos_token or "",
                                     add_generation_prompt)
 
+    def token_text(self, token: int) -> str:
+        """One token's text, special tokens included (what a logprobs entry shows)."""
+        return self.tk.decode([token], skip_special_tokens=False)
+
+    def token_bytes(self, token: int) -> bytes:
+        """One token's bytes: a byte-level BPE token may hold part of a character, which its text cannot."""
+        from tokenizers import decoders
+        piece, chars = self.tk.id_to_token(token) or "", byte_level_chars()
+        if isinstance(self.tk.decoder, decoders.ByteLevel) and all(c in chars for c in piece):
+            return bytes(chars[c] for c in piece)
+        return self.token_text(token).encode()
+
+
+@functools.cache
+def byte_level_chars() -> dict:
+    """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves, the others
+    for characters from U+0100 on, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)}
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
 
 def load_hf_dir(path: str, tp: Optional[TPShard] = None) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
     """Reads config.json, (sharded) safetensors and tokenizer.json from an HF Llama directory; with
@@ -2883,7 +3200,7 @@ def load_hf_dir(path: str, tp: Optional[TPShard] = None) -> tuple[ModelConfig, d
     from safetensors import safe_open
     with open(os.path.join(path, "config.json")) as f:
         hf_cfg = json.load(f)
-    cfg = ModelConfig.from_hf(hf_cfg)
+    cfg = model_config_from_hf(hf_cfg)
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
@@ -3049,7 +3366,7 @@ def load_gguf(path, tp: Optional[TPShard] = None):
         raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
     tensors = {t.name: t for t in reader.tensors}
     cfg = _gguf_config(reader, tensors)
-    state_dict, tp, model_cfg = {}, tp or TPShard(), ModelConfig.from_hf(cfg)
+    state_dict, tp, model_cfg = {}, tp or TPShard(), model_config_from_hf(cfg)
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue  # already folded into cfg["rope_scaling"]
@@ -3184,7 +3501,7 @@ def default_model_path(cache_dir=None):
 
 def load_gguf_checkpoint(path: str, tp: Optional[TPShard] = None) -> tuple[ModelConfig, dict, Tokenizer]:
     hf_cfg, state, reader = load_gguf(path, tp)
-    cfg = ModelConfig.from_hf(hf_cfg)
+    cfg = model_config_from_hf(hf_cfg)
     tk, extra = gguf_tokenizer(reader)
     return cfg, state, Tokenizer(tk, cfg.eos_token_ids, extra["bos_token"], extra["eos_token"],
                                  extra["chat_template"])
@@ -3251,7 +3568,7 @@ def load_dummy(path: str, device: str, tp: Optional[TPShard] = None) -> tuple[Mo
         raise ValueError(f"load_format='dummy' needs model_path to be one of {sorted(DUMMY_PRESETS)}, a "
                          f"config.json or a directory with one; got {path!r}")
     hf_cfg = {"num_key_value_heads": hf_cfg["num_attention_heads"], **hf_cfg}
-    cfg = ModelConfig.from_hf(hf_cfg)
+    cfg = model_config_from_hf(hf_cfg)
     state = random_state_dict(hf_cfg, scale=hf_cfg["hidden_size"] ** -0.5, device=device,
                               draw_dtype=torch.float32)
     state = {k: shard_weight(k, v, cfg, tp or TPShard()) for k, v in state.items()}  # same draws everywhere
@@ -3644,8 +3961,9 @@ class SchedulerThread(threading.Thread):
         self.stopping = False
 
     # -- called from the HTTP side (any thread) --
-    def submit(self, input_ids: list, sampling_params: list, channel: RequestChannel):
-        self.inbox.put(("add", input_ids, sampling_params, channel))
+    def submit(self, input_ids: list, sampling_params: list, channel: RequestChannel, logprob: tuple):
+        """Queues the prompts' requests; logprob: Engine.add_requests' three logprob arguments."""
+        self.inbox.put(("add", input_ids, sampling_params, channel, logprob))
 
     def cancel(self, channel: RequestChannel):
         """The client went away: abort whatever that channel's requests are by now (they may not even
@@ -3704,13 +4022,14 @@ class SchedulerThread(threading.Thread):
             for rid in list(self.live):
                 self.engine.abort(rid)
 
-    def add(self, input_ids, sampling_params, channel):
+    def add(self, input_ids, sampling_params, channel, logprob):
         if self.error is not None or self.stopping:
             return channel.put(("error", 503, f"the engine cannot take requests: {self.error or 'stopping'}"))
         try:
-            rids = self.engine.add_requests(input_ids, sampling_params)
+            rids = self.engine.add_requests(input_ids, sampling_params, *logprob)
         except ValueError as e:
             return channel.put(("error", 400, str(e)))
+        channel.put(("queued", len(rids)))  # n > 1: more requests than prompts
         for i, rid in enumerate(rids):
             self.live[rid] = (self.engine.request(rid), channel, i)
 
@@ -3739,7 +4058,14 @@ def served_model_name(engine: Engine) -> str:
 # -- request bodies: every field checked, a 400 naming it otherwise --
 
 OPENAI_FIELDS = {"model": str, "max_tokens": int, "temperature": float, "top_p": float, "stop": (str, list),
-                 "seed": int, "stream": bool, "n": int, "user": str, "stream_options": dict}
+                 "seed": int, "stream": bool, "n": int, "user": str, "stream_options": dict,
+                 "frequency_penalty": float, "presence_penalty": float, "logit_bias": dict,
+                 "min_tokens": int, "repetition_penalty": float}  # the last two: vLLM's and SGLang's extras
+# OpenAI's body fields -> SGLang's sampling parameters (bad values: the engine's ValueError, a 400)
+OPENAI_SAMPLING = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
+                   "stop": "stop", "seed": "sampling_seed", "n": "n", "logit_bias": "logit_bias",
+                   "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
+                   "min_tokens": "min_new_tokens", "repetition_penalty": "repetition_penalty"}
 
 
 def parse_body(raw: bytes, fields: dict, required: tuple) -> dict:
@@ -3762,15 +4088,11 @@ def parse_body(raw: bytes, fields: dict, required: tuple) -> dict:
     for key in required:
         if body.get(key) is None:
             raise HTTPError(400, f"field {key!r} is required")
-    if body.get("n") not in (None, 1):
-        raise HTTPError(400, f"n={body['n']}: only n = 1 is served")
     return body
 
 
 def openai_sampling(body: dict, default_max_tokens: Optional[int]) -> dict:
-    sp = {k: body[o] for o, k in (("max_tokens", "max_new_tokens"), ("temperature", "temperature"),
-                                   ("top_p", "top_p"), ("stop", "stop"), ("seed", "sampling_seed"))
-          if body.get(o) is not None}
+    sp = {k: body[o] for o, k in OPENAI_SAMPLING.items() if body.get(o) is not None}
     if "max_new_tokens" not in sp and default_max_tokens is not None:
         sp["max_new_tokens"] = default_max_tokens
     return sp
@@ -3815,15 +4137,16 @@ def build_app(scheduler: SchedulerThread):
             raise HTTPError(400, "this checkpoint has no tokenizer: send token ids instead of text")
         return engine.tokenizer.encode(text)
 
-    async def outputs(request, input_ids: list, sampling_params: list, stream: bool = True):
-        """Submits the requests and yields (index, chunk) as text is committed; aborts them if the
-        client goes away first."""
+    async def outputs(request, input_ids: list, sampling_params: list, stream: bool = True,
+                      logprob: tuple = (False, 0, -1)):
+        """Submits the requests (n for a prompt with n > 1) and yields (index, chunk) as text is
+        committed; aborts them if the client goes away first."""
         loop = asyncio.get_running_loop()
         channel = RequestChannel(loop, stream)
-        scheduler.submit(input_ids, sampling_params, channel)
-        left, next_check = len(input_ids), loop.time() + 0.5
+        scheduler.submit(input_ids, sampling_params, channel, logprob)
+        left, next_check = None, loop.time() + 0.5  # left: the requests not finished, once queued
         try:
-            while left:
+            while left is None or left:
                 try:
                     item = await asyncio.wait_for(channel.queue.get(), timeout=0.5)
                 except asyncio.TimeoutError:
@@ -3836,21 +4159,24 @@ def build_app(scheduler: SchedulerThread):
                     continue
                 if item[0] == "error":
                     raise HTTPError(item[1], item[2])
+                if item[0] == "queued":
+                    left = item[1]
+                    continue
                 _, index, chunk = item
                 left -= chunk["meta_info"]["finish_reason"] is not None
                 yield index, chunk
         finally:
-            if left:  # the client went away (or the stream was cancelled): free its memory
+            if left is None or left:  # the client went away (or the stream was cancelled): free its memory
                 scheduler.cancel(channel)
 
-    async def collect(request, input_ids, sampling_params) -> list:
-        texts, ids = [""] * len(input_ids), [[] for _ in input_ids]
-        finals = [None] * len(input_ids)
-        async for i, chunk in outputs(request, input_ids, sampling_params, stream=False):
-            texts[i] += chunk["text"]
-            ids[i] += chunk["output_ids"]
-            finals[i] = chunk["meta_info"]
-        return [{"text": t, "output_ids": o, "meta_info": m} for t, o, m in zip(texts, ids, finals)]
+    async def collect(request, input_ids, sampling_params, logprob: tuple = (False, 0, -1)) -> list:
+        outs = {}
+        async for i, chunk in outputs(request, input_ids, sampling_params, False, logprob):
+            out = outs.setdefault(i, {"text": "", "output_ids": []})
+            out["text"] += chunk["text"]
+            out["output_ids"] += chunk["output_ids"]
+            out["meta_info"] = chunk["meta_info"]
+        return [outs[i] for i in sorted(outs)]
 
     def sse(events):
         async def stream():
@@ -3901,8 +4227,9 @@ def build_app(scheduler: SchedulerThread):
 
     @route("/generate")
     async def generate(request):
-        body = parse_body(await read_body(request), {"text": (str, list), "input_ids": list,
-                                                 "sampling_params": (dict, list), "stream": bool}, ())
+        body = parse_body(await read_body(request), {
+            "text": (str, list), "input_ids": list, "sampling_params": (dict, list), "stream": bool,
+            "return_logprob": bool, "top_logprobs_num": int, "logprob_start_len": int}, ())
         if (body.get("text") is None) == (body.get("input_ids") is None):
             raise HTTPError(400, "give exactly one of 'text' and 'input_ids'")
         given = body["text"] if body.get("text") is not None else body["input_ids"]
@@ -3915,67 +4242,125 @@ def build_app(scheduler: SchedulerThread):
         sps = sp if isinstance(sp, list) else [sp] * len(prompts)
         if len(sps) != len(prompts):
             raise HTTPError(400, f"sampling_params has {len(sps)} entries for {len(prompts)} prompts")
+        logprob = tuple(body.get(k, d) for k, d in (("return_logprob", False), ("top_logprobs_num", 0),
+                                                    ("logprob_start_len", -1)))
+        many = batched or any(isinstance(s, dict) and s.get("n", 1) != 1 for s in sps)  # a list out
         if body.get("stream"):
             async def chunks():
-                async for i, chunk in outputs(request, input_ids, sps):
-                    yield {**chunk, "index": i} if batched else chunk
+                async for i, chunk in outputs(request, input_ids, sps, True, logprob):
+                    yield {**chunk, "index": i} if many else chunk
             return sse(await first_item(chunks()))
-        outs = await collect(request, input_ids, sps)
-        return outs if batched else outs[0]
+        outs = await collect(request, input_ids, sps, logprob)
+        return outs if many else outs[0]
 
     def finish_reason(meta: dict) -> Optional[str]:
         reason = meta["finish_reason"]
         return None if reason is None else reason["type"]  # stop | length | abort
 
-    def usage(meta: dict) -> dict:
-        return {"prompt_tokens": meta["prompt_tokens"], "completion_tokens": meta["completion_tokens"],
-                "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"]}
+    def usage(metas: list) -> dict:
+        done = sum(m["completion_tokens"] for m in metas)  # n > 1: the prompt counts once
+        return {"prompt_tokens": metas[0]["prompt_tokens"], "completion_tokens": done,
+                "total_tokens": metas[0]["prompt_tokens"] + done}
 
-    async def openai_response(request, body, input_ids, sp, chat: bool):
+    def token_text(token: int) -> str:
+        return engine.tokenizer.token_text(token) if engine.tokenizer is not None else f"token_id:{token}"
+
+    def chat_logprobs(entries: list, tops: list) -> dict:
+        """OpenAI's chat logprobs of (logprob, token, None) entries and their top lists."""
+        def one(lp, tok):
+            data = engine.tokenizer.token_bytes(tok) if engine.tokenizer is not None else b""
+            return {"token": token_text(tok), "logprob": lp, "bytes": list(data)}
+        return {"content": [{**one(lp, tok), "top_logprobs": [one(a, b) for a, b, _ in top]}
+                            for (lp, tok, _), top in zip(entries, tops)]}
+
+    def completion_logprobs(entries: list, tops: list, offset: int) -> dict:
+        """OpenAI's completions logprobs: token strings, their logprobs, the top ones as {token: logprob}
+        (None for the first prompt token), and where each token starts in the choice's text."""
+        tokens = [token_text(tok) for _, tok, _ in entries]
+        starts = itertools.accumulate((len(t) for t in tokens), initial=offset)
+        top = [None if top is None else {token_text(t): lp for lp, t, _ in top} for top in tops]
+        return {"tokens": tokens, "token_logprobs": [lp for lp, _, _ in entries], "top_logprobs": top,
+                "text_offset": list(starts)[:len(tokens)]}
+
+    async def openai_response(request, body, input_ids, sp, chat: bool, logprob: tuple, echo: str = ""):
+        """The OpenAI response (or its SSE stream) of one prompt's n choices. echo: the prompt text that
+        completions puts before each choice's text (with the prompt's logprobs, when logprobs are on)."""
         kind = "chat.completion" if chat else "text_completion"
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{os.urandom(8).hex()}", "created": int(time.time()),
                 "model": body.get("model") or name}
 
-        def choice(text, reason, first=False):
+        def choice(i, text, meta, new_ids, first, offset=0):
+            """Choice i with its new text (from `offset` in the choice's text); its logprobs those of the
+            last len(new_ids) tokens."""
+            lps = None
+            if logprob[0]:
+                start = len(meta["output_token_logprobs"]) - len(new_ids)
+                entries, tops = meta["output_token_logprobs"][start:], meta["output_top_logprobs"][start:]
+                if chat:
+                    lps = chat_logprobs(entries, tops)
+                else:
+                    if first and echo:
+                        entries = meta["input_token_logprobs"] + entries
+                        tops = meta["input_top_logprobs"] + tops
+                    lps = completion_logprobs(entries, tops, offset)
+            text = (echo if first else "") + text
             if not chat:
-                return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+                return {"index": i, "text": text, "logprobs": lps, "finish_reason": finish_reason(meta)}
+            body_key = "delta" if body.get("stream") else "message"
+            message = {"role": "assistant", "content": text} if first else {"content": text}
+            return {"index": i, body_key: message, "logprobs": lps, "finish_reason": finish_reason(meta)}
 
         if not body.get("stream"):
-            out = (await collect(request, [input_ids], [sp]))[0]
-            reason = finish_reason(out["meta_info"])
-            if chat:
-                choices = [{"index": 0, "message": {"role": "assistant", "content": out["text"]},
-                            "logprobs": None, "finish_reason": reason}]
-            else:
-                choices = [choice(out["text"], reason)]
-            return {**head, "object": kind, "choices": choices, "usage": usage(out["meta_info"])}
+            outs = await collect(request, [input_ids], [sp], logprob)
+            choices = [choice(i, o["text"], o["meta_info"], o["output_ids"], True)
+                       for i, o in enumerate(outs)]
+            metas = [o["meta_info"] for o in outs]
+            return {**head, "object": kind, "choices": choices, "usage": usage(metas)}
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         async def events():
-            first = True
-            async for _, chunk in outputs(request, [input_ids], [sp]):
-                meta = chunk["meta_info"]
-                yield {**head, "object": kind + ("" if not chat else ".chunk"),
-                       "choices": [choice(chunk["text"], finish_reason(meta), first)]}
-                first = False
-                if include_usage and meta["finish_reason"] is not None:
-                    yield {**head, "object": kind + ("" if not chat else ".chunk"), "choices": [],
-                           "usage": usage(meta)}
+            sent, finals = {}, {}  # per choice: the characters of text sent so far
+            async for i, chunk in outputs(request, [input_ids], [sp], True, logprob):
+                meta, first = chunk["meta_info"], i not in sent
+                c = choice(i, chunk["text"], meta, chunk["output_ids"], first, sent.get(i, 0))
+                sent[i] = sent.get(i, 0) + len(c["text"] if not chat else c["delta"]["content"])
+                yield {**head, "object": kind + ("" if not chat else ".chunk"), "choices": [c]}
+                if meta["finish_reason"] is not None:
+                    finals[i] = meta
+            if include_usage:
+                yield {**head, "object": kind + ("" if not chat else ".chunk"), "choices": [],
+                       "usage": usage(list(finals.values()))}
         return sse(await first_item(events()))
+
+    def openai_logprobs(body: dict, key: str, top_key: Optional[str]) -> tuple:
+        """Engine logprob arguments from OpenAI's fields: completions' logprobs (int: how many top), chat's
+        logprobs (bool) with top_logprobs (int)."""
+        k = body.get(top_key or key) or 0
+        if not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise HTTPError(400, f"field {top_key or key!r}={k}: must be in [0, {MAX_TOP_LOGPROBS}]")
+        if top_key and body.get(top_key) is not None and not body.get(key):
+            raise HTTPError(400, f"field {top_key!r} needs {key!r}: true")
+        wanted = body.get(key) is not None and body.get(key) is not False
+        return wanted, k, 0 if wanted and body.get("echo") else -1
 
     @route("/v1/completions")
     async def completions(request):
-        fields = {**OPENAI_FIELDS, "prompt": (str, list)}
+        fields = {**OPENAI_FIELDS, "prompt": (str, list), "logprobs": int, "echo": bool}
         body = parse_body(await read_body(request), fields, ("prompt",))
         prompt = body["prompt"]
         input_ids = tokenize(prompt) if isinstance(prompt, str) else prompt
-        return await openai_response(request, body, input_ids, openai_sampling(body, 16), chat=False)
+        echo = ""  # the prompt's text, before each choice's
+        if body.get("echo") and isinstance(prompt, str):
+            echo = prompt
+        elif body.get("echo") and engine.tokenizer is not None:
+            echo = engine.tokenizer.decode(prompt)
+        return await openai_response(request, body, input_ids, openai_sampling(body, 16), False,
+                                     openai_logprobs(body, "logprobs", None), echo)
 
     @route("/v1/chat/completions")
     async def chat_completions(request):
-        fields = {**OPENAI_FIELDS, "messages": list, "max_completion_tokens": int}
+        fields = {**OPENAI_FIELDS, "messages": list, "max_completion_tokens": int, "logprobs": bool,
+                  "top_logprobs": int}
         body = parse_body(await read_body(request), fields, ("messages",))
         messages = body["messages"]
         if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -3990,7 +4375,8 @@ def build_app(scheduler: SchedulerThread):
         except jinja2.exceptions.TemplateError as e:  # e.g. roles that do not alternate
             raise HTTPError(400, f"the chat template refused these messages: {e}") from None
         input_ids = tokenize(prompt)
-        return await openai_response(request, body, input_ids, openai_sampling(body, None), chat=True)
+        return await openai_response(request, body, input_ids, openai_sampling(body, None), True,
+                                     openai_logprobs(body, "logprobs", "top_logprobs"))
 
     return app
 

@@ -225,7 +225,7 @@ def slow_forward(monkeypatch, seconds):
 # ----------------------------------------------------------------------------------------------------
 # Part I is the lesson: what one decode step passes through, plain, before the `# Part II` banner
 
-PART_I_MAX_LINES = 1600  # DESIGN.md section 9 (the sampling and grammar lessons may take it to 1,900)
+PART_I_MAX_LINES = 1900  # DESIGN.md section 9: 1,600 for the lesson, 1,900 with sampling and grammars
 # words of the plumbing that Part I's code may not name (its comments may say where they plug in)
 PLUMBING_WORDS = {"tp", "dist", "distributed", "parallel", "quant", "quantize", "quantized", "quantization",
                   "compile", "compiled", "dynamo", "inductor", "gguf", "http", "fastapi", "uvicorn", "cli",
@@ -670,9 +670,17 @@ def workloads(draw):
             sp["stop_token_ids"] = [draw(st.integers(0, 255))]
         if draw(st.booleans()):
             sp["stop"] = draw(st.sampled_from(["a", "e", "x1", "Q", " "]))
+        if draw(st.booleans()):  # penalties and biases: per-row state on the device
+            sp.update(frequency_penalty=draw(st.sampled_from([0.0, 0.8, -0.5])),
+                      presence_penalty=draw(st.sampled_from([0.0, 1.2])),
+                      repetition_penalty=draw(st.sampled_from([1.0, 1.4, 0.7])),
+                      min_new_tokens=draw(st.integers(0, sp["max_new_tokens"])),
+                      logit_bias={str(draw(st.integers(0, 255))): draw(st.sampled_from([-100.0, 3.0]))})
+        sp["n"] = draw(st.sampled_from([1, 1, 1, 2, 3]))
+        logprob = draw(st.sampled_from([(False, 0, -1), (True, 0, -1), (True, 2, 0), (True, 3, 5)]))
         arrive = draw(st.integers(0, 8))
         abort_at = draw(st.one_of(st.none(), st.integers(0, 14)))
-        reqs.append((prefix + tail, sp, arrive, abort_at))
+        reqs.append((prefix + tail, sp, arrive, abort_at, logprob))
     config = {
         "disable_overlap_schedule": draw(st.booleans()),
         "max_total_tokens": draw(st.sampled_from([40, 64, 400])),
@@ -691,38 +699,65 @@ def workloads(draw):
 @given(workloads())
 def test_random_workloads_match_an_unconstrained_serial_run(ckpt, wl):
     """Arrivals over time, aborts at random moments (queued, mid-chunk, in flight, just finished), tight
-    pools and both loops: every request that was not aborted gets exactly the tokens of an unconstrained
-    serial run, an aborted one a prefix of them; the ledger holds after every iteration."""
+    pools, both loops, penalties, biases, min_new_tokens, n and logprobs: every request that was not
+    aborted gets exactly the tokens and logprobs of an unconstrained serial run, an aborted one a prefix
+    of them; the ledger holds after every iteration."""
     reqs, config = wl
     loop = "serial" if config.pop("disable_overlap_schedule") else "overlap"
-    with make_engine(ckpt, "serial", max_total_tokens=4096) as ref_engine:
-        expected = [o["output_ids"] for o in run_workload(ref_engine, [(p, sp) for p, sp, _, _ in reqs])]
-    too_big = {i for i, (p, sp, _, _) in enumerate(reqs)
-               if len(p) + sp["max_new_tokens"] > config["max_total_tokens"]}
+    with make_engine(ckpt, "serial", max_total_tokens=4096, max_running_requests=16) as ref_engine:
+        expected = [[ref_engine.request(rid) for rid in ref_engine.add_requests([p], [sp], *lp)]
+                    for p, sp, _, _, lp in reqs]
+        while not ref_engine.scheduler.is_idle():
+            ref_engine.step()
+        expected = [[r.output() for r in group] for group in expected]
+    too_big = {i for i, (p, sp, _, _, _) in enumerate(reqs)
+               if len(p) + sp["max_new_tokens"] > config["max_total_tokens"]
+               or sp["n"] > config["max_running_requests"]}
     with make_engine(ckpt, loop, **config) as e:
         rids, done, it = [None] * len(reqs), {}, 0
-        while len(done) + len(too_big) < len(reqs):
-            for i, (p, sp, arrive, abort_at) in enumerate(reqs):
+        while len(done) < sum(sp["n"] for i, (_, sp, _, _, _) in enumerate(reqs) if i not in too_big):
+            for i, (p, sp, arrive, abort_at, lp) in enumerate(reqs):
                 if arrive == it and i in too_big:  # could never fit the pool: refused, not truncated
-                    with pytest.raises(ValueError, match="KV pool"):
-                        e.add_request(input_ids=p, sampling_params=sp)
+                    with pytest.raises(ValueError, match="KV pool|max_running_requests"):
+                        e.add_requests([p], [sp], *lp)
                 elif arrive == it:
-                    rids[i] = e.add_request(input_ids=p, sampling_params=sp)
+                    rids[i] = e.add_requests([p], [sp], *lp)
                 if abort_at is not None and rids[i] is not None and arrive + abort_at == it:
-                    e.abort(rids[i])
+                    for rid in rids[i]:
+                        e.abort(rid)
             done.update({o["meta_info"]["id"]: o for o in e.step()})
             it += 1
             assert it < 3000, "the engine stopped making progress"
         e.check_invariants()
-    for i, (p, sp, arrive, abort_at) in enumerate(reqs):
-        if i in too_big:
-            continue
-        out = done[rids[i]]
-        if out["meta_info"]["finish_reason"]["type"] == "abort":  # only when asked: admitted ones fit
-            assert abort_at is not None, out["meta_info"]["finish_reason"]
-            assert out["output_ids"] == expected[i][:len(out["output_ids"])]
-        else:
-            assert out["output_ids"] == expected[i]
+    for i, (p, sp, arrive, abort_at, lp) in enumerate(reqs):
+        for rid, want in zip(rids[i] or [], expected[i]):
+            out, aborted = done[rid], done[rid]["meta_info"]["finish_reason"]["type"] == "abort"
+            assert not aborted or abort_at is not None, out["meta_info"]["finish_reason"]  # only when asked
+            n = len(out["output_ids"]) if aborted else len(want["output_ids"])
+            assert out["output_ids"] == want["output_ids"][:n] and (aborted or n == len(out["output_ids"]))
+            if lp[0]:
+                assert_same_logprobs(out["meta_info"], want["meta_info"], n, aborted)
+
+
+def assert_same_logprobs(got: dict, want: dict, n: int, aborted: bool):
+    """The logprobs of two runs of a request agree (to float64 rounding: batches differ): the first n
+    output positions, and the prompt's unless one was aborted before it finished its prompt."""
+    def close(a, b):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            if x is None or y is None:
+                assert x is None and y is None
+            elif isinstance(x, list):
+                close(x, y)
+            elif x[0] is None or y[0] is None:  # the first prompt token's entry
+                assert x == y, (x, y)
+            else:
+                assert math.isclose(x[0], y[0], abs_tol=1e-9) and x[1:] == y[1:], (x, y)
+    close(got["output_token_logprobs"], want["output_token_logprobs"][:n])
+    close(got["output_top_logprobs"], want["output_top_logprobs"][:n])
+    if not aborted or len(got["input_token_logprobs"]) == len(want["input_token_logprobs"]):
+        close(got["input_token_logprobs"], want["input_token_logprobs"])
+        close(got["input_top_logprobs"], want["input_top_logprobs"])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -958,6 +993,226 @@ def test_sampler_draws_from_the_filtered_distribution():
     # min_p=0.5: keep tokens with p >= 0.5 * p_max, i.e. logits within log 2 of the max: tokens 0 and 1
     assert freqs(min_p=0.5)[2:].sum() == 0
     assert freqs(top_k=1)[0] == 1.0
+
+
+def load_reference(ckpt):
+    """(state dict, config.json) of a tiny checkpoint, for the reference forward."""
+    from safetensors.torch import load_file
+    with open(os.path.join(ckpt, "config.json")) as f:
+        return load_file(os.path.join(ckpt, "model.safetensors")), json.load(f)
+
+
+def plain_sampling(sp: dict, seed: int, out_pos: int) -> dict:
+    """The engine's sampler inputs for one row, with no penalties: temperature, filters, seed."""
+    f64 = lambda x: torch.tensor([float(x)], dtype=torch.float64)  # noqa: E731
+    return {"temperature": f64(sp["temperature"]), "top_p": f64(sp.get("top_p", 1.0)),
+            "top_k": torch.tensor([sp.get("top_k", -1)]), "min_p": f64(sp.get("min_p", 0.0)),
+            "seed": torch.tensor([seed]), "out_pos": torch.tensor([out_pos]), "all_greedy": False,
+            "need_filter": "top_k" in sp or "top_p" in sp or "min_p" in sp}
+
+
+def reference_penalized(ckpt, prompt, sp, stop_ids=(EOS,)) -> list:
+    """A plain decode loop over the no-cache reference forward that applies the rules as written, then
+    draws as the engine's sampler does (tested on its own above): repetition (CTRL: a seen token's logit
+    divided by p if positive, else multiplied), frequency and presence over the output (OpenAI), the
+    logit bias added, and the stop ids masked while the output is shorter than min_new_tokens."""
+    state, cfg = load_reference(ckpt)
+    stops = set() if sp.get("ignore_eos") else set(stop_ids) | set(sp.get("stop_token_ids", ()))
+    out = []
+    for k in range(sp["max_new_tokens"]):
+        logits = reference_logits(state, cfg, prompt + out).clone()
+        rep = sp.get("repetition_penalty", 1.0)
+        for t in set(prompt + out):
+            logits[t] = logits[t] / rep if logits[t] > 0 else logits[t] * rep
+        for t in set(out):
+            logits[t] -= sp.get("frequency_penalty", 0.0) * out.count(t) + sp.get("presence_penalty", 0.0)
+        for t, b in sp.get("logit_bias", {}).items():
+            logits[int(t)] += b
+        if k < sp.get("min_new_tokens", 0):
+            logits[list(stops)] = -math.inf
+        if sp["temperature"] == 0:
+            out.append(int(logits.argmax()))
+        else:
+            out.append(int(oe.sample(logits[None], plain_sampling(sp, sp["sampling_seed"], k))[0]))
+        if out[-1] in stops:
+            break
+    return out
+
+
+PENALTY_VARIANTS = [
+    {"temperature": 0, "frequency_penalty": 1.5, "presence_penalty": 0.5},
+    {"temperature": 0, "repetition_penalty": 1.6},
+    {"temperature": 0, "repetition_penalty": 0.6, "presence_penalty": -1.0},
+    {"temperature": 0.9, "frequency_penalty": -0.7, "repetition_penalty": 1.3, "top_k": 40},
+    {"temperature": 0, "logit_bias": {"7": 4.0, 9: -100}},
+    {"temperature": 1.1, "presence_penalty": 2.0, "logit_bias": {"200": 2.5}},
+    {"temperature": 0},  # plain rows in the same batch are untouched
+]
+
+
+def penalty_workload(ckpt, n=10, seed=71):
+    """Prompts with repeats (so repetition and counts bite), each with a penalty variant; a min_new_tokens
+    request whose first free-run token is made a stop id (it may not come before output 5)."""
+    prompts = [p + p[:6] for p in random_prompts(n, seed=seed, lo=3, hi=24)]
+    wl = [(p, {"max_new_tokens": 14, "ignore_eos": i % 2 == 0, "sampling_seed": 500 + i,
+               **PENALTY_VARIANTS[i % len(PENALTY_VARIANTS)]}) for i, p in enumerate(prompts)]
+    first = reference_greedy(ckpt, prompts[0], 1)[0]
+    wl.append((prompts[0], {"max_new_tokens": 9, "temperature": 0, "stop_token_ids": [first],
+                            "min_new_tokens": 5}))
+    return wl
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("config", ["plain", "squeezed", "mixed"])
+def test_penalties_and_biases_follow_an_independent_reference(ckpt, loop, config):
+    """Frequency, presence and repetition penalties, logit_bias and min_new_tokens, greedy and seeded,
+    batched with plain requests: the reference's tokens. 'squeezed': a pool that forces retraction (a
+    retracted request rebuilds its counts from its committed tokens); 'mixed': mixed chunks of 4."""
+    kw = {"plain": {}, "squeezed": {"max_total_tokens": 90, "schedule_conservativeness": 0.0},
+          "mixed": {"enable_mixed_chunk": True, "chunked_prefill_size": 4}}[config]
+    wl = penalty_workload(ckpt)
+    with make_engine(ckpt, loop, **kw) as e:
+        outs = [o["output_ids"] for o in run_workload(e, wl)]
+        e.check_invariants()
+        if config == "squeezed":
+            assert e.stats()["retractions"] > 0
+    assert outs == [reference_penalized(ckpt, p, sp) for p, sp in wl]
+    first = wl[-1][1]["stop_token_ids"][0]
+    assert first not in outs[-1][:5] and len(outs[-1]) >= 5  # min_new_tokens held the stop id back
+
+
+def test_repetition_penalty_matches_transformers(ckpt):
+    """repetition_penalty against transformers' generate(repetition_penalty=...) on the same checkpoint,
+    greedy, float64, both stopping at EOS."""
+    from transformers import LlamaForCausalLM
+    hf = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float64).eval()
+    prompts = [p + p for p in random_prompts(4, seed=73, lo=3, hi=12)]
+    with make_engine(ckpt, "overlap") as e:
+        for p in prompts:
+            for rep in (1.4, 0.7):
+                sp = {"max_new_tokens": 12, "temperature": 0, "repetition_penalty": rep}
+                ours = e.generate(input_ids=p, sampling_params=sp)["output_ids"]
+                with torch.no_grad():
+                    mask = torch.ones(1, len(p), dtype=torch.long)
+                    theirs = hf.generate(torch.tensor([p]), attention_mask=mask, max_new_tokens=12,
+                                         do_sample=False, repetition_penalty=rep,
+                                         pad_token_id=EOS)[0, len(p):].tolist()
+                assert ours == theirs, (p, rep)
+        e.check_invariants()
+
+
+def test_requests_without_penalties_make_no_token_counts(ckpt):
+    """The penalties' per-row state is made on first use: a workload without penalties never has it."""
+    with make_engine(ckpt, "overlap") as e:
+        run_workload(e, sampling_workload(n=4))
+        assert e.scheduler.worker.token_counts is None
+        run_workload(e, [([1, 2, 3], {"max_new_tokens": 3, "presence_penalty": 1.0})])
+        assert e.scheduler.worker.token_counts is not None
+        e.check_invariants()
+
+
+def reference_logprobs(ckpt, ids: list, start: int) -> torch.Tensor:
+    """log_softmax of the reference forward at every position from `start` on: (len(ids) - start, V)."""
+    state, cfg = load_reference(ckpt)
+    return torch.stack([torch.log_softmax(reference_logits(state, cfg, ids[:i + 1]), -1)
+                        for i in range(start, len(ids))])
+
+
+def assert_logprobs(entries, tops, ids, lp, k):
+    """(logprob, token, None) entries and their top-k lists against reference logprob rows lp."""
+    assert [t for _, t, _ in entries] == list(ids)
+    assert torch.allclose(torch.tensor([x for x, _, _ in entries], dtype=torch.float64),
+                          lp.gather(1, torch.tensor(ids)[:, None]).squeeze(1), atol=1e-9)
+    for top, row in zip(tops, lp):
+        vals, idx = row.topk(k)
+        assert [t for _, t, _ in top] == idx.tolist()
+        assert torch.allclose(torch.tensor([x for x, _, _ in top], dtype=torch.float64), vals, atol=1e-9)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_logprobs_are_the_models_own_and_come_with_their_tokens(ckpt, loop):
+    """Output logprobs (with the top 3) and prompt logprobs from logprob_start_len: log_softmax of the
+    reference forward, before temperature and penalties; through chunked prefill (chunks of 3) and a
+    radix hit on the same prompt (the cached prefix stops where the logprobs begin)."""
+    prompts = random_prompts(3, seed=79, lo=9, hi=20)
+    sps = [{"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+           {"max_new_tokens": 5, "temperature": 1.7, "sampling_seed": 3, "frequency_penalty": 1.0},
+           {"max_new_tokens": 4, "temperature": 0, "repetition_penalty": 1.5, "ignore_eos": True}]
+    with make_engine(ckpt, loop, chunked_prefill_size=3) as e:
+        for start in (0, 4, -1):
+            for _ in range(2):  # the second time the prompts are in the radix cache
+                outs = e.generate(input_ids=prompts, sampling_params=sps, return_logprob=True,
+                                  top_logprobs_num=3, logprob_start_len=start)
+                for p, o in zip(prompts, outs):
+                    m, ids = o["meta_info"], o["output_ids"]
+                    assert len(m["output_token_logprobs"]) == len(ids) == len(m["output_top_logprobs"])
+                    seq = p + ids
+                    assert_logprobs(m["output_token_logprobs"], m["output_top_logprobs"], ids,
+                                    reference_logprobs(ckpt, seq[:-1], len(p) - 1), 3)
+                    if start < 0:
+                        assert m["input_token_logprobs"] == []
+                        continue
+                    assert m["input_token_logprobs"][0][0] is None if start == 0 else True
+                    first = max(start, 1)
+                    entries = m["input_token_logprobs"][first - start:]
+                    assert len(m["input_token_logprobs"]) == len(p) - start
+                    assert_logprobs(entries, m["input_top_logprobs"][first - start:], p[first:],
+                                    reference_logprobs(ckpt, p[:-1], first - 1), 3)
+        e.check_invariants()
+
+
+def test_prompt_logprobs_alone_with_max_new_tokens_0(ckpt):
+    """max_new_tokens 0 with prompt logprobs (what echo sends): a prefill that scores the prompt."""
+    p = random_prompts(1, seed=83, lo=12, hi=12)[0]
+    with make_engine(ckpt, "overlap", chunked_prefill_size=5) as e:
+        o = e.generate(input_ids=p, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                       logprob_start_len=0, top_logprobs_num=2)
+        e.check_invariants()
+    m = o["meta_info"]
+    assert o["output_ids"] == [] and m["finish_reason"] == {"type": "length", "length": 0}
+    assert m["input_token_logprobs"][0] == (None, p[0], None) and m["input_top_logprobs"][0] is None
+    assert_logprobs(m["input_token_logprobs"][1:], m["input_top_logprobs"][1:], p[1:],
+                    reference_logprobs(ckpt, p[:-1], 0), 2)
+
+
+def test_n_samples_share_one_prefill_and_repeat(ckpt):
+    """n > 1: the prompt is prefilled once (the siblings find it cached), greedy gives n equal outputs,
+    seeded sampling n distinct ones that repeat across runs and loops; sibling 0 draws with the
+    request's own seed."""
+    p = random_prompts(1, seed=89, lo=20, hi=20)[0]
+    sp = {"max_new_tokens": 8, "temperature": 1.0, "n": 4, "sampling_seed": 11, "ignore_eos": True}
+    runs = []
+    for loop in LOOPS:
+        with make_engine(ckpt, loop) as e:
+            greedy = e.generate(input_ids=p, sampling_params={"max_new_tokens": 6, "temperature": 0, "n": 3})
+            assert len(greedy) == 3 and len({tuple(o["output_ids"]) for o in greedy}) == 1
+            assert [o["meta_info"]["cached_tokens"] for o in greedy] == [0, 19, 19]
+            for _ in range(2):
+                runs.append([o["output_ids"] for o in e.generate(input_ids=[p], sampling_params=sp)])
+            alone = e.generate(input_ids=p, sampling_params={**sp, "n": 1})["output_ids"]
+            e.check_invariants()
+    assert runs[0] == runs[1] == runs[2] == runs[3] and len({tuple(x) for x in runs[0]}) == 4
+    assert alone == runs[0][0]
+
+
+def test_new_sampling_values_are_checked(ckpt):
+    """Each bad value is a ValueError naming its key, and nothing is queued."""
+    bad = [{"frequency_penalty": 2.5}, {"presence_penalty": -3}, {"repetition_penalty": 0},
+           {"min_new_tokens": 9, "max_new_tokens": 4}, {"logit_bias": {"300": 1}}, {"logit_bias": {"x": 1}},
+           {"logit_bias": {"5": 101}}, {"logit_bias": [1]}, {"n": 0}, {"n": 65}, {"n": 1.5}]
+    with make_engine(ckpt, "overlap") as e:
+        for sp in bad:
+            key = "min_new_tokens" if "min_new_tokens" in sp else next(iter(sp))
+            with pytest.raises(ValueError, match=f"parameter {key}="):
+                e.generate(input_ids=[1, 2], sampling_params=sp)
+        for kw in [{"top_logprobs_num": 21}, {"logprob_start_len": -2}, {"return_logprob": 1}]:
+            with pytest.raises(ValueError, match=f"{next(iter(kw))}="):
+                e.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 2}, **kw)
+        with pytest.raises(ValueError, match="add_request queues one request"):
+            e.add_request(input_ids=[1, 2], sampling_params={"n": 2})
+        assert not e.scheduler.waiting
+        assert e.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 2, "logit_bias": {"5": 1.5}})
+        e.check_invariants()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1279,7 +1534,7 @@ def test_bf16_overlap_equals_serial(ckpt, mixed_workload, monkeypatch):
     """In bf16 rounding differs from the float64 reference, but both loops run the same batches through
     the same kernels, so they agree token for token; sampling sees fp32 logits."""
     seen, sample = set(), oe.sample
-    monkeypatch.setattr(oe, "sample", lambda logits, sp: seen.add(logits.dtype) or sample(logits, sp))
+    monkeypatch.setattr(oe, "sample", lambda logits, *a: seen.add(logits.dtype) or sample(logits, *a))
     outs = run_both_loops(ckpt, mixed_workload[0], dtype="bfloat16")
     assert outs["overlap"] == outs["serial"] and seen == {torch.float32}
 
@@ -1400,7 +1655,7 @@ QUANT_LOGIT_TOL = {"int8": 0.03, "int4": 0.3}
 def test_quantized_logits_are_the_dequantized_models_and_near_the_float_models(calm_ckpt, monkeypatch, mode):
     from safetensors.torch import load_file
     seen, sample = [], oe.sample
-    monkeypatch.setattr(oe, "sample", lambda logits, sp: seen.append(logits.clone()) or sample(logits, sp))
+    monkeypatch.setattr(oe, "sample", lambda logits, *a: seen.append(logits.clone()) or sample(logits, *a))
     state = load_file(os.path.join(calm_ckpt, "model.safetensors"))
     with open(os.path.join(calm_ckpt, "config.json")) as f:
         cfg = json.load(f)
@@ -1694,7 +1949,7 @@ def test_dummy_weights_from_a_config_alone(tmp_path, loop):
 @pytest.mark.parametrize("preset, params", [("smollm2-135m", 134_515_008), ("llama-3.2-1b", 1_235_814_400)])
 def test_dummy_presets_have_the_published_sizes(preset, params):
     """The preset shapes give the parameter counts the model cards publish (built on the meta device)."""
-    cfg = oe.ModelConfig.from_hf(oe.DUMMY_PRESETS[preset])
+    cfg = oe.model_config_from_hf(oe.DUMMY_PRESETS[preset])
     with torch.device("meta"):
         model = oe.LlamaForCausalLM(cfg)
     assert sum(p.numel() for p in model.parameters()) == params
@@ -1965,6 +2220,26 @@ def test_default_model_greedy_matches_transformers(smollm_engines, hf_model, loo
             assert 0 <= gap < 1e-3, f"diverged at token {d} with a logit gap of {gap}"
 
 
+def test_default_model_logprobs_match_transformers(smollm_engines, hf_model):
+    """SmolLM2 in float32: the prompt's and the output's logprobs (and the top 5) are log_softmax of
+    transformers' logits over the same tokens, to float32 rounding."""
+    e = smollm_engines["overlap"]
+    ids = e.tokenizer.encode(e.tokenizer.apply_chat_template([{"role": "user", "content": CHAT_PROMPTS[0]}]))
+    o = e.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 0},
+                   return_logprob=True, top_logprobs_num=5, logprob_start_len=0)
+    e.check_invariants()
+    m, seq = o["meta_info"], ids + o["output_ids"]
+    with torch.no_grad():
+        lp = torch.log_softmax(hf_model(torch.tensor([seq])).logits[0].double(), -1)  # (T, V)
+    want = lp[torch.arange(len(seq) - 1), torch.tensor(seq[1:])]  # position t scores token t + 1
+    got = [x for x, _, _ in m["input_token_logprobs"][1:] + m["output_token_logprobs"]]
+    assert m["input_token_logprobs"][0] == (None, ids[0], None) and len(got) == len(seq) - 1
+    assert torch.allclose(torch.tensor(got, dtype=torch.float64), want, atol=2e-3)
+    for top, row in zip(m["input_top_logprobs"][1:] + m["output_top_logprobs"], lp):
+        assert torch.allclose(torch.tensor([x for x, _, _ in top], dtype=torch.float64), row.topk(5).values,
+                              atol=2e-3)
+
+
 def bf16_ulp(x: float) -> float:
     """The spacing of bfloat16 numbers at x (8 significant bits): 0.125 for logits in [16, 32)."""
     return 2.0 ** (math.floor(math.log2(abs(x))) - 7)
@@ -1977,7 +2252,7 @@ def test_default_model_quantized_follows_the_float_model(smollm, monkeypatch):
     come back exactly in int4; what moves the logits is the LM head: its Q8_0 table (a scale per 32) in
     int8 with a scale per row."""
     seen, sample = [], oe.sample
-    monkeypatch.setattr(oe, "sample", lambda logits, sp: seen.append(logits.clone()) or sample(logits, sp))
+    monkeypatch.setattr(oe, "sample", lambda logits, *a: seen.append(logits.clone()) or sample(logits, *a))
     sp = {"max_new_tokens": 24, "temperature": 0}
     outs = {}
     for mode in ("int8", "int4", None):  # the float engine last: it stays open to look at its logits
@@ -2385,13 +2660,15 @@ def kill_session(p: subprocess.Popen):
 
 
 def tp_workload():
-    """Greedy and seeded requests; four share a 24-token prefix (radix hits); prompts of up to 36 tokens
-    meet chunks of 8; a pool of 96 slots forces retraction."""
+    """Greedy and seeded requests, some with penalties; four share a 24-token prefix (radix hits);
+    prompts of up to 36 tokens meet chunks of 8; a pool of 96 slots forces retraction."""
     system = random_prompts(1, seed=91, lo=24, hi=24)[0]
     prompts = random_prompts(3, seed=92, lo=12, hi=36) + random_prompts(4, seed=93, lo=2, hi=8, shared=system)
     wl = []
     for i, p in enumerate(prompts):
         mode = {"temperature": 0} if i % 2 == 0 else {**SAMPLING_VARIANTS[i % 4], "sampling_seed": 500 + i}
+        if i % 3 == 1:  # penalties: each rank keeps its own counts, from the same full-vocabulary tokens
+            mode.update(frequency_penalty=0.8, repetition_penalty=1.3, logit_bias={"17": 2.0})
         wl.append((p, {"max_new_tokens": 16, "ignore_eos": True, **mode}))
     return wl
 
@@ -3299,7 +3576,7 @@ BAD_REQUESTS = [  # (path, body, words the 400's message must contain)
     ("/v1/completions", {"model": "tiny", "prompt": "x" * 600}, "context length"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user"}]}, "messages"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2}, "n=2"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 0}, "n=0"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stream": True, "top_p": 0}, "top_p"),
     ("/generate", {"text": "hi", "input_ids": [1]}, "exactly one"),
     ("/v1/completions", b'{"prompt": "' + b"a" * (5 << 20) + b'"}', "at most"),
@@ -3320,6 +3597,86 @@ def test_server_bad_input_is_400_and_the_server_goes_on(served):
     assert http_call(server, "POST", "/flush_cache")[0] == 200
     info = http_call(server, "GET", "/get_server_info")[1]
     assert info["dtype"] == "float64" and info["max_total_tokens"] == 2048
+    wait_idle_and_check(server)
+
+
+def test_server_logprobs_echo_n_and_penalties_through_the_openai_client(served):
+    """The openai client: completions echo + logprobs with max_tokens 0 (an evaluation harness's scoring
+    call) and with tokens; n = 2 seeded with penalties and the extra fields; chat logprobs with their
+    bytes, streamed and not; /generate with SGLang's logprob fields and n. All equal Engine.generate's."""
+    import openai
+    server, offline = served
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=60, max_retries=0)
+    tok = offline.tokenizer
+    lps = lambda entries: [x for x, _, _ in entries]  # noqa: E731
+    r = client.completions.create(model="tiny", prompt="hello there", max_tokens=0, echo=True, logprobs=2)
+    want = offline.generate(prompt="hello there", sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                            top_logprobs_num=2, logprob_start_len=0)["meta_info"]
+    got = r.choices[0].logprobs
+    assert r.choices[0].text == "hello there"
+    assert got.token_logprobs[0] is None and got.top_logprobs[0] is None
+    assert got.token_logprobs[1:] == pytest.approx(lps(want["input_token_logprobs"][1:]), abs=1e-9)
+    assert got.tokens == [tok.token_text(t) for _, t, _ in want["input_token_logprobs"]]
+    assert all(len(t) <= 2 for t in got.top_logprobs[1:]) and got.text_offset[:3] == [0, 1, 2]
+    sp = {"max_new_tokens": 5, "n": 2, "sampling_seed": 5, "temperature": 1.0, "frequency_penalty": 0.5,
+          "min_new_tokens": 2, "repetition_penalty": 1.2, "logit_bias": {"100": 3.0}}
+    r = client.completions.create(model="tiny", prompt="hello", max_tokens=5, logprobs=3, n=2, seed=5,
+                                  temperature=1.0, frequency_penalty=0.5, logit_bias={"100": 3},
+                                  extra_body={"min_tokens": 2, "repetition_penalty": 1.2})
+    want = offline.generate(prompt="hello", sampling_params=sp, return_logprob=True, top_logprobs_num=3)
+    assert [c.index for c in r.choices] == [0, 1] and [c.text for c in r.choices] == [w["text"] for w in want]
+    for c, w in zip(r.choices, want):
+        assert c.logprobs.token_logprobs == pytest.approx(lps(w["meta_info"]["output_token_logprobs"]))
+    assert r.usage.completion_tokens == sum(w["meta_info"]["completion_tokens"] for w in want)
+    messages = [{"role": "user", "content": "tell me about KV caches"}]
+    want = offline.generate(prompt=tok.apply_chat_template(messages), return_logprob=True, top_logprobs_num=2,
+                            sampling_params={"max_new_tokens": 6, "temperature": 0})["meta_info"]
+    for stream in (False, True):
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                           logprobs=True, top_logprobs=2, stream=stream)
+        content = ([c for chunk in r for ch in chunk.choices if ch.logprobs for c in ch.logprobs.content]
+                   if stream else r.choices[0].logprobs.content)
+        assert [c.logprob for c in content] == pytest.approx(lps(want["output_token_logprobs"]))
+        assert [bytes(c.bytes) for c in content] == [tok.token_bytes(t)
+                                                     for _, t, _ in want["output_token_logprobs"]]
+        assert [t.logprob for c in content for t in c.top_logprobs] == pytest.approx(
+            [x for top in want["output_top_logprobs"] for x in lps(top)])
+    events = sse_events(server, "/v1/completions", {"prompt": "hello", "max_tokens": 4, "echo": True,
+                                                    "logprobs": 1, "temperature": 0, "stream": True})
+    want = offline.generate(prompt="hello", sampling_params={"max_new_tokens": 4, "temperature": 0})
+    assert "".join(e["choices"][0]["text"] for e in events) == "hello" + want["text"]
+    streamed = [x for e in events if e["choices"][0]["logprobs"]
+                for x in e["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed[0] is None and len(streamed) == 5 + 4
+    status, outs = http_call(server, "POST", "/generate", {
+        "text": "hello", "sampling_params": {"max_new_tokens": 3, "n": 2, "temperature": 0},
+        "return_logprob": True, "top_logprobs_num": 1, "logprob_start_len": 0})
+    assert status == 200 and len(outs) == 2 and outs[0]["output_ids"] == outs[1]["output_ids"]
+    assert outs[0]["meta_info"]["input_token_logprobs"][0] == [None, tok.encode("hello")[0], None]
+    assert len(outs[1]["meta_info"]["output_top_logprobs"][0]) == 1
+    wait_idle_and_check(server)
+
+
+def test_server_refuses_bad_sampling_and_logprob_values(served):
+    """Each bad value is a 400 naming its field; the server goes on."""
+    server, _ = served
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    cases = [("/v1/chat/completions", {**chat, "frequency_penalty": 3}, "frequency_penalty"),
+             ("/v1/chat/completions", {**chat, "presence_penalty": -2.5}, "presence_penalty"),
+             ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+             ("/v1/chat/completions", {**chat, "top_logprobs": 2}, "top_logprobs"),
+             ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+             ("/v1/completions", {"prompt": "hi", "logit_bias": {"9999": 1}}, "logit_bias"),
+             ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 200}}, "logit_bias"),
+             ("/v1/completions", {"prompt": "hi", "n": 0}, "n=0"),
+             ("/v1/completions", {"prompt": "hi", "n": 1000}, "n=1000"),
+             ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+             ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, "min_new_tokens"),
+             ("/generate", {"text": "hi", "top_logprobs_num": 30}, "top_logprobs_num")]
+    for path, body, field in cases:
+        status, err = http_call(server, "POST", path, body)
+        assert status == 400 and field in err["error"]["message"], (body, err)
+    assert http_call(server, "GET", "/health")[0] == 200
     wait_idle_and_check(server)
 
 
@@ -3409,8 +3766,8 @@ def test_bench_serve_quick_runs(tmp_path):
 
 
 def test_bench_single_and_profile_quick_run(tmp_path):
-    """bench.py single --quick (one request alone: float32, int8, int4) and profile --quick (a decode
-    step's parts)."""
+    """bench.py single --quick (one request alone: float32, int8, int4), profile --quick (a decode
+    step's parts) and sampling --quick (what logprobs and penalties cost a step)."""
     out = tmp_path / "single.json"
     r = run_bench("single", "--quick", "--json", str(out))
     res = json.loads(out.read_text())
@@ -3425,6 +3782,11 @@ def test_bench_single_and_profile_quick_run(tmp_path):
     run_bench("profile", "--quick", "--json", str(out))
     shares = json.loads(out.read_text())["shares"]
     assert "matmul (weights)" in shares and sum(shares.values()) == pytest.approx(1.0)
+    out = tmp_path / "sampling.json"  # logprobs and penalties on and off
+    run_bench("sampling", "--quick", "--json", str(out))
+    rows = json.loads(out.read_text())
+    assert set(rows) == {"plain", "logprobs, top 5", "penalties", "logprobs and penalties"}
+    assert all(r["step_ms"] > 0 and r["host_ms"] > 0 for r in rows.values())
 
 
 def test_bench_gpu_dry_run_writes_its_files(tmp_path):
