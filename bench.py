@@ -224,12 +224,33 @@ class SimWorker(oe.ModelWorker):
         self.G, self.vocab, self.busy_until = G, vocab, 0.0
 
     def launch(self, batch):
-        h = SimHandle()
         # long prefills cost more
         cost = self.G * max(1.0, len(batch.positions) / max(len(batch.seq_lens), 1) / 64)
-        h.t_start = max(h.t_launch, self.busy_until)
-        h.t_end = self.busy_until = h.t_start + cost
-        h.value = {"next_ids": (batch.req_pool_indices * 31 + torch.tensor(batch.seq_lens) * 7) % self.vocab}
+        start = max(time.perf_counter(), self.busy_until)
+        self.busy_until = start + cost
+        if batch.deferred:  # a grammar's step: its sample comes with launch_sample, after the commit
+            self.forward_start = start
+            return None
+        return self.sample(batch, None, start)
+
+    def launch_sample(self, batch, bitmask, publish_idx):
+        return self.sample(batch, bitmask, self.forward_start)
+
+    def sample(self, batch, bitmask, start):
+        """The step's handle: done when its forward is, or when its sample was queued if that came later
+        (the device idled for the host); tokens a deterministic function of (row, length), and for a
+        constrained row one its bitmask allows (not a stop token while another is allowed)."""
+        h = SimHandle()
+        h.t_start, h.t_end = start, max(self.busy_until, h.t_launch)
+        self.busy_until = h.t_end
+        ids = (batch.req_pool_indices * 31 + torch.tensor(batch.seq_lens) * 7) % self.vocab
+        if bitmask is not None:  # the first allowed token from ids on (a stop token only if alone)
+            V = self.vocab
+            allowed = ((bitmask[:, :, None] >> torch.arange(32)) & 1).view(len(ids), -1)[:, :V] > 0
+            allowed[:, V - 2:] &= ~allowed[:, :V - 2].any(1, keepdim=True)  # the tiny model's <s>, </s>
+            ahead = torch.where(allowed, (torch.arange(V)[None] - ids[:, None]) % V, V)  # (B, V)
+            ids = (ids + ahead.min(1).values) % V
+        h.value = {"next_ids": ids}
         return h
 
     def write_row(self, row, slots):  # no device state to keep in a simulation
@@ -255,16 +276,21 @@ def tiny_checkpoint():
     return oe.write_random_checkpoint(os.path.join(tempfile.mkdtemp(), "tiny"))
 
 
-def sim_run(ckpt, overlap: bool, G: float, B: int, out_len: int) -> dict:
-    """One workload on the simulated device; returns per-step timings of its steady decode phase."""
+SIM_REGEX = "[a-z]+"  # bench.py sim --grammar: what a constrained request's output must match
+
+
+def sim_run(ckpt, overlap: bool, G: float, B: int, out_len: int, grammar_share: float = 0.0) -> dict:
+    """One workload on the simulated device; returns per-step timings of its steady decode phase. A
+    grammar_share of the requests is constrained by SIM_REGEX (their steps sample after the commit)."""
     engine = oe.Engine(model_path=ckpt, device="cpu", dtype="float32", disable_overlap_schedule=not overlap,
                        max_running_requests=B, max_total_tokens=B * (out_len + 24),
                        max_prefill_tokens=1 << 20, chunked_prefill_size=-1)
     engine.scheduler.worker.stream.shutdown()
     engine.scheduler.worker = SimWorker(engine.scheduler.worker, G, engine.model_config.vocab_size)
     for i in range(B):
-        engine.add_request(input_ids=[1 + i % 200] * 16,
-                           sampling_params={"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True})
+        grammar = {"regex": SIM_REGEX} if i < grammar_share * B else {}
+        engine.add_request(input_ids=[1 + i % 200] * 16, sampling_params={
+            "max_new_tokens": out_len, "temperature": 0, "ignore_eos": True, **grammar})
     done = 0
     while done < B:
         done += len(engine.step())
@@ -282,6 +308,8 @@ def sim_run(ckpt, overlap: bool, G: float, B: int, out_len: int) -> dict:
 
 
 def cmd_sim(args):
+    """The real scheduler on the virtual-clock device, swept over G/C; with --grammar, again with that
+    share of the requests constrained (SIM_REGEX), at the same G, beside the unconstrained figures."""
     ckpt = tiny_checkpoint()
     B, out_len = (8, 40) if args.quick else (args.batch, args.output)
     # C: everything the host does per step, measured as the serial loop's step time with a free device
@@ -292,22 +320,26 @@ def cmd_sim(args):
     print("C per run: the host's own time between two launches (blocked time excluded), "
           "median over steady decode steps;")
     print("overlap / max(G,C): median over steps of step time / max(G, C of that step)")
-    print("| G/C | G ms | serial C ms | serial step ms | serial / (G+C) | overlap C ms | overlap step ms "
-          "| overlap / max(G,C) | speedup |")
-    print("|---|---|---|---|---|---|---|---|---|")
     rows, timeline = [], None
-    for r in _progress(ratios, "sim ratios"):
-        G = r * C
-        ser, ovl = sim_run(ckpt, False, G, B, out_len), sim_run(ckpt, True, G, B, out_len)
-        rows.append({"ratio": r, "G_ms": G * 1e3, "serial_ms": ser["step"] * 1e3,
-                     "serial_C_ms": ser["C"] * 1e3, "overlap_ms": ovl["step"] * 1e3,
-                     "overlap_C_ms": ovl["C"] * 1e3, "overlap_vs_ideal": ovl["vs_ideal"],
-                     "serial_vs_sum": ser["step"] / (G + ser["C"])})
-        print(f"| {r:g} | {G * 1e3:.3f} | {ser['C'] * 1e3:.3f} | {ser['step'] * 1e3:.3f} "
-              f"| {ser['step'] / (G + ser['C']):.3f} | {ovl['C'] * 1e3:.3f} | {ovl['step'] * 1e3:.3f} "
-              f"| {ovl['vs_ideal']:.3f} | {ser['step'] / ovl['step']:.2f}x |")
-        if r == 2.0 or timeline is None:
-            timeline = (r, ser["stats"], ovl["stats"])
+    for share in [0.0] + ([args.grammar] if getattr(args, "grammar", 0.0) else []):
+        if share:
+            print(f"### {share:.0%} of the requests constrained by the regex {SIM_REGEX!r}: their steps "
+                  "sample after the commit (deferred sampling)")
+        print("| G/C | G ms | serial C ms | serial step ms | serial / (G+C) | overlap C ms | overlap step ms "
+              "| overlap / max(G,C) | speedup |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in _progress(ratios, "sim ratios"):
+            G = r * C
+            ser, ovl = (sim_run(ckpt, overlap, G, B, out_len, share) for overlap in (False, True))
+            rows.append({"grammar_share": share, "ratio": r, "G_ms": G * 1e3, "serial_ms": ser["step"] * 1e3,
+                         "serial_C_ms": ser["C"] * 1e3, "overlap_ms": ovl["step"] * 1e3,
+                         "overlap_C_ms": ovl["C"] * 1e3, "overlap_vs_ideal": ovl["vs_ideal"],
+                         "serial_vs_sum": ser["step"] / (G + ser["C"])})
+            print(f"| {r:g} | {G * 1e3:.3f} | {ser['C'] * 1e3:.3f} | {ser['step'] * 1e3:.3f} "
+                  f"| {ser['step'] / (G + ser['C']):.3f} | {ovl['C'] * 1e3:.3f} | {ovl['step'] * 1e3:.3f} "
+                  f"| {ovl['vs_ideal']:.3f} | {ser['step'] / ovl['step']:.2f}x |")
+            if share == 0.0 and (r == 2.0 or timeline is None):
+                timeline = (r, ser["stats"], ovl["stats"])
     if args.timeline:
         ratio, ser_st, ovl_st = timeline
         spans = {"serial": timeline_spans(ser_st), "overlap": timeline_spans(ovl_st)}
@@ -728,6 +760,72 @@ def cmd_sampling(args):
     for name, r in rows.items():
         print(f"| {name} | {r['step_ms']:.1f} | {r['step_ms'] / base['step_ms']:.2f}x | {r['host_ms']:.2f} | "
               f"{r['host_ms'] / base['host_ms']:.2f}x |")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# grammar: what a constrained request costs on a real vocabulary: compiling its grammar, and per step
+# filling its bitmask on the host and applying it on the device
+
+GRAMMAR_SCHEMA = json.dumps({"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer"},
+    "tags": {"type": "array", "items": {"type": "string"}}}, "required": ["name", "age", "tags"]})
+GRAMMAR_REGEX = r"(\d{3}-){2}\d{4}"
+
+
+def cmd_grammar(args):
+    """SmolLM2's tokenizer (49152 tokens): the tokenizer info and grammar compile times (cold, then from
+    the cache), and over a walk through each grammar the host's bitmask fill and the device's mask per
+    step (one request); then one constrained request decoding beside a plain one, tok/s each."""
+    path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
+    rows = {}
+    with oe.Engine(model_path=path, device="cpu", dtype=args.dtype, max_total_tokens=4096) as e:
+        t0 = time.perf_counter()
+        backend = e.grammars()
+        rows["tokenizer info ms"] = 1e3 * (time.perf_counter() - t0)
+        V = e.model_config.vocab_size
+        for kind, source in (("json_schema", GRAMMAR_SCHEMA), ("regex", GRAMMAR_REGEX)):
+            t0 = time.perf_counter()
+            compiled = backend.compiled(kind, source).result()
+            cold = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            backend.compiled(kind, source).result()
+            cached = time.perf_counter() - t0
+            g = oe.Grammar(backend.xgr, backend.compiled(kind, source))
+            g.ready()
+            bitmask = torch.full((1, -(-V // 32)), -1, dtype=torch.int32)
+            fills, applies, steps = [], [], 0
+            logits = torch.randn(1, V)
+            while steps < (8 if args.quick else 64) and not g.terminated():
+                fills.append(timed(lambda: g.fill_mask(bitmask, 0)))
+                s = {"bitmask": bitmask}
+                applies.append(timed(lambda: oe.adjust_logits(logits, s, None)))
+                allowed = ((bitmask[0, :, None] >> torch.arange(32)) & 1).flatten()[:V].nonzero().flatten()
+                g.accept(int(allowed[steps % len(allowed)]))
+                steps += 1
+            rows[kind] = {"compile_ms": 1e3 * cold, "cached_ms": 1e3 * cached, "steps": steps,
+                          "fill_ms": 1e3 * statistics.median(fills),
+                          "apply_ms": 1e3 * statistics.median(applies)}
+            del compiled
+        n = 8 if args.quick else 48
+        prompt = e.tokenizer.encode("Describe a person as JSON.")
+        for name, extra in (("plain", {}), ("json_schema", {"json_schema": GRAMMAR_SCHEMA})):
+            sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True, **extra}
+            e.generate(input_ids=prompt, sampling_params={**sp, "max_new_tokens": 2})  # warm
+            t0 = time.perf_counter()
+            out = e.generate(input_ids=prompt, sampling_params=sp)
+            rows[f"decode {name}"] = {"tok_s": len(out["output_ids"]) / (time.perf_counter() - t0)}
+    print(f"## grammar: {os.path.basename(path)}, {args.dtype}, vocabulary {V}; tokenizer info "
+          f"{rows['tokenizer info ms']:.0f} ms (once per engine)")
+    print("| grammar | compile ms (cold) | from the cache ms | host bitmask fill ms/step | "
+          "device mask ms/step | steps walked |")
+    print("|---|---|---|---|---|---|")
+    for kind in ("json_schema", "regex"):
+        r = rows[kind]
+        print(f"| {kind} | {r['compile_ms']:.1f} | {r['cached_ms']:.3f} | {r['fill_ms']:.3f} | "
+              f"{r['apply_ms']:.3f} | {r['steps']} |")
+    print(f"one request alone, greedy: plain {rows['decode plain']['tok_s']:.1f} tok/s, json_schema "
+          f"{rows['decode json_schema']['tok_s']:.1f} tok/s")
     return rows
 
 
@@ -1199,6 +1297,8 @@ def main():
     sm.add_argument("--ratios", default=SIM_RATIOS)
     sm.add_argument("--timeline", default=None, help="write the host/device timeline PNG here")
     sm.add_argument("--quick", action="store_true")
+    sm.add_argument("--grammar", type=float, default=0.0,
+                    help="also run with this share of the requests constrained by a regex (0.5: half)")
     sm.set_defaults(fn=cmd_sim)
 
     o = sub.add_parser("overhead", help="host us per running request per decode step, zero-cost device")
@@ -1247,6 +1347,12 @@ def main():
     sa.add_argument("--seed", type=int, default=TP_SEED)
     sa.add_argument("--quick", action="store_true")
     sa.set_defaults(fn=cmd_sampling)
+
+    gr = sub.add_parser("grammar", help="grammar compile time and per-step mask cost on a real vocabulary")
+    gr.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    gr.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    gr.add_argument("--quick", action="store_true")
+    gr.set_defaults(fn=cmd_grammar)
 
     si = sub.add_parser("single", help="one request alone: TTFT and decode tok/s per setup (and llama.cpp)")
     si.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
@@ -1299,7 +1405,7 @@ def main():
     a.add_argument("--quick", action="store_true")
     a.set_defaults(fn=cmd_all)
 
-    for sp in (sm, o, t, pr, sa, si, m, a):
+    for sp in (sm, o, t, pr, sa, gr, si, m, a):
         sp.add_argument("--json", default=None, help="also write the results as JSON here")
     args = p.parse_args()
     result = args.fn(args)

@@ -8,10 +8,12 @@ memory keep the tokens exactly those of the plain serial loop.
 
 It is a reference to read, not a production server: Llama-family models, one device per process
 (tensor parallelism runs one process, and one scheduler, per rank), no speculative decoding, no CUDA
-graphs. Every value has four moments:
+graphs. Every value has four moments, and a fifth where a grammar constrains the step:
 
     planned       slots and metadata for the next step are allocated on the host; nothing launched
     in flight     the step is queued on the device stream; the host cannot read its results
+    (logits)      a constrained step's logits are ready on the device, its token not chosen: the
+                  sample waits for the host to commit the previous step and advance the grammars
     materialized  the sampled token sits in the FutureMap; the next step can already consume it
     committed     the host has read it, appended it to Req.output_ids, checked stop conditions
 
@@ -52,8 +54,11 @@ One decode step in the overlap loop, function by function, with the moment each 
     6   ModelWorker.forward_step           in flight  on the device: FutureMap.resolve reads step n's tokens
                                                       (materialized), then forward, sample, FutureMap.publish
     7 process_batch_result (step n)        committed  waits for step n's copy_done, appends its tokens
-    8   Req.update_finish_state            committed  length, EOS, stop ids, stop strings
+    8   Req.update_finish_state            committed  advances its grammar; length, EOS, stop ids, strings
     9   release_kv_cache                   committed  a finished request's KV and row, by allocated length
+    10 launch_deferred_sample (step n+1)   (logits)   with a grammar, 5 queued the forward only; now the
+                                                      masks come from the grammars 8 advanced, and the
+                                                      sample is queued behind the forward (no wait)
 """
 from __future__ import annotations
 
@@ -154,6 +159,7 @@ class Req:
         self.input_top_logprobs: list = []
         self.input_logprobs_done = False
         self.shares_prefill_of: Optional[Req] = None  # n > 1: the sibling whose prompt KV it waits for
+        self.grammar = None  # json_schema / regex / ebnf: Part II's matcher (ready, accept, fill_mask)
 
     @property
     def fill_ids(self) -> list:
@@ -190,8 +196,12 @@ class Req:
         """Called at commit, after a token was appended: length, EOS and stop ids, stop strings (in that
         order). Text is decoded here only when stop strings need it; otherwise at finish or when streamed."""
         sp, tok = self.sampling_params, self.output_ids[-1] if self.output_ids else None
+        if self.grammar is not None and tok is not None:  # once per committed token, which it allowed
+            assert self.grammar.accept(tok), f"the grammar refused token {tok}, which its mask allowed"
         if len(self.output_ids) >= sp.max_new_tokens:
             self.finished_reason = {"type": "length", "length": sp.max_new_tokens}
+        elif self.grammar is not None and self.grammar.terminated():
+            self.finished_reason = {"type": "stop", "matched": tok}
         elif len(self.output_ids) < sp.min_new_tokens:  # no stop yet (sampling masked its stop ids)
             if sp.stop and tokenizer is not None:
                 self.detokenize(tokenizer)  # a stop string must end after the window to count
@@ -284,6 +294,7 @@ class ForwardBatch:
     prompt_logit_ids: torch.Tensor     # (M,) those prompt tokens (prompt logprobs)
     publish_idx: torch.Tensor          # (P,) batch positions whose sampled token goes to the FutureMap
     sampling: dict                     # per-request tensors: temperature, ..., penalties, logprobs asked
+    deferred: bool                     # a grammar constrains a row: the sample waits for its masks
 
 
 @dataclass
@@ -365,9 +376,10 @@ class ScheduleBatch:
             sampling["top_logprobs_num"] = max(r.top_logprobs_num for r in self.reqs if r.return_logprob)
         # overlap mode publishes each sampled token (not a mid-prompt chunk's) for the next step to gather
         publish = [i for i, last in enumerate(self.is_last_chunk) if last and self.scheduler.enable_overlap]
+        deferred = any(r.grammar is not None and last for r, last in zip(self.reqs, self.is_last_chunk))
         return ForwardBatch(forward_mode=self.forward_mode, seq_lens=self.seq_lens, sampling=sampling,
                             prompt_logit_rows=int64(rows), prompt_logit_ids=int64(ids),
-                            publish_idx=int64(publish), **fields)
+                            publish_idx=int64(publish), deferred=deferred, **fields)
 
     def sampling_inputs(self) -> dict:
         """Per-request sampling tensors, made on the host. Penalties, logit_bias and min_new_tokens add
@@ -399,7 +411,7 @@ class ScheduleBatch:
             s["bias_at"], s["bias"] = int64([b[:2] for b in bias]), f64([b[2] for b in bias])
         # min_new_tokens: the tokens that would finish a request cannot be sampled while it is short
         banned = [(i, t) for i, r in enumerate(reqs) if out_pos[i] < params[i].min_new_tokens
-                  for t in r.stop_ids]
+                  and r.grammar is None for t in r.stop_ids]  # a grammar decides when it may stop
         if banned:
             s["banned"] = int64(banned)
         return s
@@ -900,13 +912,28 @@ class ModelWorker:
         self.model, self.req_to_token_pool, self.future_map = model, req_to_token_pool, future_map
         self.attn, self.stream, self.device = attn_backend, stream, device
         self.token_counts: Optional[TokenCounts] = None  # the penalties' per-row state, on the device
+        self.kept_logits: Optional[torch.Tensor] = None  # a deferred step's, until its sample runs
 
-    def launch(self, batch: ForwardBatch) -> StepHandle:
+    def launch(self, batch: ForwardBatch) -> Optional[StepHandle]:
+        """Queues the step; of a deferred step (a grammar's) only its forward, launch_sample follows."""
+        if batch.deferred:
+            self.stream.launch(lambda: self.forward_logits(batch, keep=True))
+            return None
         return self.stream.launch(lambda: self.forward_step(batch))
+
+    def launch_sample(self, batch: ForwardBatch, bitmask: torch.Tensor, publish_idx) -> StepHandle:
+        """A deferred step's sample, queued behind its forward (whose logits wait on the device);
+        publish_idx: its rows that still publish (not those the commit in between finished)."""
+        return self.stream.launch(lambda: self.sample_step(batch, self.kept_logits, bitmask, publish_idx))
 
     def forward_step(self, batch: ForwardBatch) -> dict:
         """Runs on the device stream; everything it touches on the device is ordered after earlier steps.
         Returns the step's result, still on the device: the sampled tokens and the logprobs asked for."""
+        return self.sample_step(batch, self.forward_logits(batch))
+
+    def forward_logits(self, batch: ForwardBatch, keep: bool = False) -> torch.Tensor:
+        """Resolves the inputs, writes req_to_token, runs the model: logits (B + M, vocab), where M rows
+        score prompt tokens (prompt logprobs). keep: a deferred sample reads them later."""
         to = functools.partial(to_device, device=self.device)
         rows = to(batch.req_pool_indices)
         input_ids = to(batch.input_ids)  # (N,) or a mixed batch's prefill part; empty for overlap decode
@@ -921,17 +948,29 @@ class ModelWorker:
             seq_lens=to(torch.tensor(batch.seq_lens)), req_pool_indices_cpu=batch.req_pool_indices.tolist(),
             seq_lens_cpu=batch.seq_lens, prefix_lens_cpu=batch.prefix_lens,
             extend_lens_cpu=batch.extend_lens))
-        B, logit_rows = len(batch.seq_lens), batch.logit_rows
+        logit_rows = batch.logit_rows
         if len(batch.prompt_logit_rows):  # prompt logprobs: more rows through the LM head, for who asks
             logit_rows = torch.cat((logit_rows, batch.prompt_logit_rows))
         logits = self.model(input_ids, to(batch.positions), self.attn, to(logit_rows))  # (B + M, vocab)
+        self.kept_logits = logits if keep else None
+        return logits
+
+    def sample_step(self, batch: ForwardBatch, logits: torch.Tensor, bitmask=None,
+                    publish_idx=None) -> dict:
+        """Samples the step's tokens (a grammar's bitmask applied), adds the logprobs asked for, and
+        publishes the tokens to the FutureMap."""
+        publish_idx = batch.publish_idx if publish_idx is None else publish_idx
+        to = functools.partial(to_device, device=self.device)
+        B, self.kept_logits = len(batch.seq_lens), None
         sampling = {k: (to(v) if isinstance(v, torch.Tensor) else v) for k, v in batch.sampling.items()}
+        if bitmask is not None:
+            sampling["bitmask"] = to(bitmask)
         out = self.sample_tokens(logits[:B], sampling)
         if len(batch.prompt_logit_rows):
             out |= logprobs(logits[B:], to(batch.prompt_logit_ids), sampling["top_logprobs_num"], "input_")
-        if len(batch.publish_idx):  # host-known: no sync (a device boolean mask would sync)
-            sel = to(batch.publish_idx)
-            self.future_map.publish(rows[sel], out["next_ids"][sel])
+        if len(publish_idx):  # host-known: no sync (a device boolean mask would sync)
+            sel = to(publish_idx)
+            self.future_map.publish(to(batch.req_pool_indices)[sel], out["next_ids"][sel])
         return out
 
     def sample_tokens(self, logits: torch.Tensor, s: dict) -> dict:
@@ -990,6 +1029,8 @@ class Scheduler:
         self.running_batch = ScheduleBatch([], ForwardMode.DECODE, self)
         self.chunked_req: Optional[Req] = None  # a prompt in the middle of its chunked prefill
         self.last_batch: Optional[ScheduleBatch] = None  # the batch launched in the previous iteration
+        self.deferred: Optional[tuple] = None  # (ScheduleBatch, BatchSnapshot): forward queued, sample not
+        self.model_vocab_size = 0  # the logits' width, for grammar bitmasks (set by who builds it)
         self.result_queue: deque = deque()   # (BatchSnapshot, StepHandle): launched, not yet committed
         self.finished_outputs: list[dict] = []
         self.row_owner: dict[int, Req] = {}  # request row -> the request holding it
@@ -1011,6 +1052,7 @@ class Scheduler:
             batch = self.get_next_batch_to_run()
             if batch is not None:
                 self.run_batch(batch)
+                self.launch_deferred_sample()  # a grammar's: every step is committed, the masks are current
             self.last_batch = batch
             if batch is not None:
                 self.process_batch_result()  # sync point: waits for the step just launched
@@ -1027,6 +1069,7 @@ class Scheduler:
             self.last_batch = batch
             if step_n_in_flight:
                 self.process_batch_result()       # the host commits n while the device runs n+1
+            self.launch_deferred_sample()         # n+1 has a grammar: its sample, masked by n's tokens
             yield
 
     def step_in_flight(self) -> bool:
@@ -1095,6 +1138,33 @@ class Scheduler:
             result = self.worker.launch(batch.forward_batch)
             snapshot = batch.copy()
         except BaseException:  # an interrupt or a broken stream: the plan's memory must not leak
+            self.roll_back(batch)
+            raise
+        if result is None:  # deferred: its forward runs; its sample waits for launch_deferred_sample
+            self.deferred = (batch, snapshot)
+        else:
+            self.result_queue.append((snapshot, result))
+
+    def launch_deferred_sample(self):
+        """A constrained step's sample. The grammars' masks need every token before the one this step
+        feeds, and in the overlap loop that token came from the step just committed: so the forward was
+        queued first, and the sample is queued now, behind it on the device stream (the host does not
+        wait for the forward). The other requests of the batch sample with it, unchanged."""
+        if self.deferred is None:
+            return
+        (batch, snapshot), self.deferred = self.deferred, None
+        words = -(-self.model_vocab_size // 32)
+        bitmask = torch.full((len(snapshot.reqs), words), -1, dtype=torch.int32)  # all allowed
+        for i, r in enumerate(snapshot.reqs):
+            if r.grammar is not None and snapshot.is_last_chunk[i] and not r.finished():
+                r.grammar.fill_mask(bitmask, i)
+        # subtle: a request the commit just finished gave back its FutureMap row, already poisoned on the
+        # stream: its (overshoot) token must not land there after the poison
+        publish = int64([i for i in batch.forward_batch.publish_idx.tolist()
+                         if not snapshot.reqs[i].finished()])
+        try:
+            result = self.worker.launch_sample(batch.forward_batch, bitmask, publish)
+        except BaseException:
             self.roll_back(batch)
             raise
         self.result_queue.append((snapshot, result))
@@ -1201,6 +1271,8 @@ class Scheduler:
         for r in self.waiting:
             if r.waits_for_sibling() and not self.tree_cache.disable:
                 continue  # n > 1: it will find the prompt its first sibling is prefilling in the cache
+            if r.grammar is not None and not r.grammar.ready():
+                continue  # its grammar still compiles, off this thread (SGLang's grammar queue)
             if not lpm:
                 r.prefix_indices, r.last_node = self.tree_cache.match_prefix(r.prefix_key())
             elif (len(r.prefix_indices) < IN_BATCH_PREFIX_MIN
@@ -1280,6 +1352,10 @@ class Scheduler:
         the head request can never fit: abort it rather than spin."""
         if self.result_queue or not self.running_batch.is_empty():
             return None
+        compiling = [r.grammar for r in self.waiting if r.grammar is not None and not r.grammar.ready()]
+        if compiling:  # nothing else to do: wait a little for a grammar (a host wait, not the device's)
+            compiling[0].ready(timeout=0.05)
+            return None
         batch = self.get_new_batch_prefill()  # planning may just have freed memory (a retraction)
         if batch is None:
             stuck = self.chunked_req or self.waiting[0]
@@ -1298,9 +1374,13 @@ class Scheduler:
             self.chunked_req = None
 
     def sync_pending_results(self):
-        """Commits every launched step (a sync point: waits for the device)."""
-        while self.result_queue:
-            self.process_batch_result()
+        """Commits every launched step (a sync point: waits for the device); a deferred sample is launched
+        once the steps before it are committed."""
+        while self.result_queue or self.deferred is not None:
+            if self.result_queue:
+                self.process_batch_result()
+            else:
+                self.launch_deferred_sample()
 
     def retract(self, r: Req):
         """Preempts a running request: frees its KV now (stream order keeps in-flight readers safe) and
@@ -1336,7 +1416,7 @@ class Scheduler:
     def is_idle(self) -> bool:
         batches = [self.running_batch] + ([self.last_batch] if self.last_batch is not None else [])
         unfinished = any(not r.finished() for batch in batches for r in batch.reqs)
-        return not (self.waiting or self.chunked_req or self.result_queue or unfinished)
+        return not (self.waiting or self.chunked_req or self.result_queue or self.deferred or unfinished)
 
     def check_ledger(self):
         """Every KV slot is exactly one of: free, owned by the radix tree, or private to a live request
@@ -1510,7 +1590,7 @@ def sampling_noise(seed: torch.Tensor, out_pos: torch.Tensor, V: int) -> torch.T
 def sample(logits: torch.Tensor, sampling: dict, counts: Optional[TokenCounts] = None) -> torch.Tensor:
     """Greedy where temperature == 0; else argmax(p / E), E ~ Exp(1), which draws from p exactly
     (the exponential race), with p filtered by top_k, top_p and min_p; penalties and biases first."""
-    if any(k in sampling for k in ("penalized", "bias", "banned")):
+    if any(k in sampling for k in ("penalized", "bias", "banned", "bitmask")):
         logits = adjust_logits(logits, sampling, counts)
     greedy = logits.argmax(-1)
     if sampling["all_greedy"]:
@@ -1534,7 +1614,8 @@ def adjust_logits(logits: torch.Tensor, s: dict, counts: Optional[TokenCounts]) 
     """Penalties and biases, before temperature and the filters, with SGLang's and OpenAI's rules (on a
     copy: logprobs report the raw logits). repetition_penalty p (CTRL's rule, over prompt and output): a
     seen token's logit l becomes l / p if l > 0, else l * p. frequency f and presence r (over the output):
-    l - f * count - r * [count > 0]. logit_bias: added. min_new_tokens: the stop ids masked."""
+    l - f * count - r * [count > 0]. logit_bias: added. min_new_tokens: the stop ids masked. A grammar:
+    the tokens its bitmask does not allow masked."""
     logits = logits.clone()
     if "penalized" in s:  # only the tokens a request holds are touched: (P, its length), not (P, vocab)
         idx, rows, lens, L = s["penalized"], s["penalty_rows"], s["penalty_lens"], s["penalty_len"]
@@ -1551,6 +1632,9 @@ def adjust_logits(logits: torch.Tensor, s: dict, counts: Optional[TokenCounts]) 
         logits.index_put_(tuple(s["bias_at"].T), s["bias"].to(logits.dtype), accumulate=True)
     if "banned" in s:
         logits[tuple(s["banned"].T)] = -math.inf
+    if "bitmask" in s:  # a grammar's allowed tokens: bit t % 32 of word t // 32 (rows without one: all)
+        bits = (s["bitmask"][:, :, None] >> torch.arange(32, device=logits.device)) & 1  # (B, W, 32)
+        logits.masked_fill_(bits.view(len(logits), -1)[:, :logits.shape[1]] == 0, -math.inf)
     return logits
 
 
@@ -1742,6 +1826,7 @@ class TritonAttnBackend:
 
 import _signal  # the C module under signal: see CtrlCHeld
 import argparse
+import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
@@ -1894,6 +1979,7 @@ def _is_real(x) -> bool:
 SAMPLING_EPS = 1e-6  # a temperature below this samples greedily
 MAX_TOP_LOGPROBS = 20  # top_logprobs_num at most (OpenAI's top_logprobs limit)
 SIBLING_SEED_STEP = 0x9E3779B97F4A7C15  # n > 1: sibling i samples with seed + i * this (mod 2**63)
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")  # SGLang's names for a constrained request's grammar
 
 
 def check_logprob_args(return_logprob, top_logprobs_num, logprob_start_len):
@@ -1926,9 +2012,16 @@ class SamplingParams:
     min_new_tokens: int = 0        # no stop (EOS, stop ids, stop strings) before this many outputs
     logit_bias: dict = field(default_factory=dict)  # {token id (int or its str): -100..100}, added
     n: int = 1                     # samples of the prompt, which is prefilled once
+    json_schema: Optional[str] = None  # a JSON schema (a string) the output must follow, or
+    regex: Optional[str] = None        # a regular expression it must match, or
+    ebnf: Optional[str] = None         # an EBNF grammar (xgrammar's dialect): at most one of the three
 
     def has_penalties(self) -> bool:
         return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+
+    def grammar(self) -> Optional[tuple]:
+        """(kind, source) of the grammar it asks for, or None."""
+        return next(((k, getattr(self, k)) for k in GRAMMAR_KINDS if getattr(self, k) is not None), None)
 
     @classmethod
     def from_dict(cls, d: Optional[dict], vocab_size: int) -> SamplingParams:
@@ -1985,6 +2078,12 @@ class SamplingParams:
             bad("min_new_tokens", f"must be an integer in [0, max_new_tokens={self.max_new_tokens}]")
         if not _is_int(self.n) or self.n < 1:
             bad("n", "must be an integer >= 1")
+        given = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
+        for key in given:
+            if not isinstance(getattr(self, key), str):
+                bad(key, "must be a string")
+        if len(given) > 1:
+            bad(given[1], f"at most one of {', '.join(GRAMMAR_KINDS)} per request, and {given[0]} is given")
         if not isinstance(self.logit_bias, dict):
             bad("logit_bias", "must be a dict {token id: bias}")
         bias = {}
@@ -2143,6 +2242,8 @@ class Engine:
         model = CompiledDecode(self.model, compile_max_bs) if compile_max_bs else self.model
         worker = ModelWorker(model, req_to_token_pool, self.future_map, backend, stream, args.device)
         self.scheduler = Scheduler(args, self.tokenizer, worker, req_to_token_pool, kv_pool)
+        self.scheduler.model_vocab_size = cfg.vocab_size  # the width of a grammar's bitmask
+        self._grammars: Optional[GrammarBackend] = None  # made for the first grammar (xgrammar)
         self.step_timer = StepTimer(self.scheduler, args.device)
         self._loop = self._new_loop()
         self._rng = random.Random(args.random_seed)
@@ -2259,6 +2360,11 @@ class Engine:
         if rid is not None and (not isinstance(rid, str) or rid in self._reqs):
             raise ValueError(f"rid={rid!r} must be a new string")
         check_logprob_args(*logprob)
+        if sp.grammar() is not None:  # parsed now (a ValueError names it); compiled off the scheduler's path
+            if self.tokenizer is None:
+                raise ValueError(f"sampling parameter {sp.grammar()[0]} needs a tokenizer, and this "
+                                 "checkpoint has none")
+            self.grammars().compiled(*sp.grammar())
         seed = sp.sampling_seed if sp.sampling_seed is not None else self._rng.getrandbits(63)
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model_config.eos_token_ids
         eos = eos or self.model_config.eos_token_ids
@@ -2275,12 +2381,23 @@ class Engine:
         self._tp_record("add", pickle.dumps(r), sibling)  # as it is now: an abort before the broadcast
         self._reqs[r.rid] = r                              # would change r
         r.shares_prefill_of = self._reqs.get(sibling) if sibling else None
+        if r.sampling_params.grammar() is not None:  # its own matcher; it waits until the grammar compiled
+            r.grammar = Grammar(self.grammars().xgr, self.grammars().compiled(*r.sampling_params.grammar()))
         if r.sampling_params.max_new_tokens == 0 and not r.owes_input_logprobs():
             r.finished_reason = {"type": "length", "length": 0}  # nothing to run: it never reaches the device
             self.scheduler.finished_outputs.append(r.output())
         else:
             self.scheduler.waiting.append(r)
         return r.rid
+
+    def grammars(self) -> GrammarBackend:
+        """The grammar backend, made on first use. With tensor parallelism grammars compile in the call:
+        every rank must find a request's grammar ready in the same iteration."""
+        if self._grammars is None:
+            self._grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size,
+                                            self.tokenizer.eos_token_ids or self.model_config.eos_token_ids,
+                                            threads=self.tp is None)
+        return self._grammars
 
     def add_request(self, input_ids=None, sampling_params=None, prompt=None, rid=None,
                     return_logprob=False, top_logprobs_num=0, logprob_start_len=-1) -> str:
@@ -2579,6 +2696,8 @@ class Engine:
                 self._tp_send("shutdown")
             try:
                 self.scheduler.worker.stream.shutdown()
+                if self._grammars is not None:
+                    self._grammars.shutdown()
             finally:
                 if self.tp is not None:
                     self.tp.close()
@@ -3038,6 +3157,84 @@ def quantize_model(model: nn.Module, mode: str, source: dict, dtype: torch.dtype
             w = source[name + ".weight"].to(layer.weight.device)
             quantized = QuantizedLinear("int8" if name == "lm_head" else mode, w, dtype)
             setattr(model.get_submodule(parent), attr, quantized)
+
+
+# -- grammars: xgrammar (SGLang's default grammar backend) behind Part I's Req.grammar --
+
+
+class GrammarBackend:
+    """Compiles json_schema, regex and ebnf grammars with xgrammar for this engine's tokenizer: parsed
+    at once (a bad one is a ValueError before anything is queued), compiled on a thread of its own, off
+    the scheduler's path (threads=False: in the caller, as tensor-parallel ranks must agree on when a
+    grammar is ready), and cached by grammar."""
+
+    CACHE_SIZE = 256  # compiled grammars kept
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_ids, threads: bool = True):
+        import xgrammar as xgr
+        from tokenizers import decoders
+        tk = tokenizer.tk
+        kind = xgr.VocabType.BYTE_LEVEL if isinstance(tk.decoder, decoders.ByteLevel) else xgr.VocabType.RAW
+        vocab = [tk.id_to_token(i) or "" for i in range(tk.get_vocab_size())]  # token strings, by id
+        info = xgr.TokenizerInfo(vocab, kind, vocab_size=vocab_size, stop_token_ids=list(stop_ids))
+        self.xgr, self.compiler = xgr, xgr.GrammarCompiler(info, max_threads=1)
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, "overlap-engine-grammar") if threads else None
+        self.cache: dict = {}  # (kind, source) -> Future of its CompiledGrammar, oldest first
+
+    def compiled(self, kind: str, source: str) -> concurrent.futures.Future:
+        key = (kind, source)
+        if key not in self.cache:
+            grammar = self.parse(kind, source)
+            if self.pool is not None:
+                future = self.pool.submit(self.compiler.compile_grammar, grammar)
+            else:
+                future = concurrent.futures.Future()
+                future.set_result(self.compiler.compile_grammar(grammar))
+            self.cache[key] = future
+            while len(self.cache) > self.CACHE_SIZE:
+                del self.cache[next(iter(self.cache))]
+        return self.cache[key]
+
+    def parse(self, kind: str, source: str):
+        try:
+            if kind == "json_schema":
+                json.loads(source)
+                return self.xgr.Grammar.from_json_schema(source, any_whitespace=False)
+            if kind == "regex":
+                return self.xgr.Grammar.from_regex(source)
+            return self.xgr.Grammar.from_ebnf(source)
+        except (RuntimeError, ValueError) as e:  # xgrammar raises RuntimeError with its parser's message
+            raise ValueError(f"sampling parameter {kind}: not a valid {kind.replace('_', ' ')}: "
+                             f"{str(e).splitlines()[-1][:300]}") from None
+
+    def shutdown(self):
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Grammar:
+    """A request's matcher over its compiled grammar: Part I's Req.grammar (ready, accept, fill_mask,
+    terminated). Each request, each sibling of n > 1 too, has its own."""
+
+    def __init__(self, xgr, compiled: concurrent.futures.Future):
+        self.xgr, self.compiled, self.matcher = xgr, compiled, None
+
+    def ready(self, timeout: float = 0.0) -> bool:
+        if self.matcher is None:
+            try:
+                self.matcher = self.xgr.GrammarMatcher(self.compiled.result(timeout))
+            except concurrent.futures.TimeoutError:
+                return False
+        return True
+
+    def accept(self, token: int) -> bool:
+        return self.matcher.accept_token(token)
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int):
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
 
 
 # -- torch.compile: the model callable the worker is handed, and the attention grouping it needs --
@@ -4060,7 +4257,8 @@ def served_model_name(engine: Engine) -> str:
 OPENAI_FIELDS = {"model": str, "max_tokens": int, "temperature": float, "top_p": float, "stop": (str, list),
                  "seed": int, "stream": bool, "n": int, "user": str, "stream_options": dict,
                  "frequency_penalty": float, "presence_penalty": float, "logit_bias": dict,
-                 "min_tokens": int, "repetition_penalty": float}  # the last two: vLLM's and SGLang's extras
+                 "min_tokens": int, "repetition_penalty": float,  # these two: vLLM's and SGLang's extras
+                 "response_format": dict}
 # OpenAI's body fields -> SGLang's sampling parameters (bad values: the engine's ValueError, a 400)
 OPENAI_SAMPLING = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
                    "stop": "stop", "seed": "sampling_seed", "n": "n", "logit_bias": "logit_bias",
@@ -4093,9 +4291,25 @@ def parse_body(raw: bytes, fields: dict, required: tuple) -> dict:
 
 def openai_sampling(body: dict, default_max_tokens: Optional[int]) -> dict:
     sp = {k: body[o] for o, k in OPENAI_SAMPLING.items() if body.get(o) is not None}
+    sp.update(response_format_grammar(body.get("response_format")))
     if "max_new_tokens" not in sp and default_max_tokens is not None:
         sp["max_new_tokens"] = default_max_tokens
     return sp
+
+
+def response_format_grammar(fmt: Optional[dict]) -> dict:
+    """OpenAI's response_format as the sampling parameter it sets: json_object is any JSON object,
+    json_schema its schema (the engine's ValueError names a bad one)."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": '{"type": "object"}'}
+    spec = fmt.get("json_schema")
+    if kind != "json_schema" or not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise HTTPError(400, "response_format must be {'type': 'text'}, {'type': 'json_object'} or "
+                             "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}")
+    return {"json_schema": json.dumps(spec["schema"])}
 
 
 def build_app(scheduler: SchedulerThread):

@@ -17,6 +17,7 @@ import math
 import os
 import platform
 import random
+import re
 import subprocess
 import sys
 import time
@@ -677,6 +678,9 @@ def workloads(draw):
                       min_new_tokens=draw(st.integers(0, sp["max_new_tokens"])),
                       logit_bias={str(draw(st.integers(0, 255))): draw(st.sampled_from([-100.0, 3.0]))})
         sp["n"] = draw(st.sampled_from([1, 1, 1, 2, 3]))
+        grammar = draw(st.sampled_from([None, None, None, *GRAMMARS]))  # a deferred sample in its batches
+        if grammar is not None:
+            sp[grammar[0]] = grammar[1]
         logprob = draw(st.sampled_from([(False, 0, -1), (True, 0, -1), (True, 2, 0), (True, 3, 5)]))
         arrive = draw(st.integers(0, 8))
         abort_at = draw(st.one_of(st.none(), st.integers(0, 14)))
@@ -699,7 +703,7 @@ def workloads(draw):
 @given(workloads())
 def test_random_workloads_match_an_unconstrained_serial_run(ckpt, wl):
     """Arrivals over time, aborts at random moments (queued, mid-chunk, in flight, just finished), tight
-    pools, both loops, penalties, biases, min_new_tokens, n and logprobs: every request that was not
+    pools, both loops, penalties, biases, min_new_tokens, n, logprobs and grammars: every request that was not
     aborted gets exactly the tokens and logprobs of an unconstrained serial run, an aborted one a prefix
     of them; the ledger holds after every iteration."""
     reqs, config = wl
@@ -1212,6 +1216,127 @@ def test_new_sampling_values_are_checked(ckpt):
             e.add_request(input_ids=[1, 2], sampling_params={"n": 2})
         assert not e.scheduler.waiting
         assert e.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 2, "logit_bias": {"5": 1.5}})
+        e.check_invariants()
+
+
+# grammars (xgrammar): bounded, so that even a random tiny model finishes them
+SMALL_SCHEMA = json.dumps({"type": "object", "properties": {
+    "name": {"type": "string", "pattern": "^[a-z]{1,4}$"},
+    "n": {"type": "integer", "minimum": 0, "maximum": 9}, "ok": {"type": "boolean"}},
+    "required": ["name", "n", "ok"], "additionalProperties": False})
+GRAMMARS = [("json_schema", SMALL_SCHEMA), ("regex", r"[a-e]{2,5}(-[0-9])?"),
+            ("ebnf", 'root ::= "x" [0-9] [0-9]? ("!" | "?")')]
+
+
+def follows_small_schema(text: str) -> bool:
+    """SMALL_SCHEMA, checked by hand (the tests need no JSON-schema library)."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return False
+    return (isinstance(obj, dict) and set(obj) == {"name", "n", "ok"} and isinstance(obj["name"], str)
+            and re.fullmatch("[a-z]{1,4}", obj["name"]) and type(obj["n"]) is int and 0 <= obj["n"] <= 9
+            and isinstance(obj["ok"], bool))
+
+
+def follows(kind: str, source: str, text: str) -> bool:
+    if kind == "json_schema":
+        return follows_small_schema(text)
+    if kind == "regex":
+        return re.fullmatch(source, text) is not None
+    return re.fullmatch(r"x[0-9][0-9]?[!?]", text) is not None  # the ebnf above, as a regex
+
+
+def grammar_workload(n=9, seed=97):
+    """Constrained requests, greedy and seeded, beside plain ones in the same batches."""
+    prompts = random_prompts(n, seed=seed, lo=2, hi=30)
+    wl = []
+    for i, p in enumerate(prompts):
+        sp = {"max_new_tokens": 40, "temperature": 0 if i % 2 else 0.9, "sampling_seed": 70 + i}
+        if i % 4 != 3:
+            sp[GRAMMARS[i % 3][0]] = GRAMMARS[i % 3][1]
+        wl.append((p, sp))
+    return wl
+
+
+def test_grammar_outputs_follow_their_grammars_in_both_loops(ckpt):
+    """json_schema, regex and ebnf requests, greedy and seeded, with plain requests in the same batches,
+    chunked prefill and a pool tight enough to retract: overlap == serial, every constrained output
+    follows its grammar and ends by it (finish reason stop), the plain ones are unchanged by their
+    neighbours (the same as alone)."""
+    wl = grammar_workload()
+    runs = {}
+    for loop in LOOPS:
+        with make_engine(ckpt, loop, chunked_prefill_size=8, max_total_tokens=200,
+                         schedule_conservativeness=0.0) as e:
+            runs[loop] = run_workload(e, wl)
+            e.check_invariants()
+    assert [o["output_ids"] for o in runs["overlap"]] == [o["output_ids"] for o in runs["serial"]]
+    for (p, sp), o in zip(wl, runs["overlap"]):
+        grammar = next(((k, sp[k]) for k in ("json_schema", "regex", "ebnf") if k in sp), None)
+        if grammar is None:
+            assert o["output_ids"] == run_workload_alone(ckpt, p, sp)
+            continue
+        assert o["meta_info"]["finish_reason"]["type"] == "stop", (grammar, o)
+        assert follows(*grammar, o["text"]), (grammar, o["text"])
+
+
+def run_workload_alone(ckpt, p, sp):
+    with make_engine(ckpt, "serial") as e:
+        return run_workload(e, [(p, sp)])[0]["output_ids"]
+
+
+def test_grammar_matches_transformers_with_xgrammars_own_logits_processor(ckpt):
+    """The independent oracle: transformers' greedy generate on the same checkpoint (float64) with
+    xgrammar's transformers logits processor gives the engine's tokens, for a JSON schema and a regex."""
+    import xgrammar as xgr
+    from transformers import LlamaForCausalLM
+    hf = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float64).eval()
+    with make_engine(ckpt, "overlap") as e:
+        for kind, source in GRAMMARS[:2]:
+            for p in random_prompts(3, seed=101, lo=3, hi=15):
+                ours = e.generate(input_ids=p, sampling_params={"max_new_tokens": 30, "temperature": 0,
+                                                                 kind: source})["output_ids"]
+                processor = xgr.contrib.hf.LogitsProcessor(e.grammars().compiled(kind, source).result())
+                mask = torch.ones(1, len(p), dtype=torch.long)
+                with torch.no_grad():
+                    out = hf.generate(torch.tensor([p]), attention_mask=mask, max_new_tokens=30,
+                                      do_sample=False, logits_processor=[processor],
+                                      pad_token_id=EOS)[0, len(p):].tolist()
+                assert ours == out, (kind, p)
+        e.check_invariants()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_grammars_sample_is_queued_without_waiting_for_its_forward(ckpt, monkeypatch, loop):
+    """A constrained step queues its forward, then its sample once the masks are filled, with no wait:
+    in both loops the sample is queued while the forward still runs (each forward is slow here)."""
+    real = oe.ModelWorker.forward_logits
+
+    def slow(self, batch, keep=False):
+        out = real(self, batch, keep)
+        oe.time.sleep(0.02)
+        return out
+    monkeypatch.setattr(oe.ModelWorker, "forward_logits", slow)
+    wl = [(p, {"max_new_tokens": 8, "temperature": 0, "regex": "[a-z]{6,}"})
+          for p in random_prompts(3, seed=103)]
+    with make_engine(ckpt, loop) as e:
+        run_workload(e, wl)
+        e.check_invariants()
+        steps = e.stats()["steps"]
+    queued_early = [s["t_launch"] < s["t_start"] - 0.01 for s in steps]  # it starts after a 20 ms forward
+    assert sum(queued_early) >= len(steps) - 1, f"{sum(queued_early)} of {len(steps)} samples queued early"
+
+
+def test_bad_grammars_are_refused_before_anything_is_queued(ckpt):
+    with make_engine(ckpt, "overlap") as e:
+        bad = [({"json_schema": "{not json"}, "json_schema"), ({"regex": "(unclosed"}, "regex"),
+               ({"ebnf": "root ::= ("}, "ebnf"), ({"regex": "a", "ebnf": 'root ::= "a"'}, "at most one"),
+               ({"json_schema": {"type": "object"}}, "json_schema")]
+        for sp, words in bad:
+            with pytest.raises(ValueError, match=words):
+                e.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 4, **sp})
+        assert not e.scheduler.waiting
         e.check_invariants()
 
 
@@ -2238,6 +2363,22 @@ def test_default_model_logprobs_match_transformers(smollm_engines, hf_model):
     for top, row in zip(m["input_top_logprobs"][1:] + m["output_top_logprobs"], lp):
         assert torch.allclose(torch.tensor([x for x, _, _ in top], dtype=torch.float64), row.topk(5).values,
                               atol=2e-3)
+
+
+def test_default_model_follows_grammars_greedy_and_seeded(smollm_engines):
+    """SmolLM2: json_schema, regex and ebnf outputs follow their grammars and end by them, greedy and
+    with seeded sampling, in both loops with the same tokens."""
+    outs = {}
+    for loop, e in smollm_engines.items():
+        prompt = e.tokenizer.apply_chat_template([{"role": "user", "content": "Describe a cat as JSON."}])
+        ids = e.tokenizer.encode(prompt)
+        sps = [{"max_new_tokens": 64, "temperature": t, "sampling_seed": 5, kind: source}
+               for kind, source in GRAMMARS for t in (0, 0.8)]
+        outs[loop] = e.generate(input_ids=[ids] * len(sps), sampling_params=sps)
+        e.check_invariants()
+    assert [o["output_ids"] for o in outs["overlap"]] == [o["output_ids"] for o in outs["serial"]]
+    for (kind, source), o in zip([g for g in GRAMMARS for _ in (0, 1)], outs["overlap"]):
+        assert o["meta_info"]["finish_reason"]["type"] == "stop" and follows(kind, source, o["text"]), o
 
 
 def bf16_ulp(x: float) -> float:
@@ -3680,6 +3821,45 @@ def test_server_refuses_bad_sampling_and_logprob_values(served):
     wait_idle_and_check(server)
 
 
+def test_server_response_format_through_the_openai_client(served):
+    """response_format json_schema and json_object, streamed and not: text that follows it, the text of
+    Engine.generate with the same json_schema; an invalid schema, regex or EBNF is a 400 naming it."""
+    import openai
+    server, offline = served
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=60, max_retries=0)
+    messages = [{"role": "user", "content": "give me a record"}]
+    schema = json.loads(SMALL_SCHEMA)
+    fmt = {"type": "json_schema", "json_schema": {"name": "record", "schema": schema, "strict": True}}
+    want = offline.generate(prompt=offline.tokenizer.apply_chat_template(messages), sampling_params={
+        "max_new_tokens": 60, "temperature": 0, "json_schema": json.dumps(schema)})["text"]
+    for stream in (False, True):
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=60, temperature=0,
+                                           response_format=fmt, stream=stream)
+        text = ("".join(c.choices[0].delta.content or "" for c in r) if stream
+                else r.choices[0].message.content)
+        assert text == want and follows_small_schema(text)
+    json_object = {"type": "json_object"}
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=80, temperature=0,
+                                       response_format=json_object)
+    streamed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=80, temperature=0,
+                                              response_format=json_object, stream=True)
+    text = r.choices[0].message.content
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == text
+    assert r.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict)
+    assert text.startswith("{")
+    for path, body, words in [
+            ("/v1/chat/completions", {"messages": messages, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+             "json_schema"),
+            ("/v1/chat/completions", {"messages": messages, "response_format": {"type": "yaml"}},
+             "response_format"),
+            ("/generate", {"text": "hi", "sampling_params": {"regex": "(unclosed"}}, "regex"),
+            ("/generate", {"text": "hi", "sampling_params": {"ebnf": "root ::= ("}}, "ebnf")]:
+        status, err = http_call(server, "POST", path, body)
+        assert status == 400 and words in err["error"]["message"], (body, err)
+    wait_idle_and_check(server)
+
+
 def test_server_failed_step_is_a_500_and_health_turns_503(chat_ckpt, monkeypatch):
     """A failure inside a step is reported to its requests (as an error event once their stream has
     started, else a 500 with the message); this engine cannot continue after it (its device stream is
@@ -3812,3 +3992,16 @@ def test_bench_quick_runs(tmp_path):
     assert "overlap / max(G,C)" in r.stdout and "TTFT p50" in r.stdout and "ITL p99" in r.stdout
     mixed = res["mixed"]
     assert mixed["mixed chunks on"]["mixed_steps"] > 0 == mixed["mixed chunks off"]["mixed_steps"]
+
+
+def test_bench_grammar_and_constrained_sim_quick_run(tmp_path):
+    """bench.py sim --grammar (half the requests constrained: deferred samples on the virtual device)
+    and grammar --quick (compile and per-step mask costs)."""
+    out = tmp_path / "sim.json"
+    run_bench("sim", "--quick", "--grammar", "0.5", "--json", str(out))
+    rows = json.loads(out.read_text())
+    assert {r["grammar_share"] for r in rows} == {0.0, 0.5} and all(r["overlap_ms"] > 0 for r in rows)
+    out = tmp_path / "grammar.json"
+    run_bench("grammar", "--quick", "--json", str(out))
+    res = json.loads(out.read_text())
+    assert all(res[k]["compile_ms"] > 0 and res[k]["fill_ms"] > 0 for k in ("json_schema", "regex"))
