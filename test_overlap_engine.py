@@ -2071,7 +2071,9 @@ def test_dummy_weights_from_a_config_alone(tmp_path, loop):
     assert outs[0] == outs[1] and len(outs[0]) == 6
 
 
-@pytest.mark.parametrize("preset, params", [("smollm2-135m", 134_515_008), ("llama-3.2-1b", 1_235_814_400)])
+@pytest.mark.parametrize("preset, params", [  # Qwen's cards: 0.49B (0.36B without embeddings), 0.6B (0.44B)
+    ("smollm2-135m", 134_515_008), ("llama-3.2-1b", 1_235_814_400), ("qwen2.5-0.5b", 494_032_768),
+    ("qwen3-0.6b", 596_049_920)])
 def test_dummy_presets_have_the_published_sizes(preset, params):
     """The preset shapes give the parameter counts the model cards publish (built on the meta device)."""
     cfg = oe.model_config_from_hf(oe.DUMMY_PRESETS[preset])
@@ -2457,6 +2459,219 @@ def test_default_model_knows_paris(smollm_engines, loop):
     out = e.generate(prompt=prompt, sampling_params={"max_new_tokens": 20, "temperature": 0})
     assert "Paris" in out["text"] and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
     e.check_invariants()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model families: Qwen2, Qwen3 and Mistral beside Llama, made by transformers' own classes
+
+FAMILIES = {  # family: (transformers config class, model class, what sets it apart in the tiny model)
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),                        # q/k/v biases
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 12}),          # q/k norms, head_dim apart
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),  # Llama's layout
+}
+
+
+def family_checkpoint(path, family: str, **config) -> str:
+    """A tiny random checkpoint written by transformers' own config and model classes (save_pretrained),
+    with weights large enough that greedy tokens are not near-ties."""
+    import transformers
+    conf_cls, model_cls, extra = FAMILIES[family]
+    cfg = getattr(transformers, conf_cls)(
+        vocab_size=len(TINY_TOKENS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=5000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+        **{**extra, **config})
+    torch.manual_seed(hash(family) % 1000)
+    model = getattr(transformers, model_cls)(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(family, checkpoint directory, its transformers model in float64)."""
+    import transformers
+    path = family_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+    hf = getattr(transformers, FAMILIES[request.param][1]).from_pretrained(path, dtype=torch.float64).eval()
+    return request.param, path, hf
+
+
+def family_prompts():
+    """Prompts of 3-40 tokens, two of them behind one 20-token prefix (a radix hit), chunked by 8."""
+    shared = random_prompts(1, seed=111, lo=20, hi=20, vocab=len(TINY_TOKENS))[0]
+    return random_prompts(3, seed=112, lo=3, hi=40, vocab=len(TINY_TOKENS)) + \
+        random_prompts(2, seed=113, lo=2, hi=6, vocab=len(TINY_TOKENS), shared=shared)
+
+
+def hf_greedy_tokens(hf, prompts, n):
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            outs.append(out[0, len(p):].tolist())
+    return outs
+
+
+def test_each_family_gives_transformers_greedy_tokens_in_both_loops(family):
+    """Qwen2 (q/k/v biases), Qwen3 (q/k norms, head_dim apart from hidden / heads) and Mistral, from
+    transformers' own save_pretrained: float64 greedy tokens equal transformers', in both loops, through
+    chunks of 8 and a radix hit."""
+    name, path, hf = family
+    prompts, sp = family_prompts(), {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    want = hf_greedy_tokens(hf, prompts, 10)
+    for loop in LOOPS:
+        with make_engine(path, loop, chunked_prefill_size=8) as e:
+            outs = [o["output_ids"] for o in run_workload(e, [(p, sp) for p in prompts])]
+            assert sum(o["meta_info"]["cached_tokens"] for o in run_workload(e, [(prompts[-1], sp)])) > 0
+            e.check_invariants()
+        assert outs == want, (name, loop)
+
+
+def test_each_family_keeps_its_features(family):
+    """The rest for each family: mixed chunks and a retracting pool and the Triton backend (float64, the
+    transformers tokens); bf16, int8 and int4 (overlap == serial); torch.compile (the eager tokens)."""
+    name, path, hf = family
+    prompts, sp = family_prompts(), {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    wl, want = [(p, sp) for p in prompts], hf_greedy_tokens(hf, prompts, 8)
+    for kw in ({"enable_mixed_chunk": True, "chunked_prefill_size": 8},
+               {"max_total_tokens": 96, "schedule_conservativeness": 0.0},
+               {"attention_backend": "triton", "device": DEVICE}):
+        with make_engine(path, "overlap", **kw) as e:
+            assert [o["output_ids"] for o in run_workload(e, wl)] == want, (name, kw)
+            e.check_invariants()
+    for kw in ({"dtype": "bfloat16"}, {"dtype": "float32", "quantization": "int8"},
+               {"dtype": "float32", "quantization": "int4"}):
+        outs = run_both_loops(path, wl, **kw)
+        assert outs["overlap"] == outs["serial"], (name, kw)
+    if oe.cpp_compiler() is not None:
+        compiled = run_both_loops(path, wl, dtype="float32", enable_torch_compile=True,
+                                  torch_compile_max_bs=2)
+        assert compiled["overlap"] == run_both_loops(path, wl, dtype="float32")["overlap"], name
+
+
+def test_each_family_splits_over_two_tensor_parallel_ranks(family, loopback):
+    """tp_size=2: a q/k/v bias splits with its rows, Qwen3's q/k norms replicate; transformers' tokens."""
+    name, path, hf = family
+    prompts, sp = family_prompts()[:3], {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with make_engine(path, "overlap", tp_size=2, dist_timeout=60) as e:
+        outs = [o["output_ids"] for o in run_workload(e, [(p, sp) for p in prompts])]
+        e.check_invariants()
+    assert outs == hf_greedy_tokens(hf, prompts, 8), name
+
+
+QWEN_STYLE_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|end|>\n"
+                       "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_each_family_serves_chat_with_its_template(family, tmp_path):
+    """With a byte-level tokenizer.json and a ChatML-style template in tokenizer_config.json, as Qwen's
+    checkpoints ship them, the server's chat completions give the offline engine's text."""
+    import shutil
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models
+    name, path, _ = family
+    served_dir = str(tmp_path / name)
+    shutil.copytree(path, served_dir)
+    vocab, merges = {t: i for i, t in enumerate(TINY_TOKENS)}, [tuple(m.split()) for m in TINY_MERGES]
+    tk = HFTokenizer(models.BPE(vocab, merges))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(["<|end|>"])
+    tk.save(os.path.join(served_dir, "tokenizer.json"))
+    with open(os.path.join(served_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": QWEN_STYLE_TEMPLATE, "eos_token": "<|end|>"}, f)
+    messages = [{"role": "user", "content": "hello"}]
+    server = oe.Server(make_engine(served_dir, "overlap"), port=0).start()
+    try:
+        with make_engine(served_dir, "serial") as offline:
+            prompt = offline.tokenizer.apply_chat_template(messages)
+            assert prompt.startswith("<|im_start|>user\nhello<|end|>")
+            want = offline.generate(prompt=prompt, sampling_params={"max_new_tokens": 6, "temperature": 0})
+        status, out = http_call(server, "POST", "/v1/chat/completions",
+                                {"messages": messages, "max_tokens": 6, "temperature": 0})
+        assert status == 200 and out["choices"][0]["message"]["content"] == want["text"], (name, out)
+        wait_idle_and_check(server)
+    finally:
+        server.stop()
+
+
+def write_family_gguf(path, hf_dir: str, arch: str):
+    """The checkpoint's weights as a GGUF of its architecture, as llama.cpp's converter writes qwen2 and
+    qwen3: their metadata keys and tensor names (biases, q/k norms), and no Q/K row permutation."""
+    from safetensors.torch import load_file
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    state = load_file(os.path.join(hf_dir, "model.safetensors"))
+    names = {v: k for k, v in oe.GGUF_TO_HF.items()}
+    w = gguf.GGUFWriter(path, arch)
+    for key, value in [("block_count", cfg["num_hidden_layers"]), ("context_length", 256),
+                       ("embedding_length", cfg["hidden_size"]),
+                       ("feed_forward_length", cfg["intermediate_size"]),
+                       ("head_count", cfg["num_attention_heads"]),
+                       ("head_count_kv", cfg["num_key_value_heads"])]:
+        getattr(w, f"add_{key}")(value)
+    if cfg.get("head_dim"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(5000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(TINY_TOKENS)
+    w.add_token_types(TINY_TYPES)
+    w.add_token_merges(TINY_MERGES)
+    w.add_eos_token_id(len(TINY_TOKENS) - 2)
+    for name, t in state.items():
+        parts = name.split(".")
+        if parts[0] == "lm_head":
+            gname = "output." + parts[-1]
+        elif parts[1] == "layers":
+            gname = f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.{parts[-1]}"
+        else:
+            gname = f"{names['.'.join(parts[:2])]}.{parts[-1]}"
+        w.add_tensor(gname, t.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@needs_gguf
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_a_family_gguf_loads_to_the_same_logits(tmp_path, arch):
+    """The same weights written as a qwen2 / qwen3 GGUF give the HF directory's logits (every prompt
+    position's logprobs, float64)."""
+    hf_dir = family_checkpoint(tmp_path / "hf", arch)
+    write_family_gguf(str(tmp_path / "tiny.gguf"), hf_dir, arch)
+    p = family_prompts()[0]
+    lps = []
+    for path in (hf_dir, str(tmp_path / "tiny.gguf")):
+        with make_engine(path, "overlap") as e:
+            o = e.generate(input_ids=p, sampling_params={"max_new_tokens": 1, "temperature": 0},
+                           return_logprob=True, top_logprobs_num=5, logprob_start_len=0)
+            lps.append([x for x, _, _ in o["meta_info"]["input_token_logprobs"][1:]] + o["output_ids"])
+            if path.endswith(".gguf"):
+                c = e.model_config
+                assert c.qk_norm == (arch == "qwen3") and c.attention_bias == (arch == "qwen2")
+    assert lps[0][-1] == lps[1][-1] and np.allclose(lps[0][:-1], lps[1][:-1], atol=1e-9)
+
+
+def test_architectures_that_cannot_run_are_refused(tmp_path):
+    """An unknown architecture names itself and the supported ones; Mistral with a sliding window
+    shorter than its context is refused (it is not implemented), not run without the window."""
+    path = oe.write_random_checkpoint(str(tmp_path / "gpt2"))
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**cfg, "architectures": ["GPT2LMHeadModel"]}, f)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*Qwen3ForCausalLM"):
+        Engine(model_path=path, device="cpu")
+    windowed = family_checkpoint(tmp_path / "mistral", "mistral", sliding_window=128)
+    with pytest.raises(ValueError, match="sliding_window=128 is shorter than the context"):
+        Engine(model_path=windowed, device="cpu")
 
 
 # ----------------------------------------------------------------------------------------------------
