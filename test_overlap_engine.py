@@ -2533,7 +2533,8 @@ def test_each_family_gives_transformers_greedy_tokens_in_both_loops(family):
 
 def test_each_family_keeps_its_features(family):
     """The rest for each family: mixed chunks and a retracting pool and the Triton backend (float64, the
-    transformers tokens); bf16, int8 and int4 (overlap == serial); torch.compile (the eager tokens)."""
+    transformers tokens); bf16, int8 and int4 (overlap == serial); torch.compile (the eager tokens; for
+    Qwen2 and Qwen3, whose graphs differ from Llama's, which the compile tests above cover)."""
     name, path, hf = family
     prompts, sp = family_prompts(), {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
     wl, want = [(p, sp) for p in prompts], hf_greedy_tokens(hf, prompts, 8)
@@ -2547,7 +2548,7 @@ def test_each_family_keeps_its_features(family):
                {"dtype": "float32", "quantization": "int4"}):
         outs = run_both_loops(path, wl, **kw)
         assert outs["overlap"] == outs["serial"], (name, kw)
-    if oe.cpp_compiler() is not None:
+    if oe.cpp_compiler() is not None and name != "mistral":  # Mistral's graph is Llama's, compiled above
         compiled = run_both_loops(path, wl, dtype="float32", enable_torch_compile=True,
                                   torch_compile_max_bs=2)
         assert compiled["overlap"] == run_both_loops(path, wl, dtype="float32")["overlap"], name
