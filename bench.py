@@ -1270,6 +1270,18 @@ def write_gpu_timeline(out, timeline, label):
 # command line
 
 
+def decode_step_args(sp, steps: int, steps_help: str):
+    """The flags of the commands that time one decode step of a batch of the real model."""
+    sp.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    sp.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    sp.add_argument("--batch", type=int, default=TP_REQUESTS)
+    sp.add_argument("--input", default=TP_INPUT, help="input length range lo,hi")
+    sp.add_argument("--steps", type=int, default=steps, help=steps_help)
+    sp.add_argument("--max-total-tokens", type=int, default=24576)
+    sp.add_argument("--seed", type=int, default=TP_SEED)
+    sp.add_argument("--quick", action="store_true")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -1325,27 +1337,13 @@ def main():
     t.set_defaults(fn=cmd_throughput)
 
     pr = sub.add_parser("profile", help="where one decode step's time goes, op by op (torch.profiler)")
-    pr.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
-    pr.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    pr.add_argument("--batch", type=int, default=TP_REQUESTS)
-    pr.add_argument("--input", default=TP_INPUT, help="input length range lo,hi")
-    pr.add_argument("--steps", type=int, default=64, help="output tokens before the profiled step")
+    decode_step_args(pr, 64, "output tokens before the profiled step")
     pr.add_argument("--quantization", default=None, choices=("int8", "int4"))
     pr.add_argument("--torch-compile", action="store_true", help="the step through the compiled model")
-    pr.add_argument("--max-total-tokens", type=int, default=24576)
-    pr.add_argument("--seed", type=int, default=TP_SEED)
-    pr.add_argument("--quick", action="store_true")
     pr.set_defaults(fn=cmd_profile)
 
     sa = sub.add_parser("sampling", help="what logprobs and penalties cost a decode step (on and off)")
-    sa.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
-    sa.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    sa.add_argument("--batch", type=int, default=TP_REQUESTS)
-    sa.add_argument("--input", default=TP_INPUT, help="input length range lo,hi")
-    sa.add_argument("--steps", type=int, default=32, help="output tokens before the timed step")
-    sa.add_argument("--max-total-tokens", type=int, default=24576)
-    sa.add_argument("--seed", type=int, default=TP_SEED)
-    sa.add_argument("--quick", action="store_true")
+    decode_step_args(sa, 32, "output tokens before the timed step")
     sa.set_defaults(fn=cmd_sampling)
 
     gr = sub.add_parser("grammar", help="grammar compile time and per-step mask cost on a real vocabulary")
