@@ -2849,8 +2849,8 @@ class TPGroup:
     def dead_local_rank(self) -> Optional[str]:
         """Which rank this process started has ended, and how; None if none has (or none was started)."""
         try:
-            if self.procs is not None:
-                self.procs.join(timeout=1)  # raises for a rank that exited (and ends the others)
+            if self.procs is not None:  # raises for a rank that exited (and ends the others); a rank that
+                self.procs.join(timeout=2)  # raised closes its sockets a second or so before it has exited
         except torch.multiprocessing.ProcessRaisedException as dead:
             return f"rank {dead.error_index + 1} raised:\n{dead}"
         except torch.multiprocessing.ProcessExitedException as dead:
