@@ -171,10 +171,11 @@ class Req:
     def prefix_key(self) -> list:
         """The leading tokens whose cached KV it may reuse: all but the last (whose logits sample the next
         token), and none from the first position whose logits its prompt logprobs need."""
-        n = len(self.fill_ids) - 1
+        ids = self.fill_ids  # built once: planning calls this for every waiting request
+        n = len(ids) - 1
         if self.owes_input_logprobs():
             n = min(n, max(self.logprob_start_len, 1) - 1)
-        return self.fill_ids[:n]
+        return ids[:n]
 
     def waits_for_sibling(self) -> bool:
         """n > 1: the first sibling prefills the prompt once; the others wait to find it cached."""
@@ -2394,8 +2395,10 @@ class Engine:
         self._tp_record("add", pickle.dumps(r), sibling)  # as it is now: an abort before the broadcast
         self._reqs[r.rid] = r                              # would change r
         r.shares_prefill_of = self._reqs.get(sibling) if sibling else None
-        if r.sampling_params.grammar() is not None:  # its own matcher; it waits until the grammar compiled
-            r.grammar = Grammar(self.grammars().xgr, self.grammars().compiled(*r.sampling_params.grammar()))
+        grammar = r.sampling_params.grammar()
+        if grammar is not None:  # its own matcher; it waits in the queue until the grammar has compiled
+            backend = self.grammars()
+            r.grammar = Grammar(backend.xgr, backend.compiled(*grammar))
         if r.sampling_params.max_new_tokens == 0 and not r.owes_input_logprobs():
             r.finished_reason = {"type": "length", "length": 0}  # nothing to run: it never reaches the device
             self.scheduler.finished_outputs.append(r.output())
