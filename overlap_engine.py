@@ -1010,6 +1010,9 @@ class ModelWorker:
 # Scheduler and the two loops
 
 IN_BATCH_PREFIX_MIN = 32  # shared tokens that make a waiting request wait for a prefix being prefilled
+# lpm matches and sorts every waiting request at every plan: above this many it plans as fcfs, which
+# matches only the requests it reaches (SGLang's literal 128 in SchedulePolicy._determine_active_policy)
+LPM_MAX_WAITING = 128
 
 
 class Scheduler:
@@ -1253,7 +1256,9 @@ class Scheduler:
 
     def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
         """A prefill batch: the chunked request's next chunk first, then waiting requests by policy
-        (lpm: longest cached prefix first), as many as the PrefillAdder's budgets admit."""
+        (lpm: longest cached prefix first), as many as the PrefillAdder's budgets admit. A long queue
+        costs nothing beyond what it admits: fcfs looks at requests only up to the first that does not
+        fit, and lpm turns into fcfs above LPM_MAX_WAITING."""
         if not self.waiting and self.chunked_req is None:
             return None
         mixed = 0  # decode rows to ride along (enable_mixed_chunk)
@@ -1262,14 +1267,14 @@ class Scheduler:
         adder = PrefillAdder(self, self.running_batch.reqs, mixed_decode_tokens=mixed)
         if self.chunked_req is not None and not adder.add_chunked_req(self.chunked_req):
             return None
-        lpm = self.schedule_policy == "lpm"
+        lpm = self.schedule_policy == "lpm" and len(self.waiting) <= LPM_MAX_WAITING
         if lpm:
             for r in self.waiting:
                 r.prefix_indices, r.last_node = self.tree_cache.match_prefix(r.prefix_key())
             self.waiting.sort(key=lambda r: -len(r.prefix_indices))  # stable: FCFS among equals
         pending = self.prompts_being_prefilled(adder.can_run_list) if lpm else None
-        admitted = []
-        for r in self.waiting:
+        admitted, reached = [], len(self.waiting)  # reached: the requests this plan looked at
+        for i, r in enumerate(self.waiting):
             if r.waits_for_sibling() and not self.tree_cache.disable:
                 continue  # n > 1: it will find the prompt its first sibling is prefilling in the cache
             if r.grammar is not None and not r.grammar.ready():
@@ -1280,13 +1285,14 @@ class Scheduler:
                   and len(pending.match_prefix(r.fill_ids)[0]) >= IN_BATCH_PREFIX_MIN):
                 continue  # waits a round: it will hit the cache rather than compute the same prefix again
             if not adder.add_one_req(r):
+                reached = i + 1
                 break
             r.cached_tokens = len(r.prefix_indices)
             admitted.append(r)
             if pending is not None:
                 pending.insert(r.fill_ids, torch.empty(len(r.fill_ids), dtype=torch.int64))
-        taken = set(map(id, admitted))
-        self.waiting = [r for r in self.waiting if id(r) not in taken]
+        taken = set(map(id, admitted))  # the rest keep their places; those not reached, untouched
+        self.waiting = [r for r in self.waiting[:reached] if id(r) not in taken] + self.waiting[reached:]
         if not adder.can_run_list:
             return None
         self.chunked_req = adder.new_chunked_req
@@ -2418,6 +2424,7 @@ class Engine:
     def add_request(self, input_ids=None, sampling_params=None, prompt=None, rid=None,
                     return_logprob=False, top_logprobs_num=0, logprob_start_len=-1) -> str:
         """Queues one request; returns its id (later meta_info['id']). Logprobs as in generate()."""
+        self._check_open()
         logprob = (return_logprob, top_logprobs_num, logprob_start_len)
         reqs = self._make_reqs(self._to_ids(prompt, input_ids), sampling_params, rid, logprob)
         if len(reqs) > 1:
@@ -2429,6 +2436,7 @@ class Engine:
                      logprob_start_len=-1) -> list[str]:
         """Queues several requests, all validated before any is queued (a server's batch); their ids,
         n for a prompt whose sampling_params ask for n > 1."""
+        self._check_open()
         logprob = (return_logprob, top_logprobs_num, logprob_start_len)
         groups = [self._make_reqs(ids, sp, logprob=logprob) for ids, sp in zip(input_ids, sampling_params)]
         return [self._submit(r, group[0].rid if i else None) for group in groups for i, r in enumerate(group)]
@@ -2458,9 +2466,13 @@ class Engine:
             self._streamed.discard(o["meta_info"]["id"])
         return out
 
-    def _iterate(self) -> list[dict]:
+    def _check_open(self):
+        """A shut-down engine takes nothing more: its request would be queued and never run."""
         if self._closed:
             raise RuntimeError("the engine was shut down")
+
+    def _iterate(self) -> list[dict]:
+        self._check_open()
         done = False  # the iteration ran to its end: only a Ctrl-C held until then can follow
         try:
             with self._ctrl_c_held:
@@ -3404,8 +3416,14 @@ class Tokenizer:
         self.tk, self.eos_token_ids = tk, tuple(eos_token_ids)
         self.bos_token, self.eos_token, self.chat_template = bos_token, eos_token, chat_template
 
-    def encode(self, text: str) -> list[int]:
-        return self.tk.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, max_len: Optional[int] = None) -> list[int]:
+        """max_len: a text of more tokens is refused (ValueError) before its ids become a Python list.
+        encode_batch, because tokenizers' encode holds the GIL for the whole call (3 s for a 4 MB
+        prompt here) and encode_batch lets the other threads run meanwhile."""
+        enc = self.tk.encode_batch([text], add_special_tokens=False)[0]
+        if max_len is not None and len(enc) > max_len:
+            raise ValueError(f"the text has {len(enc)} tokens, more than {max_len}")
+        return enc.ids
 
     def decode(self, ids) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=True)
@@ -4060,6 +4078,9 @@ def cli_parser() -> argparse.ArgumentParser:
     serving.add_argument("--serve", action="store_true", help="run the HTTP server (OpenAI-compatible)")
     serving.add_argument("--host", default="127.0.0.1", help="address to bind")
     serving.add_argument("--port", type=int, default=30000, help="port to bind; 0: any free port")
+    serving.add_argument("--read-timeout", type=float, default=READ_TIMEOUT,
+                         help="seconds a client has to send a request's head, and again its body; then it "
+                              "gets a 408 and its connection is closed")
     return p
 
 
@@ -4072,6 +4093,8 @@ def main(argv=None):
     engine_args["quantization"] = None if args.quantization == "none" else args.quantization
     try:
         SamplingParams.from_dict(sp, vocab_size=1)  # before the model loads (no stop ids: any vocab)
+        if not (_is_real(args.read_timeout) and args.read_timeout > 0):
+            raise ValueError(f"--read-timeout={args.read_timeout}: must be a positive number of seconds")
         if args.node_rank > 0:  # a machine of tensor-parallel ranks that follow node 0: no prompts here
             if args.prompt or args.serve:
                 raise ValueError("--prompt and --serve belong on node 0; --node-rank > 0 only follows it")
@@ -4088,7 +4111,7 @@ def main(argv=None):
     except (ValueError, DefaultModelUnavailable) as e:
         cli_error(e)
     if args.serve:
-        return serve(engine, args.host, args.port)
+        return serve(engine, args.host, args.port, args.read_timeout)
     try:
         if args.prompt:
             run_prompts(engine, args.prompt, sp, args.raw)
@@ -4190,19 +4213,22 @@ def chat(engine: Engine, sp: dict, raw: bool):
 # ----------------------------------------------------------------------------------------------------
 # Serving: an OpenAI-compatible HTTP server, with the scheduler on a thread of its own
 #
-# The HTTP handlers (FastAPI on uvicorn's event loop) never touch the Engine: they tokenize, hand the
-# requests to the scheduler thread through a queue, and read committed text from a queue of their own.
-# The scheduler thread is the only caller of the Engine; it blocks on its inbox when there is no work.
+# The HTTP handlers (FastAPI on uvicorn's event loop) never touch the Engine: they read the body, have
+# it parsed and tokenized on a worker thread (the event loop only moves bytes), hand the requests to
+# the scheduler thread through a queue, and read committed text from a queue of their own. The
+# scheduler thread is the only caller of the Engine; it blocks on its inbox when there is no work.
 
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused
+READ_TIMEOUT = 30.0  # seconds a client has to send a request's head, and again its body
 
 
 class HTTPError(Exception):
-    """An error the client caused (400) or the engine had (500, 503), as OpenAI shapes it."""
+    """An error the client caused (400) or the engine had (500, 503), as OpenAI shapes it. close: the
+    body was not read to its end, so the connection cannot carry another request."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, close: bool = False):
         super().__init__(message)
-        self.status = status
+        self.status, self.close = status, close
 
 
 class RequestChannel:
@@ -4304,14 +4330,20 @@ class SchedulerThread(threading.Thread):
 
     def step(self):
         try:
-            self.engine.step()
+            finished = self.engine.step()
         except Exception as e:  # a failure inside a step breaks the device stream for good
             self.error = e
             for _, channel, _ in self.live.values():
                 channel.put(("error", 500, f"a step failed: {type(e).__name__}: {e}"))
             self.live.clear()
             return
-        for rid, (req, channel, i) in list(self.live.items()):
+        # news come only from requests that hold a KV row (they run) or just finished: a long queue of
+        # waiting requests is not looked at every step
+        running = (r.rid for r in self.engine.scheduler.row_owner.values())
+        for rid in dict.fromkeys(itertools.chain((o["meta_info"]["id"] for o in finished), running)):
+            if rid not in self.live:
+                continue
+            req, channel, i = self.live[rid]
             chunk = self.engine.stream_chunk(req) if channel.stream or req.finished() else None
             if chunk is not None:
                 channel.put(("chunk", i, chunk))
@@ -4336,6 +4368,41 @@ OPENAI_SAMPLING = {"max_tokens": "max_new_tokens", "temperature": "temperature",
                    "stop": "stop", "seed": "sampling_seed", "n": "n", "logit_bias": "logit_bias",
                    "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
                    "min_tokens": "min_new_tokens", "repetition_penalty": "repetition_penalty"}
+
+
+def check_input_ids(ids: list) -> bool:
+    """/generate's input_ids: one prompt (a list of ints) or several (a list of lists of ints); True for
+    several. Anything else is a 400 that names what it holds (a float, a string, a bool)."""
+    batched = bool(ids) and all(isinstance(x, list) for x in ids)
+    for x in itertools.chain.from_iterable(ids) if batched else ids:
+        if not _is_int(x):
+            raise HTTPError(400, f"input_ids must be a list of token ids (int) or a list of such lists; "
+                                 f"it holds {x!r:.40}, a {type(x).__name__}")
+    return batched
+
+
+def chat_messages(messages: list) -> list:
+    """OpenAI's messages with each content as one string: a list of content parts is joined, its text
+    parts with a space between (as SGLang joins them for a template that reads strings; OpenAI names no
+    separator); any other part type (an image, audio) is a 400 naming the type."""
+    shape = "messages must be a non-empty list of {'role': str, 'content': str or a list of text parts}"
+    if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise HTTPError(400, shape)
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+            for part in content:
+                if part.get("type") != "text":
+                    raise HTTPError(400, f"content part type {part.get('type')!r} is not supported: this "
+                                         "model reads text only ({'type': 'text', 'text': ...})")
+                if not isinstance(part.get("text"), str):
+                    raise HTTPError(400, "a text content part needs 'text': str")
+            content = " ".join(part["text"] for part in content)
+        if not isinstance(content, str):
+            raise HTTPError(400, shape)
+        out.append({**m, "content": content})
+    return out
 
 
 def parse_body(raw: bytes, fields: dict, required: tuple) -> dict:
@@ -4384,17 +4451,22 @@ def response_format_grammar(fmt: Optional[dict]) -> dict:
     return {"json_schema": json.dumps(spec["schema"])}
 
 
-def build_app(scheduler: SchedulerThread):
-    """The FastAPI app: SGLang's /generate and OpenAI's /v1/completions and /v1/chat/completions."""
+def build_app(scheduler: SchedulerThread, read_timeout: float = READ_TIMEOUT):
+    """The FastAPI app: SGLang's /generate and OpenAI's /v1/completions and /v1/chat/completions.
+    read_timeout: seconds a request's body may take to arrive (a 408 after that)."""
     import asyncio
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     engine, name = scheduler.engine, served_model_name(scheduler.engine)
+    # bodies are parsed, templated and tokenized here, off the event loop (SGLang's TokenizerManager is a
+    # process of its own); two threads, so that one huge prompt does not hold up every small one
+    workers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="overlap-engine-tokenize")
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield  # on the way out uvicorn has stopped accepting and closed the connections
         await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
+        workers.shutdown(wait=False, cancel_futures=True)
     app = FastAPI(title="overlap_engine", lifespan=lifespan)
 
     def route(path: str, method: str = "POST"):
@@ -4409,19 +4481,60 @@ def build_app(scheduler: SchedulerThread):
 
     @app.exception_handler(HTTPError)
     async def http_error(request, e: HTTPError):
-        kind = "invalid_request_error" if e.status == 400 else "server_error"
-        return JSONResponse({"error": {"message": str(e), "type": kind, "code": e.status}}, e.status)
+        kind = "invalid_request_error" if e.status in (400, 408) else "server_error"
+        return JSONResponse({"error": {"message": str(e), "type": kind, "code": e.status}}, e.status,
+                            headers={"Connection": "close"} if e.close else None)
 
     async def read_body(request) -> bytes:
+        """The body, as it arrives: refused once it passes MAX_BODY_BYTES (by its Content-Length before a
+        byte is read, a chunked one as soon as it passes; uvicorn then drops the rest as it comes, for
+        read_timeout at most: head_timeout_protocol), a 408 if it is not all there read_timeout seconds
+        after its head, a 503 if the server stops meanwhile. A client gone midway (nothing was queued
+        for it) ends in a 499 that is never sent, without a traceback in the log."""
         size = request.headers.get("content-length", "")
         if size.isdigit() and int(size) > MAX_BODY_BYTES:  # refused before it is read into memory
             raise HTTPError(400, f"the request body has {size} bytes; at most {MAX_BODY_BYTES} are accepted")
-        return await request.body()
+        loop = asyncio.get_running_loop()
+        deadline, chunks, received = loop.time() + read_timeout, [], 0
+        while True:
+            message = await next_message(request, deadline)
+            if message["type"] == "http.disconnect":
+                raise HTTPError(499, "the client disconnected before its body was read")
+            chunks.append(message.get("body", b""))
+            received += len(chunks[-1])
+            if received > MAX_BODY_BYTES:  # a chunked body: refused now, without waiting for the rest
+                raise HTTPError(400, f"the request body has more than {MAX_BODY_BYTES} bytes; at most "
+                                     f"{MAX_BODY_BYTES} are accepted")
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def next_message(request, deadline: float) -> dict:
+        """The next ASGI message of the body, looking four times a second whether the server stops."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if scheduler.stopping:
+                raise HTTPError(503, "the server is shutting down", close=True)
+            if loop.time() >= deadline:
+                raise HTTPError(408, f"the request body did not arrive within {read_timeout:g} s", close=True)
+            try:
+                return await asyncio.wait_for(request.receive(), min(deadline - loop.time(), 0.25))
+            except asyncio.TimeoutError:
+                continue
+
+    async def prepared(request, prepare: Callable) -> tuple:
+        """Reads the body here, then runs prepare(body bytes) on a worker thread: parsing, chat templating
+        and tokenizing (seconds, for a 4 MB prompt) never hold up the event loop's other clients."""
+        raw = await read_body(request)
+        return await asyncio.get_running_loop().run_in_executor(workers, prepare, raw)
 
     def tokenize(text: str) -> list:
+        """On a worker thread. A prompt longer than the context is refused before its ids are listed."""
         if engine.tokenizer is None:
             raise HTTPError(400, "this checkpoint has no tokenizer: send token ids instead of text")
-        return engine.tokenizer.encode(text)
+        try:
+            return engine.tokenizer.encode(text, max_len=engine.context_len - 1)
+        except ValueError as e:
+            raise HTTPError(400, f"{e}: the context length is {engine.context_len}") from None
 
     async def outputs(request, input_ids: list, sampling_params: list, stream: bool = True,
                       logprob: tuple = (False, 0, -1)):
@@ -4511,17 +4624,18 @@ def build_app(scheduler: SchedulerThread):
             raise HTTPError(400, "the cache can be flushed only when no request is running") from None
         return {"status": "flushed"}
 
-    @route("/generate")
-    async def generate(request):
-        body = parse_body(await read_body(request), {
+    def generate_inputs(raw: bytes) -> tuple:
+        """/generate's body -> (body, input_ids, sampling params, logprob arguments, whether a list out)."""
+        body = parse_body(raw, {
             "text": (str, list), "input_ids": list, "sampling_params": (dict, list), "stream": bool,
             "return_logprob": bool, "top_logprobs_num": int, "logprob_start_len": int}, ())
-        if (body.get("text") is None) == (body.get("input_ids") is None):
+        text, ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (ids is None):
             raise HTTPError(400, "give exactly one of 'text' and 'input_ids'")
-        given = body["text"] if body.get("text") is not None else body["input_ids"]
-        if isinstance(body.get("text"), list) and not all(isinstance(t, str) for t in body["text"]):
-            raise HTTPError(400, "field 'text' must be a string or a list of strings")
-        batched = isinstance(given, list) and bool(given) and not isinstance(given[0], int)
+        if isinstance(text, list) and not (text and all(isinstance(t, str) for t in text)):
+            raise HTTPError(400, "field 'text' must be a string or a non-empty list of strings")
+        batched = isinstance(text, list) if text is not None else check_input_ids(ids)
+        given = text if text is not None else ids
         prompts = given if batched else [given]
         input_ids = [tokenize(p) if isinstance(p, str) else p for p in prompts]
         sp = body.get("sampling_params") or {}
@@ -4531,6 +4645,11 @@ def build_app(scheduler: SchedulerThread):
         logprob = tuple(body.get(k, d) for k, d in (("return_logprob", False), ("top_logprobs_num", 0),
                                                     ("logprob_start_len", -1)))
         many = batched or any(isinstance(s, dict) and s.get("n", 1) != 1 for s in sps)  # a list out
+        return body, input_ids, sps, logprob, many
+
+    @route("/generate")
+    async def generate(request):
+        body, input_ids, sps, logprob, many = await prepared(request, generate_inputs)
         if body.get("stream"):
             async def chunks():
                 async for i, chunk in outputs(request, input_ids, sps, True, logprob):
@@ -4629,10 +4748,10 @@ def build_app(scheduler: SchedulerThread):
         wanted = body.get(key) is not None and body.get(key) is not False
         return wanted, k, 0 if wanted and body.get("echo") else -1
 
-    @route("/v1/completions")
-    async def completions(request):
+    def completion_inputs(raw: bytes) -> tuple:
+        """/v1/completions' body -> (body, input_ids, sampling params, logprob arguments, echo text)."""
         fields = {**OPENAI_FIELDS, "prompt": (str, list), "logprobs": int, "echo": bool}
-        body = parse_body(await read_body(request), fields, ("prompt",))
+        body = parse_body(raw, fields, ("prompt",))
         prompt = body["prompt"]
         input_ids = tokenize(prompt) if isinstance(prompt, str) else prompt
         echo = ""  # the prompt's text, before each choice's
@@ -4640,18 +4759,20 @@ def build_app(scheduler: SchedulerThread):
             echo = prompt
         elif body.get("echo") and engine.tokenizer is not None:
             echo = engine.tokenizer.decode(prompt)
-        return await openai_response(request, body, input_ids, openai_sampling(body, 16), False,
-                                     openai_logprobs(body, "logprobs", None), echo)
+        return body, input_ids, openai_sampling(body, 16), openai_logprobs(body, "logprobs", None), echo
 
-    @route("/v1/chat/completions")
-    async def chat_completions(request):
+    @route("/v1/completions")
+    async def completions(request):
+        body, input_ids, sp, logprob, echo = await prepared(request, completion_inputs)
+        return await openai_response(request, body, input_ids, sp, False, logprob, echo)
+
+    def chat_inputs(raw: bytes) -> tuple:
+        """/v1/chat/completions' body -> (body, input_ids of the templated chat, sampling params, logprob
+        arguments)."""
         fields = {**OPENAI_FIELDS, "messages": list, "max_completion_tokens": int, "logprobs": bool,
                   "top_logprobs": int}
-        body = parse_body(await read_body(request), fields, ("messages",))
-        messages = body["messages"]
-        if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                   and isinstance(m.get("content"), str) for m in messages):
-            raise HTTPError(400, "messages must be a non-empty list of {'role': str, 'content': str}")
+        body = parse_body(raw, fields, ("messages",))
+        messages = chat_messages(body["messages"])
         if engine.tokenizer is None or not engine.tokenizer.chat_template:
             raise HTTPError(400, "this checkpoint has no chat template: use /v1/completions")
         if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
@@ -4660,22 +4781,75 @@ def build_app(scheduler: SchedulerThread):
             prompt = engine.tokenizer.apply_chat_template(messages)
         except jinja2.exceptions.TemplateError as e:  # e.g. roles that do not alternate
             raise HTTPError(400, f"the chat template refused these messages: {e}") from None
-        input_ids = tokenize(prompt)
-        return await openai_response(request, body, input_ids, openai_sampling(body, None), True,
-                                     openai_logprobs(body, "logprobs", "top_logprobs"))
+        return (body, tokenize(prompt), openai_sampling(body, None),
+                openai_logprobs(body, "logprobs", "top_logprobs"))
+
+    @route("/v1/chat/completions")
+    async def chat_completions(request):
+        body, input_ids, sp, logprob = await prepared(request, chat_inputs)
+        return await openai_response(request, body, input_ids, sp, True, logprob)
 
     return app
 
 
+def head_timeout_protocol(seconds: float):
+    """uvicorn's h11 protocol with a deadline on request heads, which uvicorn lacks (an idle or trickling
+    connection would stay open for good): a connection that has not sent a whole head `seconds` after it
+    opened, or after the first byte that follows a response, gets a 408 and is closed. The same clock
+    bounds the rest of a body refused before its end, which uvicorn reads and drops. Bodies have their
+    deadline in build_app's read_body; idle keep-alive connections uvicorn's own timeout_keep_alive."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadTimeoutProtocol(H11Protocol):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self.head_timer = None
+            self.watch_head()
+
+        def data_received(self, data: bytes):
+            super().data_received(data)
+            self.watch_head()
+
+        def watch_head(self):
+            """Armed while no request is being answered (before the first head, after a response);
+            disarmed by the next head."""
+            between = self.cycle is None or self.cycle.response_complete
+            if between and self.head_timer is None and not self.transport.is_closing():
+                self.head_timer = self.loop.call_later(seconds, self.head_too_late)
+            elif not between and self.head_timer is not None:
+                self.head_timer.cancel()
+                self.head_timer = None
+
+        def head_too_late(self):
+            if self.transport.is_closing():
+                return
+            if self.conn.their_state is h11.IDLE:  # a head was awaited (not the rest of a refused body)
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\n"
+                                     b"connection: close\r\n\r\n")
+            self.transport.close()
+
+        def connection_lost(self, exc):
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+            super().connection_lost(exc)
+    return HeadTimeoutProtocol
+
+
 class Server:
     """The scheduler thread and the HTTP app on uvicorn; `start()` serves from a background thread
-    (tests, bench), `run()` in the foreground (the CLI), where SIGINT and SIGTERM stop it gracefully."""
+    (tests, bench), `run()` in the foreground (the CLI), where SIGINT and SIGTERM stop it gracefully.
+    read_timeout: seconds a client has to send a request's head, and again its body."""
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 30000):
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 30000,
+                 read_timeout: float = READ_TIMEOUT):
         import uvicorn
+        if not (_is_real(read_timeout) and read_timeout > 0):
+            raise ValueError(f"read_timeout must be a positive number of seconds, got {read_timeout!r}")
         self.scheduler = SchedulerThread(engine)
-        config = uvicorn.Config(build_app(self.scheduler), host=host, port=port, log_level="warning",
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(build_app(self.scheduler, read_timeout), host=host, port=port,
+                                log_level="warning", timeout_graceful_shutdown=5,
+                                http=head_timeout_protocol(read_timeout))
         self.uvicorn = uvicorn.Server(config)
         self.thread: Optional[threading.Thread] = None
 
@@ -4716,9 +4890,9 @@ class Server:
         self.stop()
 
 
-def serve(engine: Engine, host: str, port: int):
+def serve(engine: Engine, host: str, port: int, read_timeout: float = READ_TIMEOUT):
     """`python overlap_engine.py --serve`: serves until SIGINT or SIGTERM, then exits 0."""
-    Server(engine, host, port).run()
+    Server(engine, host, port, read_timeout).run()
 
 
 if __name__ == "__main__":
