@@ -915,6 +915,39 @@ def test_without_a_radix_cache_nothing_waits_for_a_shared_prefix(ckpt, loop):
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+def test_a_long_queue_plans_first_come_and_a_plan_costs_what_it_admits(ckpt, loop, monkeypatch):
+    """Above LPM_MAX_WAITING waiting requests lpm plans as fcfs (SGLang's rule): a plan matches the
+    prefixes of the requests it admits and of the first that does not fit, however long the queue (1200
+    down to 129 here); at or below the limit lpm matches every waiting request. Tokens: the reference's."""
+    plans, matches = [], [0]  # plans: (waiting, matches in the cache's tree, admitted) of each plan
+    real_match, real_plan = oe.RadixCache.match_prefix, oe.Scheduler.get_new_batch_prefill
+
+    def match(self, key):
+        matches[0] += self.kv_pool is not None  # the cache's tree, not a plan's scratch tree
+        return real_match(self, key)
+
+    def plan(self):
+        waiting, matches[0] = len(self.waiting), 0
+        batch = real_plan(self)
+        plans.append((waiting, matches[0], waiting - len(self.waiting)))
+        return batch
+    monkeypatch.setattr(oe.RadixCache, "match_prefix", match)
+    monkeypatch.setattr(oe.Scheduler, "get_new_batch_prefill", plan)
+    wl = greedy_workload(random_prompts(6, seed=192, lo=2, hi=5), [2] * 6)
+    with make_engine(ckpt, loop, max_running_requests=16) as e:
+        rids = [e.add_request(input_ids=wl[i % 6][0], sampling_params=wl[i % 6][1]) for i in range(1200)]
+        done = steps_until_done(e, rids, limit=1000)
+        e.check_invariants()
+    assert [done[r]["output_ids"] for r in rids[:6]] == expected_greedy(ckpt, wl)
+    assert all(done[r]["output_ids"] == done[rids[i % 6]]["output_ids"] for i, r in enumerate(rids))
+    assert plans[0] == (1200, 17, 16)  # 16 rows: 16 admitted, the 17th matched and not admitted
+    long = [p for p in plans if p[0] > oe.LPM_MAX_WAITING]
+    assert len(long) > 50 and all(matched <= admitted + 1 for _, matched, admitted in long)
+    short = [p for p in plans if 0 < p[0] <= oe.LPM_MAX_WAITING]
+    assert short and all(matched == waiting for waiting, matched, _ in short)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
 def test_radix_holds_exactly_the_committed_tokens_at_finish(ckpt, loop):
     """After a stop-token finish (an overshoot step in flight in overlap mode) the tree holds the prompt
     and every output token but the last (whose KV was never committed), and nothing more."""
@@ -2832,6 +2865,17 @@ def test_tiny_temperature_is_greedy(ckpt):
         e.check_invariants()
 
 
+def test_a_shut_down_engine_takes_no_requests(ckpt):
+    """After shutdown() a request could be queued but never run: add_request raises, as step does."""
+    e = make_engine(ckpt, "overlap")
+    e.shutdown()
+    for call in (lambda: e.add_request(input_ids=[1, 2]), lambda: e.add_requests([[1, 2]], [{}]),
+                 lambda: e.generate(input_ids=[1, 2]), e.step):
+        with pytest.raises(RuntimeError, match="shut down"):
+            call()
+    assert not e.scheduler.waiting
+
+
 def test_generate_refuses_prompt_and_input_ids_together(ckpt):
     with make_engine(ckpt, "overlap") as e:
         with pytest.raises(ValueError, match="exactly one of prompt and input_ids"):
@@ -3625,6 +3669,7 @@ BAD_INVOCATIONS = [  # (arguments, what the one line must name)
     (["--dtype", "float8"], "--dtype"),
     (["--max-total-tokens", "1"], "max_total_tokens"),
     (["--max-new-tokens", "-5", "--prompt", "hi"], "max_new_tokens"),
+    (["--serve", "--read-timeout", "0"], "--read-timeout"),
     pytest.param(["--model-path", "{bad_gguf}", "--prompt", "hi"], "cannot be read", marks=needs_gguf),
 ]
 
@@ -3950,6 +3995,13 @@ BAD_REQUESTS = [  # (path, body, words the 400's message must contain)
     ("/v1/completions", b'{"prompt": "' + b"a" * (5 << 20) + b'"}', "at most"),
     ("/v1/completions", b"[" * 100_000, "not valid JSON"),
     ("/generate", {"text": [1, 2, 3]}, "'text'"),
+    ("/generate", {"text": []}, "non-empty list"),
+    ("/generate", {"input_ids": ["a", "b"]}, "'a', a str"),  # not two text prompts
+    ("/generate", {"input_ids": [1.0, 2.0]}, "1.0, a float"),
+    ("/generate", {"input_ids": [[1, 2], [3, True]]}, "True, a bool"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "look:"}, {"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "'image_url'"),
 ]
 
 
@@ -4086,6 +4138,153 @@ def test_server_response_format_through_the_openai_client(served):
         assert status == 400 and words in err["error"]["message"], (body, err)
     wait_idle_and_check(server)
 
+def raw_connection(server, timeout=10):
+    """A plain socket to the server, for what no HTTP client sends: heads and bodies cut short."""
+    import socket
+    host, port = server.url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=timeout)
+
+
+def read_until_closed(sock) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def spy_on_submits(monkeypatch) -> list:
+    """The prompts the HTTP side hands the scheduler thread from now on."""
+    submitted, real = [], oe.SchedulerThread.submit
+
+    def spy(self, input_ids, *args):
+        submitted.append(input_ids)
+        real(self, input_ids, *args)
+    monkeypatch.setattr(oe.SchedulerThread, "submit", spy)
+    return submitted
+
+
+POST_HEAD = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+
+
+def test_server_chat_content_parts_are_joined(served):
+    """OpenAI's content parts (what many clients send): the text parts, joined with a space as SGLang
+    joins them, give the answer to the joined message (an image part is a 400: BAD_REQUESTS)."""
+    server, offline = served
+    parts = [{"type": "text", "text": "what is"}, {"type": "text", "text": "a KV cache?"}]
+    status, out = http_call(server, "POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": parts}], "max_tokens": 5, "temperature": 0})
+    prompt = offline.tokenizer.apply_chat_template([{"role": "user", "content": "what is a KV cache?"}])
+    want = offline.generate(prompt=prompt, sampling_params={"max_new_tokens": 5, "temperature": 0})
+    assert status == 200 and out["choices"][0]["message"]["content"] == want["text"]
+
+
+def test_server_tokenizes_off_the_event_loop(served, monkeypatch):
+    """Bodies are parsed, templated and tokenized on worker threads: while one prompt takes 2 s to
+    tokenize (a 4 MB one takes that long), /health answers at once and a small request runs to its end;
+    the tokenizer and the chat template never run on the event loop's thread."""
+    import threading
+    server, _ = served
+    threads, started = [], threading.Event()
+    real_encode, real_template = oe.Tokenizer.encode, oe.Tokenizer.apply_chat_template
+
+    def slow_encode(self, text, *args, **kw):
+        threads.append(threading.current_thread().name)
+        if "slowly" in text:
+            started.set()
+            time.sleep(2.0)
+        return real_encode(self, text, *args, **kw)
+
+    def template(self, messages, *args, **kw):
+        threads.append(threading.current_thread().name)
+        return real_template(self, messages, *args, **kw)
+    monkeypatch.setattr(oe.Tokenizer, "encode", slow_encode)
+    monkeypatch.setattr(oe.Tokenizer, "apply_chat_template", template)
+    big = threading.Thread(target=http_call, args=(server, "POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "tokenize me slowly"}], "max_tokens": 2}))
+    big.start()
+    assert started.wait(10)
+    t0 = time.monotonic()
+    assert http_call(server, "GET", "/health")[0] == 200
+    health_s = time.monotonic() - t0
+    status, out = http_call(server, "POST", "/generate", {"text": "hi",
+                                                          "sampling_params": {"max_new_tokens": 2}})
+    small_done_first = big.is_alive()
+    big.join(30)
+    assert health_s < 1.0 and status == 200 and len(out["output_ids"]) == 2 and small_done_first
+    assert len(threads) == 3 and all(name.startswith("overlap-engine-tokenize") for name in threads), threads
+    wait_idle_and_check(server)
+
+
+def test_server_read_timeouts_answer_408_and_close(chat_ckpt, monkeypatch):
+    """read_timeout 0.5 s: a connection that sends nothing, one whose head trickles in (its bytes do not
+    extend the deadline) and one that sends 12 of its 100 body bytes each get a 408 and are closed;
+    nothing is queued for them and the server goes on."""
+    pytest.importorskip("fastapi")
+    submitted = spy_on_submits(monkeypatch)
+    server = oe.Server(make_engine(chat_ckpt, "overlap"), port=0, read_timeout=0.5).start()
+    try:
+        idle, head, body = (raw_connection(server) for _ in range(3))
+        t0 = time.monotonic()
+        body.sendall(POST_HEAD + b"Content-Length: 100\r\n\r\n" + b'{"input_ids"')
+        head.sendall(b"POST /generate HTTP/1.1\r\n")
+        for _ in range(3):
+            time.sleep(0.1)
+            head.sendall(b"X")
+        replies = [read_until_closed(c) for c in (idle, head, body)]
+        elapsed = time.monotonic() - t0
+        for c in (idle, head, body):
+            c.close()
+        assert [r.split(b"\r\n")[0] for r in replies] == [b"HTTP/1.1 408 Request Timeout"] * 3, replies
+        assert b"did not arrive within 0.5 s" in replies[2] and elapsed < 5
+        assert not submitted and http_call(server, "GET", "/health")[0] == 200
+    finally:
+        server.stop()
+
+
+def test_server_client_gone_while_its_body_is_read_is_quiet(served, monkeypatch):
+    """A client that goes away after its head or halfway through its body leaves no traceback in the log
+    (starlette's ClientDisconnect was one) and has nothing queued."""
+    import logging
+    server, _ = served
+    submitted, records = spy_on_submits(monkeypatch), []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("uvicorn.error").addHandler(handler)
+    try:
+        for sent in (b"", b'{"input_ids": [1, 2'):
+            c = raw_connection(server)
+            c.sendall(POST_HEAD + b"Content-Length: 100\r\n\r\n" + sent)
+            time.sleep(0.2)  # the handler is reading the body now
+            c.close()
+        deadline = time.monotonic() + 10
+        while server.uvicorn.server_state.tasks:
+            assert time.monotonic() < deadline, "the handlers did not end"
+            time.sleep(0.05)
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+    assert not [r for r in records if r.exc_info or r.levelno >= logging.ERROR], records
+    assert not submitted
+    wait_idle_and_check(server)
+
+
+def test_server_chunked_body_is_refused_once_past_the_limit(served):
+    """A chunked body that passes MAX_BODY_BYTES is refused then, without the rest: the 400 comes while
+    the body has not ended (the server used to buffer it to its end first)."""
+    import http.client
+    server, _ = served
+    c = raw_connection(server)
+    try:
+        c.sendall(POST_HEAD + b"Transfer-Encoding: chunked\r\n\r\n")
+        chunk = b"a" * 65536
+        for _ in range(oe.MAX_BODY_BYTES // len(chunk) + 2):  # and never the last, empty chunk
+            c.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        resp = http.client.HTTPResponse(c)
+        resp.begin()
+        assert resp.status == 400 and "more than 4194304 bytes" in json.loads(resp.read())["error"]["message"]
+    finally:
+        c.close()
+    assert http_call(server, "GET", "/health")[0] == 200
+
 
 def test_server_failed_step_is_a_500_and_health_turns_503(chat_ckpt, monkeypatch):
     """A failure inside a step is reported to its requests (as an error event once their stream has
@@ -4114,7 +4313,8 @@ def test_server_failed_step_is_a_500_and_health_turns_503(chat_ckpt, monkeypatch
 
 def test_server_cli_sigterm_stops_cleanly(tmp_path):
     """`python overlap_engine.py --serve --port 0` prints its URL once ready, serves, and on SIGTERM
-    stops accepting, aborts what runs, joins the scheduler and exits 0."""
+    stops accepting, aborts what runs, joins the scheduler and exits 0, at once even with a connection
+    that is half-way through a body, and without a traceback."""
     import signal
     import threading
     pytest.importorskip("fastapi")
@@ -4139,10 +4339,18 @@ def test_server_cli_sigterm_stops_cleanly(tmp_path):
                 "stream": True}
         streamer = threading.Thread(target=lambda: long_stream.extend(sse_events(server, "/generate", body)))
         streamer.start()
+        slow = [raw_connection(server) for _ in range(3)]  # idle; half a head; half a body (30 s to go)
+        slow[1].sendall(b"POST /generate HTTP/1.1\r\n")
+        slow[2].sendall(POST_HEAD + b"Content-Length: 100\r\n\r\n" + b'{"input_ids"')
         time.sleep(0.5)
+        t0 = time.monotonic()
         p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=60) == 0, p.stderr.read()
+        code, exit_s, err = p.wait(timeout=60), time.monotonic() - t0, p.stderr.read()
+        assert code == 0 and "Traceback" not in err and "Error" not in err, err
+        assert exit_s < 4, exit_s  # it waited 5 s for the half-sent body (uvicorn's graceful timeout)
         streamer.join(10)
+        for c in slow:
+            c.close()
         assert long_stream and long_stream[-1]["meta_info"]["finish_reason"]["type"] == "abort"
     finally:
         if p.poll() is None:
