@@ -1899,7 +1899,8 @@ class ServerArgs:
     enable_torch_compile: bool = arg(False, "compile the model for decode batches up to torch_compile_max_bs "
                                             "(CPU, with a C++ compiler; the first start compiles for about a "
                                             "minute)")
-    torch_compile_max_bs: int = arg(8, "largest decode batch that runs the compiled model")
+    torch_compile_max_bs: int = arg(256, "largest decode batch that runs the compiled model (batch 1 has a "
+                                         "graph of its own; one graph serves the larger ones)")
     quantization: Optional[str] = arg(
         None, "weight-only: int8 (a scale per row) or int4 (groups of 32) linear weights, float activations; "
               "CPU only; dtype auto is then bfloat16", (None, "int8", "int4"))
@@ -2250,7 +2251,7 @@ class Engine:
         if args.attention_backend == "triton":
             backend = TritonAttnBackend(kv_pool, req_to_token_pool)
         elif compile_max_bs:
-            backend = OneGroupDecodeBackend(kv_pool, req_to_token_pool, compile_max_bs)
+            backend = FusedGatherDecodeBackend(kv_pool, req_to_token_pool, compile_max_bs)
         else:
             backend = TorchAttnBackend(kv_pool, req_to_token_pool)
         if args.device == "cuda":
@@ -3276,39 +3277,106 @@ class Grammar:
 class CompiledDecode:
     """enable_torch_compile: decode batches of up to max_bs requests run the model through torch.compile,
     the others the eager model. Inductor fuses each layer's small ops into a few C++ loops, and one call
-    replaces the dispatch of a few thousand ops: at batch 1 that is most of a step. The guards skip the
-    modules, whose weights never change after loading: checking them cost 1.3 ms a step."""
+    replaces the dispatch of a few thousand ops: at batch 1 that is most of a step. Batch 1 has a graph of
+    its own whose guards skip the modules, whose weights never change after loading (checking them cost
+    1.3 ms a step). The other batch sizes share one graph (dynamic shapes) with its weights frozen:
+    Inductor prepacks them for oneDNN once, and at batch 64 in bf16 its matmuls ran ~20% faster than the
+    plain ones here; the prepacked copy costs the weights' size again in memory."""
 
     def __init__(self, model: nn.Module, max_bs: int):
         self.eager, self.max_bs = model, max_bs
+        self.one = self._compile(model, guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe)
+        self.many = self._compile(model)
 
+    @staticmethod
+    def _compile(model: nn.Module, **options):
         def forward(*args):
             return model(*args)
-        # Dynamo keeps compiled graphs on the code object it compiles, and these skip the guards on the
-        # modules, so this engine's graph must be one that no other model in the process can reach:
+        # Dynamo keeps compiled graphs on the code object it compiles, and the batch-1 graph skips the
+        # guards on the modules, so each graph must be one that no other model in the process can reach:
         # a code object of its own, compiled whole (fullgraph: no frame below it is compiled apart)
         forward.__code__ = forward.__code__.replace()
-        skip_modules = torch.compiler.skip_guard_on_all_nn_modules_unsafe
-        self.compiled = torch.compile(forward, dynamic=True, fullgraph=True,
-                                      options={"guard_filter_fn": skip_modules})
+        return torch.compile(forward, dynamic=True, fullgraph=True, options=options)
 
     def __call__(self, input_ids, positions, attn, logit_rows) -> torch.Tensor:
-        small_decode = attn.meta.forward_mode.is_decode() and len(logit_rows) <= self.max_bs  # a shape
-        return (self.compiled if small_decode else self.eager)(input_ids, positions, attn, logit_rows)
+        B = len(logit_rows)  # a shape
+        if not attn.meta.forward_mode.is_decode() or B > self.max_bs:
+            return self.eager(input_ids, positions, attn, logit_rows)
+        if B == 1:
+            return self.one(input_ids, positions, attn, logit_rows)
+        # freezing is read when Inductor compiles, and only outside autograd (torch.compile's options do
+        # not pass it on, and the no_grad inside the model's forward comes too late)
+        with torch._inductor.config.patch(freezing=True), torch.no_grad():
+            return self.many(input_ids, positions, attn, logit_rows)
 
 
-class OneGroupDecodeBackend(TorchAttnBackend):
-    """The torch backend beside CompiledDecode: the decode batches it compiles attend as one length
-    group, so that one graph serves each batch size."""
+class FusedGatherDecodeBackend(TorchAttnBackend):
+    """The torch backend beside CompiledDecode. The decode batches it compiles read each request's K and
+    V straight from the pool through a (B, L) slot table, L the batch's longest context: written as a
+    product and a sum, not a matmul over a gathered copy, Inductor fuses the gather into the two
+    reductions, and no copy of the batch's K/V is made (in eager, that copy and SDPA over it were a third
+    of a batch-64 step). Slots past a request's length point at its first token, which stays in cache,
+    and are masked out. The attention is a custom op around a compiled graph of its own: inlined into the
+    model's graph, Inductor recomputed the query's rotary for every key it met (4x slower). Batch 1
+    (one request: one length group, no padding), the batches above max_bs and prefill attend as
+    TorchAttnBackend does; for batch 1 the op's own dispatch cost more than it saved."""
 
     def __init__(self, kv_pool: TokenToKVPool, req_to_token_pool: ReqToTokenPool, max_bs: int):
         super().__init__(kv_pool, req_to_token_pool)
         self.max_bs = max_bs
+        for buf in kv_pool.k_buffer + kv_pool.v_buffer:  # compile=dynamic makes every size symbolic: the
+            torch._dynamo.mark_static(buf)  # pool's are fixed, and as symbols they cost 4x in the kernel
 
-    def _group_by_length(self, seq_lens: list) -> list:
-        if len(seq_lens) <= self.max_bs:
-            return [sorted(range(len(seq_lens)), key=seq_lens.__getitem__)]
-        return super()._group_by_length(seq_lens)
+    def init_forward_metadata(self, meta: ForwardMetadata):
+        self.fused = meta.forward_mode.is_decode() and 1 < len(meta.seq_lens_cpu) <= self.max_bs
+        if not self.fused:
+            return super().init_forward_metadata(meta)
+        self.meta, L = meta, max(meta.seq_lens_cpu)
+        self.loc = meta.out_cache_loc.clone()  # its own storage: a view's offset would be a guard
+        slots = self.req_to_token[meta.req_pool_indices, :L].long()                        # (B, L)
+        self.visible = torch.arange(L, device=slots.device)[None] < meta.seq_lens[:, None]  # (B, L)
+        self.slots = torch.where(self.visible, slots, slots[:, :1])
+
+    def forward(self, q, k, v, layer_id: int) -> torch.Tensor:
+        if not self.fused:
+            return super().forward(q, k, v, layer_id)
+        kb, vb, loc = self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id], self.loc
+        kb[loc], vb[loc] = k, v  # index_put: Inductor writes the pool in place (index_copy_ cost a copy)
+        return torch.ops.overlap_engine.fused_gather_decode(q, kb, vb, self.slots, self.visible)
+
+
+@torch.library.custom_op("overlap_engine::fused_gather_decode", mutates_args=())
+def fused_gather_decode_op(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, slots: torch.Tensor,
+                           visible: torch.Tensor) -> torch.Tensor:
+    global _compiled_gather_decode
+    if _compiled_gather_decode is None:
+        _compiled_gather_decode = torch.compile(fused_gather_decode, dynamic=None)
+    for t, dims in ((q, (0,)), (slots, (0, 1)), (visible, (0, 1))):  # batch and length symbolic from the
+        for d in dims:                                               # first call; heads and pool static
+            torch._dynamo.maybe_mark_dynamic(t, d)
+    return _compiled_gather_decode(q, kb, vb, slots, visible)
+
+
+_compiled_gather_decode = None
+
+
+@fused_gather_decode_op.register_fake
+def _(q, kb, vb, slots, visible):
+    return torch.empty_like(q)
+
+
+def fused_gather_decode(q, kb, vb, slots, visible) -> torch.Tensor:
+    """q: (B, H, D), one query per request; kb, vb: (slots, Hkv, D), the pool; slots, visible: (B, L).
+    Softmax attention in fp32 (float64 stays float64) with the H // Hkv query heads of a KV head side by
+    side. Returns (B, H, D)."""
+    B, H, D = q.shape
+    Hkv = kb.shape[1]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    qg = q.view(B, 1, Hkv, H // Hkv, D).to(acc) * D ** -0.5
+    scores = (qg * kb[slots][:, :, :, None, :].to(acc)).sum(-1)           # (B, L, Hkv, H // Hkv)
+    p = torch.softmax(scores.masked_fill(~visible[:, :, None, None], -math.inf), dim=1)
+    o = (p[..., None] * vb[slots][:, :, :, None, :].to(acc)).sum(1)       # (B, Hkv, H // Hkv, D)
+    return o.reshape(B, H, D).to(q.dtype)
 
 
 # -- building the model: Part I's plain Llama from a checkpoint's tensors --

@@ -1880,18 +1880,47 @@ def test_quantization_and_compile_arguments_are_checked(ckpt, monkeypatch):
 
 def test_compiled_decode_gives_the_reference_tokens_in_both_loops(ckpt, mixed_workload):
     """enable_torch_compile: decode batches of up to torch_compile_max_bs requests run the compiled model
-    and larger ones the eager model; in float64 both give the reference's tokens."""
+    (batch 1 its own graph; batches 2 and up the frozen graph, attending through the fused-gather op) and
+    larger ones the eager model; in float64 all give the reference's tokens."""
     wl, expected = mixed_workload
     for loop in LOOPS:
         with make_engine(ckpt, loop, enable_torch_compile=True, torch_compile_max_bs=3) as e:
             w, calls = e.scheduler.worker, collections.Counter()
-            compiled, eager = w.model.compiled, w.model.eager
-            w.model.compiled = lambda *a: calls.update(["compiled"]) or compiled(*a)
+            for name in ("one", "many"):
+                graph = getattr(w.model, name)
+                setattr(w.model, name, lambda *a, graph=graph, name=name: calls.update([name]) or graph(*a))
             mode = lambda: "decode" if w.attn.meta.forward_mode.is_decode() else "extend"  # noqa: E731
+            eager = w.model.eager
             w.model.eager = lambda *a: calls.update([f"eager {mode()}"]) or eager(*a)
+            init = w.attn.init_forward_metadata
+            w.attn.init_forward_metadata = lambda m: init(m) or calls.update(["fused"] * w.attn.fused)
             assert [o["output_ids"] for o in run_workload(e, wl)] == expected
             e.check_invariants()
-        assert calls["compiled"] > 10 and calls["eager decode"] > 0, calls
+        assert calls["one"] > 0 and calls["many"] > 5 and calls["eager decode"] > 0, calls
+        assert calls["fused"] == calls["many"], calls
+
+
+def test_fused_gather_decode_is_attention_over_each_requests_slots():
+    """The compiled decode batches' attention, run eagerly in float64: each request's query against the
+    K/V at its own slots (scattered through the pool, padding pointing at its first slot), as plain SDPA
+    over that request's gathered K/V computes it."""
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, D, S = 5, 6, 2, 8, 64
+    lens = [3, 9, 1, 14, 7]
+    kb, vb = (torch.randn(S, Hkv, D, generator=g, dtype=torch.float64) for _ in range(2))
+    q = torch.randn(B, H, D, generator=g, dtype=torch.float64)
+    perm = torch.randperm(S, generator=g)
+    slots = torch.zeros(B, max(lens), dtype=torch.int64)
+    for b, n in enumerate(lens):
+        slots[b, :n] = perm[sum(lens[:b]):sum(lens[:b]) + n]
+        slots[b, n:] = slots[b, 0]
+    visible = torch.arange(max(lens))[None] < torch.tensor(lens)[:, None]
+    out = oe.fused_gather_decode(q, kb, vb, slots, visible)
+    for b, n in enumerate(lens):
+        k, v = kb[slots[b, :n]].transpose(0, 1), vb[slots[b, :n]].transpose(0, 1)   # (Hkv, n, D)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[b][:, None], k.repeat_interleave(H // Hkv, 0), v.repeat_interleave(H // Hkv, 0))[:, 0]
+        torch.testing.assert_close(out[b], want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -3750,17 +3779,17 @@ def test_cli_picks_the_fastest_one_request_setup_for_what_is_not_given(ckpt, mon
         "dtype": "float32", "quantization": None, "enable_torch_compile": True, "torch_compile_max_bs": 1}
     # one --prompt: the measured weights, but no compiling (it would take longer than it saves)
     assert picked(**cli_engine_args(monkeypatch, base + ["--prompt", "hi"])) == {
-        "dtype": "bfloat16", "quantization": "int8", "enable_torch_compile": False, "torch_compile_max_bs": 8}
+        "dtype": "bfloat16", "quantization": "int8", "enable_torch_compile": False, "torch_compile_max_bs": 256}
     assert picked(**cli_engine_args(monkeypatch, base + ["--quantization", "none"])) == {
         "dtype": "auto", "quantization": None, "enable_torch_compile": True, "torch_compile_max_bs": 1}
     no_compile = ["--no-enable-torch-compile", "--quant", "int4"]  # abbreviated: argparse allows it
     assert picked(**cli_engine_args(monkeypatch, base + no_compile)) == {
-        "dtype": "auto", "quantization": "int4", "enable_torch_compile": False, "torch_compile_max_bs": 8}
+        "dtype": "auto", "quantization": "int4", "enable_torch_compile": False, "torch_compile_max_bs": 256}
     # batches (several prompts, the server) and tensor parallelism (every machine must pick the same) keep
     # the engine's defaults
     for more in (["--prompt", "a", "--prompt", "b"], ["--serve"], ["--tp-size", "2", "--prompt", "a"]):
         assert picked(**cli_engine_args(monkeypatch, base + more)) == {
-            "dtype": "auto", "quantization": None, "enable_torch_compile": False, "torch_compile_max_bs": 8}
+            "dtype": "auto", "quantization": None, "enable_torch_compile": False, "torch_compile_max_bs": 256}
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the spin policy is set for libgomp on Linux only")
