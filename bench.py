@@ -267,7 +267,8 @@ def cmd_all(args):
             "throughput": cmd_throughput(ns(model_path=None, requests=TP_REQUESTS, input=TP_INPUT,
                                             dtypes=TP_DTYPES, workloads=",".join(TP_WORKLOADS),
                                             seed=TP_SEED, max_total_tokens=24576, hf_batch=TP_HF_BATCH,
-                                            no_hf=False, repeat=1)),
+                                            no_hf=False, repeat=1, no_compile=True,
+                                            no_llama_cpp=False)),
             "mixed": cmd_mixed(ns(model_path=None, decoders=MIXED_DECODERS, prompt=MIXED_PROMPT,
                                   chunk=MIXED_CHUNK, output=MIXED_OUTPUT, seed=TP_SEED))}
 
@@ -542,12 +543,23 @@ def cmd_throughput(args):
     out_lens = {w: output_lengths(n, *((2, 12) if args.quick else TP_WORKLOADS[w]), args.seed + 1)
                 for w in workloads}
     results, info = {}, {}
+    compiled = not (args.quick or args.no_compile) and oe.cpp_compiler() is not None
+    if compiled:
+        print("bench.py throughput: the engine's overlap and serial rows run the compiled decode "
+              "(enable_torch_compile; --no-compile: eager); 'overlap, eager' is the plain model")
     for dtype in dtypes:
         kw = {"device": "cpu", "dtype": dtype, "max_total_tokens": args.max_total_tokens}
-        runs, params = engine_runs(path, kw, reqs, out_lens, args)
+        runs, params = engine_runs(path, kw, reqs, out_lens, args, compiled)
         info[dtype] = {}
         if not args.no_hf and path.endswith(".gguf"):
             runs.update(hf_runs(path, dtype, reqs, out_lens, args.hf_batch, args.repeat))
+        if not args.no_llama_cpp and path.endswith(".gguf"):
+            for w, lens in out_lens.items():
+                r = llama_cpp_batched(path, reqs, lens, torch.get_num_threads())
+                if r is None:
+                    print("(llama-cpp-python is not installed: no llama.cpp row; see README)")
+                    break
+                runs[f"{w} llama.cpp (batched, {os.path.basename(path)})"] = r
         results[dtype] = runs
     print_throughput(results, info, path, n, lo, hi, out_lens, params, reqs)
     prefix = prefix_run(path, args, vocab, {"device": "cpu", "dtype": dtypes[-1],
@@ -556,13 +568,18 @@ def cmd_throughput(args):
             "summary": info, "shared_prefix": prefix}
 
 
-def engine_runs(path, kw, reqs, out_lens, args) -> tuple:
-    """({"workload run": result}, parameter count) for the overlap and serial loops, each workload run
-    `repeat` times in alternating order, the best kept."""
-    names = ["overlap", "serial"]
+def engine_runs(path, kw, reqs, out_lens, args, compiled=False) -> tuple:
+    """({"workload run": result}, parameter count) for the overlap and serial loops (compiled: both
+    with enable_torch_compile, and the eager overlap loop beside them), each workload run `repeat` times
+    in alternating order, the best kept."""
+    names = ["overlap", "serial"] + ["overlap, eager"] * compiled
     engines = {}
     for name in names:
-        engines[name] = oe.Engine(model_path=path, disable_overlap_schedule=(name == "serial"), **kw)
+        t0 = time.perf_counter()
+        engines[name] = oe.Engine(model_path=path, disable_overlap_schedule=(name == "serial"),
+                                  enable_torch_compile=compiled and name != "overlap, eager", **kw)
+        if compiled:
+            print(f"{name}: engine start {time.perf_counter() - t0:.0f} s")
         engine_run(engines[name], reqs[:4], [4, 4, 4, 12], f"warm-up {name}")
     params = sum(p.numel() for p in engines["overlap"].model.parameters())
     runs = {}
@@ -586,6 +603,69 @@ def hf_runs(path, dtype, reqs, out_lens, batch, repeat) -> dict:
         best = max((hf_run(hf, reqs, lens, batch) for _ in range(repeat)), key=lambda r: r["out_tok_s"])
         runs[f"{w} transformers (batch {batch})"] = best
     return runs
+
+
+_llama_quiet = None
+
+
+def llama_cpp_batched(path, reqs, out_lens, threads) -> dict | None:
+    """llama.cpp's batched decode (its low-level API through llama-cpp-python) on the same GGUF: every
+    request a sequence of one context with a unified KV cache; prompts in batches of up to 2048 tokens,
+    then one llama_decode a step for all sequences still running, each dropping out once it has its
+    tokens (greedy: argmax of its logits row). None if llama_cpp is not importable."""
+    try:
+        import llama_cpp as lc
+    except ImportError:
+        return None
+    import ctypes
+    import numpy as np
+    global _llama_quiet  # llama.cpp keeps the pointer: the callback must outlive this call
+    _llama_quiet = lc.llama_log_callback(lambda level, text, data: None)
+    lc.llama_log_set(_llama_quiet, None)
+    lc.llama_backend_init()
+    model = lc.llama_model_load_from_file(path.encode(), lc.llama_model_default_params())
+    vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    cp = lc.llama_context_default_params()
+    cp.n_ctx = sum(map(len, reqs)) + sum(out_lens) + 256
+    cp.n_batch = cp.n_ubatch = 2048
+    cp.n_seq_max, cp.kv_unified = len(reqs), True
+    cp.n_threads = cp.n_threads_batch = threads
+    ctx = lc.llama_init_from_model(model, cp)
+    batch = lc.llama_batch_init(2048, 0, len(reqs))
+
+    def decode(items):  # items: (token, pos, seq, wants logits) -> {seq: next token} for those that want
+        out = {}
+        for i in range(0, len(items), 2048):
+            part = items[i:i + 2048]
+            for j, (tok, pos, seq, want) in enumerate(part):
+                batch.token[j], batch.pos[j], batch.n_seq_id[j] = tok, pos, 1
+                batch.seq_id[j][0], batch.logits[j] = seq, want
+            batch.n_tokens = len(part)
+            if lc.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            for j, (_, _, seq, want) in enumerate(part):
+                if want:
+                    row = np.ctypeslib.as_array(ctypes.cast(lc.llama_get_logits_ith(ctx, j),
+                                                            ctypes.POINTER(ctypes.c_float)), (vocab,))
+                    out[seq] = int(row.argmax())
+        return out
+
+    t0 = time.perf_counter()
+    nxt = decode([(tok, pos, s, pos == len(r) - 1) for s, r in enumerate(reqs) for pos, tok in enumerate(r)])
+    ttft = time.perf_counter() - t0
+    tokens = {s: [t] for s, t in nxt.items()}
+    while any(len(tokens[s]) < out_lens[s] for s in tokens):
+        live = [s for s in tokens if len(tokens[s]) < out_lens[s]]
+        nxt = decode([(tokens[s][-1], len(reqs[s]) + len(tokens[s]) - 1, s, True) for s in live])
+        for s in live:
+            tokens[s].append(nxt[s])
+    wall = time.perf_counter() - t0
+    lc.llama_batch_free(batch)
+    lc.llama_free(ctx)
+    lc.llama_model_free(model)
+    n_out = sum(out_lens)
+    return {"wall_s": wall, "out_tok_s": n_out / wall, "total_tok_s": (n_out + sum(map(len, reqs))) / wall,
+            "ttft_p50_s": ttft, "output_ids": [tokens[s] for s in range(len(reqs))]}
 
 
 def print_throughput(results, info, path, n, lo, hi, out_lens, params, reqs):
@@ -1331,6 +1411,9 @@ def main():
     t.add_argument("--hf-batch", type=int, default=TP_HF_BATCH,
                    help="requests per transformers generate call (left-padded)")
     t.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    t.add_argument("--no-compile", action="store_true", help="the engine's rows eager only (default: "
+                   "compiled decode where a C++ compiler is found, and an eager overlap row beside them)")
+    t.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even if installed")
     t.add_argument("--repeat", type=int, default=2,
                    help="runs of each loop (alternating) and of transformers; the best of each is reported")
     t.add_argument("--quick", action="store_true")
