@@ -268,7 +268,7 @@ def cmd_all(args):
                                             dtypes=TP_DTYPES, workloads=",".join(TP_WORKLOADS),
                                             seed=TP_SEED, max_total_tokens=24576, hf_batch=TP_HF_BATCH,
                                             no_hf=False, repeat=1, no_compile=True,
-                                            no_llama_cpp=False)),
+                                            no_llama_cpp=False, no_prefix=False)),
             "mixed": cmd_mixed(ns(model_path=None, decoders=MIXED_DECODERS, prompt=MIXED_PROMPT,
                                   chunk=MIXED_CHUNK, output=MIXED_OUTPUT, seed=TP_SEED))}
 
@@ -562,8 +562,8 @@ def cmd_throughput(args):
                 runs[f"{w} llama.cpp (batched, {os.path.basename(path)})"] = r
         results[dtype] = runs
     print_throughput(results, info, path, n, lo, hi, out_lens, params, reqs)
-    prefix = prefix_run(path, args, vocab, {"device": "cpu", "dtype": dtypes[-1],
-                                            "max_total_tokens": args.max_total_tokens})
+    prefix = None if args.no_prefix else prefix_run(path, args, vocab, {
+        "device": "cpu", "dtype": dtypes[-1], "max_total_tokens": args.max_total_tokens})
     return {"runs": {f"{d} {k}": r for d, runs in results.items() for k, r in runs.items()},
             "summary": info, "shared_prefix": prefix}
 
@@ -610,7 +610,7 @@ _llama_quiet = None
 
 def llama_cpp_batched(path, reqs, out_lens, threads) -> dict | None:
     """llama.cpp's batched decode (its low-level API through llama-cpp-python) on the same GGUF: every
-    request a sequence of one context with a unified KV cache; prompts in batches of up to 2048 tokens,
+    request a sequence of one context; prompts in batches of up to 2048 tokens,
     then one llama_decode a step for all sequences still running, each dropping out once it has its
     tokens (greedy: argmax of its logits row). None if llama_cpp is not importable."""
     try:
@@ -626,9 +626,11 @@ def llama_cpp_batched(path, reqs, out_lens, threads) -> dict | None:
     model = lc.llama_model_load_from_file(path.encode(), lc.llama_model_default_params())
     vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
     cp = lc.llama_context_default_params()
-    cp.n_ctx = sum(map(len, reqs)) + sum(out_lens) + 256
+    # a KV stream per sequence (llama-server's default for parallel slots): with one unified cache every
+    # token attended to all the cells in use, and the prompts took 55 s here instead of a few
+    per_seq = -(-max(len(r) + n for r, n in zip(reqs, out_lens)) // 256) * 256
+    cp.n_ctx, cp.n_seq_max, cp.kv_unified = per_seq * len(reqs), len(reqs), False
     cp.n_batch = cp.n_ubatch = 2048
-    cp.n_seq_max, cp.kv_unified = len(reqs), True
     cp.n_threads = cp.n_threads_batch = threads
     ctx = lc.llama_init_from_model(model, cp)
     batch = lc.llama_batch_init(2048, 0, len(reqs))
@@ -1414,6 +1416,7 @@ def main():
     t.add_argument("--no-compile", action="store_true", help="the engine's rows eager only (default: "
                    "compiled decode where a C++ compiler is found, and an eager overlap row beside them)")
     t.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even if installed")
+    t.add_argument("--no-prefix", action="store_true", help="skip the shared-prefix run (radix cache on/off)")
     t.add_argument("--repeat", type=int, default=2,
                    help="runs of each loop (alternating) and of transformers; the best of each is reported")
     t.add_argument("--quick", action="store_true")

@@ -3779,7 +3779,8 @@ def test_cli_picks_the_fastest_one_request_setup_for_what_is_not_given(ckpt, mon
         "dtype": "float32", "quantization": None, "enable_torch_compile": True, "torch_compile_max_bs": 1}
     # one --prompt: the measured weights, but no compiling (it would take longer than it saves)
     assert picked(**cli_engine_args(monkeypatch, base + ["--prompt", "hi"])) == {
-        "dtype": "bfloat16", "quantization": "int8", "enable_torch_compile": False, "torch_compile_max_bs": 256}
+        "dtype": "bfloat16", "quantization": "int8", "enable_torch_compile": False,
+        "torch_compile_max_bs": 256}
     assert picked(**cli_engine_args(monkeypatch, base + ["--quantization", "none"])) == {
         "dtype": "auto", "quantization": None, "enable_torch_compile": True, "torch_compile_max_bs": 1}
     no_compile = ["--no-enable-torch-compile", "--quant", "int4"]  # abbreviated: argparse allows it
