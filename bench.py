@@ -728,6 +728,7 @@ def prefix_run(path, args, vocab, kw) -> dict:
 
 PROFILE_CATEGORIES = {  # aten op -> what it is in a decode step
     "aten::mm": "matmul (weights)", "aten::addmm": "matmul (weights)",
+    "mkldnn::_linear_pointwise": "matmul (weights)",
     "aten::_weight_int8pack_mm": "matmul (weights)", "aten::_weight_int4pack_mm_for_cpu": "matmul (weights)",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)", "aten::bmm": "attention (SDPA)",
     "aten::_softmax": "attention (SDPA)", "aten::index_select": "KV gather (index_select)",
