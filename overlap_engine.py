@@ -638,6 +638,11 @@ class RadixCache:
 
     A node locked by a running request (lock_ref > 0, counted up to the root) is protected; unlocked
     leaves are evictable, least recently used first. Slots in the tree belong to the tree, not to a request.
+
+    The LRU order lives in a heap of (last_access, node) kept across evictions: a node is pushed when it
+    becomes an unlocked leaf, and entries that went stale since are skipped or pushed again when popped.
+    Heaping every unlocked leaf afresh at each eviction, as SGLang does, costs the cache's size each time,
+    and a full pool of thousands of cached prompts evicts at every step.
     """
 
     def __init__(self, kv_pool: TokenToKVPool, disable: bool = False):
@@ -645,6 +650,7 @@ class RadixCache:
         self.root = TreeNode(key=(), value=torch.empty(0, dtype=torch.int64))
         self.root.lock_ref = 1  # the root is never evicted
         self.evictable_size_, self.protected_size_ = 0, 0
+        self.leaf_heap: list = []  # (last_access, id, node): every unlocked leaf has an entry, stale ones too
 
     def match_prefix(self, key: list) -> tuple[torch.Tensor, TreeNode]:
         """Longest cached prefix of key: (its slots, the node where it ends). Splits a node on a partial
@@ -683,6 +689,7 @@ class RadixCache:
                 new = TreeNode(node, key, value[done:].clone())
                 node.children[key[0]] = new
                 self.evictable_size_ += len(key)
+                self.push_leaf(new)
                 return done
             child.last_access = next(TreeNode._counter)
             n = common_prefix_len(child.key, key)
@@ -706,23 +713,39 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.evictable_size_ += len(node.key)
                 self.protected_size_ -= len(node.key)
+                if not node.children:
+                    self.push_leaf(node)
             node = node.parent
 
     def evict(self, num_tokens: int) -> int:
         """Frees at least num_tokens slots from unlocked leaves, least recently used first (if it can)."""
-        leaves = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
-        heapq.heapify(leaves)
         freed = 0
-        while freed < num_tokens and leaves:
-            _, _, node = heapq.heappop(leaves)
+        while freed < num_tokens and self.leaf_heap:
+            last_access, _, node = heapq.heappop(self.leaf_heap)
+            if not self.is_evictable_leaf(node):
+                continue  # locked, grew a child or left the tree since: pushed again if it qualifies again
+            if last_access != node.last_access:
+                self.push_leaf(node)  # touched since: its place is further back
+                continue
             self.kv_pool.free(node.value)
             freed += len(node.key)
             self.evictable_size_ -= len(node.key)
             parent = node.parent
             del parent.children[node.key[0]]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+                self.push_leaf(parent)
         return freed
+
+    def is_evictable_leaf(self, node: TreeNode) -> bool:
+        return not node.children and node.lock_ref == 0 and node.parent.children.get(node.key[0]) is node
+
+    def push_leaf(self, node: TreeNode):
+        """node just became an unlocked leaf. Once stale entries may outnumber live ones, the heap is
+        rebuilt from the tree, so it stays within a constant factor of the tree's size."""
+        heapq.heappush(self.leaf_heap, (node.last_access, id(node), node))
+        if len(self.leaf_heap) > 2 * self.evictable_size_ + 1024:
+            self.leaf_heap = [(n.last_access, id(n), n) for n in self._nodes() if self.is_evictable_leaf(n)]
+            heapq.heapify(self.leaf_heap)
 
     def _nodes(self):
         stack = [self.root]
@@ -1447,6 +1470,9 @@ class Scheduler:
             assert node.lock_ref == holders.get(id(node), 0), "lock_ref does not match its holders"
         assert tree.protected_size() == sum(len(n.key) for n in tree._nodes() if n.lock_ref > 0), "protected"
         assert tree.evictable_size() == tree.total_size() - tree.protected_size(), "evictable size"
+        in_heap = {id(n) for _, _, n in tree.leaf_heap}
+        leaves = [n for n in tree._nodes() if tree.is_evictable_leaf(n)]
+        assert all(id(n) in in_heap for n in leaves), "an evictable leaf has no entry in the LRU heap"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2271,6 +2297,7 @@ class Engine:
         self._reqs: dict[str, Req] = {}
         self._backlog: list[dict] = []  # outputs of add_request()s that finished while generate() stepped
         self._streamed: set[str] = set()  # requests of generate(): it reads their Req, not their output
+        self._finished_streams: set[str] = set()  # those that finished, until their generate() has seen it
         self._ctrl_c_held = CtrlCHeld()
         self._closed = False
         if compile_max_bs:
@@ -2464,8 +2491,16 @@ class Engine:
         out = self._backlog + self._iterate()
         self._backlog = []
         for o in out:
-            self._streamed.discard(o["meta_info"]["id"])
+            self._note_stream_finished(o["meta_info"]["id"])
         return out
+
+    def _note_stream_finished(self, rid: str) -> bool:
+        """True if rid is a request of generate(), which then reads its Req instead of its output."""
+        if rid not in self._streamed:
+            return False
+        self._streamed.discard(rid)
+        self._finished_streams.add(rid)
+        return True
 
     def _check_open(self):
         """A shut-down engine takes nothing more: its request would be queued and never run."""
@@ -2539,27 +2574,31 @@ class Engine:
         return outs if batched else outs[0]
 
     def _drive(self, reqs: list, batched: bool):
-        """Steps the loop until these requests finish, yielding text as it is committed."""
-        mine, pending = {r.rid: i for i, r in enumerate(reqs)}, set(r.rid for r in reqs)
+        """Steps the loop until these requests finish, yielding text as it is committed. News come only
+        from requests that hold a KV row (they run) or just finished (here, or in another generate() or
+        step()): a long list of waiting requests is not looked at every iteration."""
+        mine, pending = {r.rid: i for i, r in enumerate(reqs)}, {r.rid: r for r in reqs}
         try:
             while pending:
                 for o in self._iterate():
-                    if o["meta_info"]["id"] in self._streamed:
-                        self._streamed.discard(o["meta_info"]["id"])  # a stream reads its Req instead
-                    else:
+                    if not self._note_stream_finished(o["meta_info"]["id"]):
                         self._backlog.append(o)  # for the caller of step()
-                for r in reqs:
-                    if r.rid in pending:
-                        chunk = self.stream_chunk(r)
-                        if chunk is not None:
-                            if r.finished():
-                                pending.discard(r.rid)
-                                chunk["final"] = r.output()
-                            if batched:
-                                chunk["index"] = mine[r.rid]
-                            yield chunk
+                running = (r.rid for r in self.scheduler.row_owner.values())
+                news = {rid for rid in itertools.chain(self._finished_streams, running) if rid in pending}
+                for rid in sorted(news, key=mine.get):
+                    r = pending[rid]
+                    chunk = self.stream_chunk(r)
+                    if chunk is not None:
+                        if r.finished():
+                            del pending[rid]
+                            self._finished_streams.discard(rid)
+                            chunk["final"] = r.output()
+                        if batched:
+                            chunk["index"] = mine[rid]
+                        yield chunk
         finally:  # a consumer that stops early aborts what it started
             for rid in pending:
+                self._finished_streams.discard(rid)
                 self.abort(rid)
 
     def stream_chunk(self, r: Req) -> Optional[dict]:

@@ -834,6 +834,76 @@ def test_radix_evicts_inner_node_after_its_children():
     assert tree.evict(100) == 4 and pool.available_size() == 32
 
 
+def test_radix_eviction_is_lru_over_a_heap_kept_across_evictions(monkeypatch):
+    """Random inserts, matches (touches and splits), locks, unlocks and evictions: each eviction frees
+    exactly the nodes that the LRU rule picks, worked out here by looking at the whole tree (the unlocked
+    leaf used least recently goes first, and a parent left childless joins the candidates). evict never
+    walks the tree; the heap is rebuilt from it only when stale entries pile up, as 3,000 lock/unlock
+    cycles of one leaf make them do."""
+    walks = [0]
+    real_nodes = oe.RadixCache._nodes
+    monkeypatch.setattr(oe.RadixCache, "_nodes", lambda self: walks.__setitem__(0, walks[0] + 1) or
+                        real_nodes(self))
+    tree, pool = make_tree(4096)
+    rng = random.Random(7)
+
+    def nodes():  # the test's own walk of the tree
+        stack = list(tree.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def expected_victims(n):
+        leaves = {id(x): x for x in nodes() if not x.children and x.lock_ref == 0}
+        gone, freed = [], 0
+        while freed < n and leaves:
+            x = min(leaves.values(), key=lambda x: x.last_access)
+            del leaves[id(x)]
+            gone.append(id(x))
+            freed += len(x.key)
+            p = x.parent
+            if p is not tree.root and p.lock_ref == 0 and all(id(c) in gone for c in p.children.values()):
+                leaves[id(p)] = p
+        return set(gone)
+
+    locked, evictions = [], 0
+    for _ in range(3000):
+        op = rng.random()
+        key = [rng.randrange(4) for _ in range(rng.randint(1, 6))]
+        if op < 0.35:
+            cached, _ = tree.match_prefix(key)
+            if pool.available_size() < len(key):
+                tree.evict(len(key))
+            tree.insert(key, torch.cat((cached, pool.alloc(len(key) - len(cached)))))
+        elif op < 0.6:
+            _, node = tree.match_prefix(key)
+            if node is not tree.root:
+                tree.inc_lock_ref(node)
+                locked.append(node)
+        elif op < 0.8 and locked:
+            tree.dec_lock_ref(locked.pop(rng.randrange(len(locked))))
+        else:
+            n = rng.randint(1, 8)
+            before = {id(x) for x in nodes()}
+            victims = expected_victims(n)
+            tree.evict(n)
+            assert before - {id(x) for x in nodes()} == victims
+            evictions += 1
+        assert len(tree.leaf_heap) <= 2 * tree.evictable_size() + 1025
+    assert evictions > 400 and walks[0] == 0
+    tree.insert([9], pool.alloc(1))
+    _, leaf = tree.match_prefix([9])
+    for _ in range(3000):
+        tree.inc_lock_ref(leaf)
+        tree.dec_lock_ref(leaf)
+    assert 1 <= walks[0] <= 3 and len(tree.leaf_heap) <= 2 * tree.evictable_size() + 1025
+    before = {id(x) for x in nodes()}
+    victims = expected_victims(tree.evictable_size())
+    tree.evict(tree.evictable_size())
+    assert before - {id(x) for x in nodes()} == victims
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 def test_radix_hits_give_same_tokens(ckpt, loop):
     """A second wave behind the same system prompt reuses its KV (cached_tokens) and gets the same tokens."""
@@ -2924,6 +2994,56 @@ def test_abandoned_streams_leave_nothing_behind(ckpt):
             e.generate(input_ids=[9, 9, 9], sampling_params={**sp, "max_new_tokens": 3})
         assert e._backlog == [] and e._reqs == {}
         e.check_invariants()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_generate_of_a_long_list_looks_only_at_running_and_finished_requests(ckpt, loop, monkeypatch):
+    """generate() of 600 prompts, 16 running at a time: it reads a request's state only while the request
+    holds a KV row or when it has just finished, not every waiting request at every iteration (that was
+    over 30,000 reads here, quadratic in the list). Tokens: the reference's."""
+    reads, real = [0], oe.Engine.stream_chunk
+    monkeypatch.setattr(oe.Engine, "stream_chunk", lambda self, r: reads.__setitem__(0, reads[0] + 1) or
+                        real(self, r))
+    wl = greedy_workload(random_prompts(6, seed=193, lo=2, hi=5), [2] * 6)
+    with make_engine(ckpt, loop, max_running_requests=16, debug_ledger=False) as e:
+        outs = e.generate(input_ids=[wl[i % 6][0] for i in range(600)], sampling_params=wl[0][1])
+        e.check_invariants()
+    expected = expected_greedy(ckpt, wl)
+    assert [o["output_ids"] for o in outs] == [expected[i % 6] for i in range(600)]
+    assert 600 <= reads[0] <= 6 * 600
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_streams_that_finish_while_another_stream_or_step_drives_the_loop(ckpt, loop, monkeypatch):
+    """Stream b's request finishes while stream a is consumed, and c's while the caller steps the loop
+    with step(): each stream still ends with its final chunk, and the texts are whole. (A stream that
+    missed its request's finish would step an idle engine for ever: iterations are bounded here.)"""
+    sp = {"temperature": 0, "ignore_eos": True}
+    prompts = random_prompts(3, seed=194, lo=3, hi=6)
+    iterations, real = [0], oe.Engine._iterate
+
+    def bounded(self):
+        iterations[0] += 1
+        assert iterations[0] < 200, "a stream kept stepping after its request finished"
+        return real(self)
+    monkeypatch.setattr(oe.Engine, "_iterate", bounded)
+    with make_engine(ckpt, loop) as e:
+        a = e.generate(input_ids=prompts[0], sampling_params={**sp, "max_new_tokens": 12}, stream=True)
+        b = e.generate(input_ids=prompts[1], sampling_params={**sp, "max_new_tokens": 3}, stream=True)
+        c = e.generate(input_ids=prompts[2], sampling_params={**sp, "max_new_tokens": 4}, stream=True)
+        first_c = next(c)
+        chunks_a = list(a)
+        for _ in range(50):
+            e.step()
+            if not e._reqs:
+                break
+        assert not e._reqs  # every request finished, driven by a and by step()
+        chunks_b, chunks_c = list(b), [first_c] + list(c)
+        e.check_invariants()
+    for chunks, prompt, n in zip((chunks_a, chunks_b, chunks_c), prompts, (12, 3, 4)):
+        assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+        assert sum((ch["output_ids"] for ch in chunks), []) == reference_greedy(ckpt, prompt, n)
+        assert chunks[-1]["final"]["output_ids"] == reference_greedy(ckpt, prompt, n)
 
 
 @pytest.mark.parametrize("loop", LOOPS)
