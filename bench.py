@@ -796,6 +796,8 @@ SAMPLING_SETUPS = {  # name: (extra sampling parameters, (return_logprob, top_lo
                   (False, 0, -1)),
     "logprobs and penalties": ({"frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.2},
                                (True, 5, -1)),
+    "temperature 0.8": ({"temperature": 0.8}, (False, 0, -1)),
+    "temperature 0.8, top_p 0.95": ({"temperature": 0.8, "top_p": 0.95}, (False, 0, -1)),
 }
 
 
@@ -803,7 +805,8 @@ def cmd_sampling(args):
     """For each setup: one decode step of `batch` requests, `steps` tokens into their outputs, and the
     host's median time per iteration while they decoded (planning and committing: what the overlap loop
     hides). The steps are captured first, then replayed in turns (best of 7 rounds), so that the
-    machine's drift falls on all setups alike. Greedy; all setups in one engine."""
+    machine's drift falls on all setups alike. Greedy but where a setup sets temperature; all setups in
+    one engine."""
     path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
     B, steps = (4, 3) if args.quick else (args.batch, args.steps)
     rows, batches = {}, {}

@@ -639,10 +639,9 @@ class RadixCache:
     A node locked by a running request (lock_ref > 0, counted up to the root) is protected; unlocked
     leaves are evictable, least recently used first. Slots in the tree belong to the tree, not to a request.
 
-    The LRU order lives in a heap of (last_access, node) kept across evictions: a node is pushed when it
-    becomes an unlocked leaf, and entries that went stale since are skipped or pushed again when popped.
-    Heaping every unlocked leaf afresh at each eviction, as SGLang does, costs the cache's size each time,
-    and a full pool of thousands of cached prompts evicts at every step.
+    The LRU order is a heap kept across evictions: a node is pushed when it becomes an unlocked leaf, and
+    stale entries are skipped or pushed again when popped. Heaping the leaves afresh at each eviction, as
+    SGLang does, costs the cache's size at every step once a pool full of cached prompts evicts each step.
     """
 
     def __init__(self, kv_pool: TokenToKVPool, disable: bool = False):
@@ -740,8 +739,7 @@ class RadixCache:
         return not node.children and node.lock_ref == 0 and node.parent.children.get(node.key[0]) is node
 
     def push_leaf(self, node: TreeNode):
-        """node just became an unlocked leaf. Once stale entries may outnumber live ones, the heap is
-        rebuilt from the tree, so it stays within a constant factor of the tree's size."""
+        """node just became an unlocked leaf; the heap is rebuilt once stale entries may outnumber others."""
         heapq.heappush(self.leaf_heap, (node.last_access, id(node), node))
         if len(self.leaf_heap) > 2 * self.evictable_size_ + 1024:
             self.leaf_heap = [(n.last_access, id(n), n) for n in self._nodes() if self.is_evictable_leaf(n)]
@@ -1617,41 +1615,77 @@ class LlamaForCausalLM(nn.Module):
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mix on int64 tensors (values stay below 2^60, so no overflow)."""
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
-    return (x >> 16) ^ x
+    """A 32-bit integer mix on int32 tensors (2.5x faster than int64 with masks): products wrap modulo
+    2^32, and the mask makes >> a logical shift."""
+    x = (((x >> 16) & 0xFFFF) ^ x) * 0x45D9F3B
+    x = (((x >> 16) & 0xFFFF) ^ x) * 0x45D9F3B
+    return ((x >> 16) & 0xFFFF) ^ x
 
 
 def sampling_noise(seed: torch.Tensor, out_pos: torch.Tensor, V: int) -> torch.Tensor:
-    """Exponential(1) noise of shape (B, V) that depends only on (seed, output position, token id)."""
+    """Exponential(1) noise of shape (B, V) that depends only on (seed, output position, token id):
+    -log(u), u = (h + 0.5) / 2^32 for the unsigned 32-bit hash h of the three."""
     M = 0xFFFFFFFF
-    base = _hash32(_hash32((seed ^ (seed >> 32)) & M) ^ (out_pos & M))                 # (B,)
-    h = _hash32((base[:, None] * 65599 + torch.arange(V, device=seed.device)[None]) & M)  # (B, V)
-    return -torch.log((h.double() + 0.5) / 2.0**32)
+    key = _hash32(((seed ^ (seed >> 32)) & M).to(torch.int32)) ^ (out_pos & M).to(torch.int32)
+    base = _hash32(key) * 65599                                                             # (B,)
+    h = _hash32(base[:, None] + torch.arange(V, dtype=torch.int32, device=seed.device)[None])  # (B, V)
+    u = (h ^ -2**31).double().add_(2.0**31 + 0.5).mul_(2.0**-32)  # flipping the sign bit: h - 2^31
+    return u.log_().neg_()
+
+
+SAMPLE_BLOCK = 1 << 19  # on a CPU, logits raced at a time: 4 MB float64 temporaries, 10 rows of 49,152
 
 
 def sample(logits: torch.Tensor, sampling: dict, counts: Optional[TokenCounts] = None) -> torch.Tensor:
     """Greedy where temperature == 0; else argmax(p / E), E ~ Exp(1), which draws from p exactly
-    (the exponential race), with p filtered by top_k, top_p and min_p; penalties and biases first."""
+    (the exponential race), with p filtered by top_k, top_p and min_p; penalties and biases first. A CPU
+    races blocks of rows: batch 256 in one piece took 5x as long here, its temporaries out of cache."""
     if any(k in sampling for k in ("penalized", "bias", "banned", "bitmask")):
         logits = adjust_logits(logits, sampling, counts)
     greedy = logits.argmax(-1)
     if sampling["all_greedy"]:
         return greedy
-    t = sampling["temperature"]
-    probs = torch.softmax(logits.double() / torch.where(t > 0, t, 1.0)[:, None], dim=-1)  # (B, V)
-    if sampling["need_filter"]:
-        p, idx = probs.sort(dim=-1, descending=True, stable=True)                               # (B, V)
-        rank = torch.arange(p.shape[1], device=p.device)[None]
-        keep = rank < torch.where(sampling["top_k"] > 0, sampling["top_k"], p.shape[1])[:, None]
-        keep &= (p.cumsum(-1) - p) < sampling["top_p"][:, None]  # the smallest set with mass >= top_p
-        keep &= p >= sampling["min_p"][:, None] * p[:, :1]
-        keep[:, 0] = True
-        probs = torch.zeros_like(probs).scatter_(1, idx, p * keep)
-    noise = sampling_noise(sampling["seed"], sampling["out_pos"], probs.shape[1])  # (B, V)
-    drawn = (probs / noise).argmax(-1)
-    return torch.where(t == 0, greedy, drawn)
+    n = max(1, SAMPLE_BLOCK // logits.shape[1]) if logits.device.type == "cpu" else len(logits)
+    drawn = torch.cat([race(logits[i:i + n], sampling, slice(i, i + n)) for i in range(0, len(logits), n)])
+    return torch.where(sampling["temperature"] == 0, greedy, drawn)
+
+
+def race(logits: torch.Tensor, s: dict, rows: slice) -> torch.Tensor:
+    """The exponential race of the batch's rows `rows` (logits holds theirs)."""
+    t, V = s["temperature"][rows], logits.shape[1]
+    probs = torch.softmax(logits.double() / torch.where(t > 0, t, 1.0)[:, None], dim=-1)  # (rows, V)
+    if s["need_filter"]:
+        candidates = FILTER_CANDIDATES if probs.device.type == "cpu" else V
+        probs = filter_probs(probs, s["top_k"][rows], s["top_p"][rows], s["min_p"][rows], candidates)
+    noise = sampling_noise(s["seed"][rows], s["out_pos"][rows], V)                     # (rows, V)
+    return (probs / noise).argmax(-1)
+
+
+FILTER_CANDIDATES = 1024  # on a CPU, the most likely tokens a filter sorts before it sorts a whole row
+
+
+def filter_probs(probs, top_k, top_p, min_p, candidates: int) -> torch.Tensor:
+    """probs (rows, V) where the filters keep them, else 0. In the stable descending order a token is kept
+    if its rank is below top_k, the mass before it below top_p and p >= min_p * max p; the first always is.
+    Sorting whole rows of 49,152 cost 2 ms a row here, so a CPU sorts the `candidates` most likely (ties in
+    token order, as a stable sort has them) and redoes a row whole only if its filter keeps a token of the
+    least probability among them: tokens past them could be kept too."""
+    V = probs.shape[1]
+    if candidates < V:
+        idx = probs.topk(candidates, dim=-1, sorted=False).indices.sort(dim=-1).values  # in token order
+        p, order = probs.gather(1, idx).sort(dim=-1, descending=True, stable=True)
+        idx = idx.gather(1, order)
+    else:
+        p, idx = probs.sort(dim=-1, descending=True, stable=True)                         # (rows, V)
+    keep = torch.arange(p.shape[1], device=p.device)[None] < torch.where(top_k > 0, top_k, V)[:, None]
+    keep &= (p.cumsum(-1) - p) < top_p[:, None]
+    keep &= p >= min_p[:, None] * p[:, :1]
+    keep[:, 0] = True
+    out = torch.zeros_like(probs).scatter_(1, idx, p * keep)
+    redo = (keep & (p == p[:, -1:])).any(-1) if candidates < V else None  # on a CPU: no device sync
+    if redo is not None and redo.any():
+        out[redo] = filter_probs(probs[redo], top_k[redo], top_p[redo], min_p[redo], V)
+    return out
 
 
 def adjust_logits(logits: torch.Tensor, s: dict, counts: Optional[TokenCounts]) -> torch.Tensor:

@@ -1102,6 +1102,68 @@ def test_sampler_draws_from_the_filtered_distribution():
     assert freqs(top_k=1)[0] == 1.0
 
 
+def test_sampling_noise_is_its_formula_bit_for_bit(monkeypatch):
+    """The int32 hash gives the bits of the documented formula worked in int64 with masks (seeds of every
+    sign, positions past 2^32), and the race in blocks of rows gives what each row raced alone gives."""
+    M = 0xFFFFFFFF
+
+    def mix(x):
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & M
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & M
+        return (x >> 16) ^ x
+    gen = torch.Generator().manual_seed(11)
+    seed = torch.randint(-2**63, 2**63 - 1, (40,), generator=gen)
+    pos = torch.randint(0, 2**40, (40,), generator=gen)
+    h = mix((mix(mix((seed ^ (seed >> 32)) & M) ^ (pos & M))[:, None] * 65599 + torch.arange(1000)) & M)
+    noise = oe.sampling_noise(seed, pos, 1000)
+    assert torch.equal(noise, -torch.log((h.double() + 0.5) / 2.0**32))
+    assert noise.min() > 0 and torch.isfinite(noise).all()
+    B, V = 37, 3000  # SAMPLE_BLOCK // V = 174 rows per block: one block, then blocks of 5
+    logits = torch.randn(B, V, generator=gen, dtype=torch.float64) * 3
+    t = torch.rand(B, generator=gen, dtype=torch.float64) * 1.5
+    t[::6] = 0
+    s = {"temperature": t, "top_k": torch.where(torch.arange(B) % 3 == 0, 40, -1),
+         "top_p": torch.where(torch.arange(B) % 4 == 0, 0.9, 1.0).double(), "min_p": torch.zeros(B).double(),
+         "seed": seed[:B], "out_pos": pos[:B], "all_greedy": False, "need_filter": True}
+    alone = torch.cat([oe.sample(logits[i:i + 1], {k: v[i:i + 1] if torch.is_tensor(v) else v
+                                                   for k, v in s.items()}) for i in range(B)])
+    one_block = oe.sample(logits, s)
+    monkeypatch.setattr(oe, "SAMPLE_BLOCK", 5 * V)
+    assert torch.equal(oe.sample(logits, s), one_block)
+    assert torch.equal(one_block, alone) and torch.equal(alone[t == 0], logits[t == 0].argmax(-1))
+    assert (alone != logits.argmax(-1)).sum() > 5  # sampled rows do not all fall on the top token
+
+
+def test_filter_sorting_only_candidates_keeps_what_sorting_whole_rows_keeps(monkeypatch):
+    """filter_probs over the 64 most likely tokens of each row, a row done again whole where the filter
+    may reach past them, gives bit for bit what sorting the whole rows gives: flat and peaked rows, many
+    ties (rounded logits), masked vocabularies, top_k below, at and above the candidates."""
+    gen = torch.Generator().manual_seed(12)
+    V, n, redone, fast = 3000, 64, 0, 0
+    real = oe.filter_probs
+
+    def counting(probs, *a):
+        nonlocal redone
+        redone += (a[-1] == V) * len(probs)
+        return real(probs, *a)
+    top_k = torch.tensor([-1, 1, 5, 63, 64, 65, 500, -1, -1, 40, -1, 8])
+    top_p = torch.tensor([0.95, 1, 0.9, 0.5, 1, 1, 0.99, 0.3, 1, 0.8, 0.97, 0.6], dtype=torch.float64)
+    min_p = torch.tensor([0, 0, 0, 0.1, 0, 0, 0, 0, 0.05, 0, 0, 0.2], dtype=torch.float64)
+    monkeypatch.setattr(oe, "filter_probs", counting)
+    for trial in range(30):
+        logits = torch.randn(12, V, generator=gen, dtype=torch.float64) * [0.3, 2, 5, 10, 30][trial % 5]
+        if trial % 3 == 0:
+            logits = (logits * 2).round() / 2
+        if trial % 4 == 0:
+            logits[:, 20:2900] = -float("inf")
+        probs = torch.softmax(logits, -1)
+        whole = real(probs, top_k, top_p, min_p, V)
+        assert torch.equal(oe.filter_probs(probs, top_k, top_p, min_p, n), whole), trial
+        assert ((whole > 0).sum(-1) <= torch.where(top_k > 0, top_k, V)).all()
+        fast += 12
+    assert 30 < redone < fast - 30  # both ways were taken, many times
+
+
 def load_reference(ckpt):
     """(state dict, config.json) of a tiny checkpoint, for the reference forward."""
     from safetensors.torch import load_file
