@@ -2331,7 +2331,8 @@ class Engine:
         self._reqs: dict[str, Req] = {}
         self._backlog: list[dict] = []  # outputs of add_request()s that finished while generate() stepped
         self._streamed: set[str] = set()  # requests of generate(): it reads their Req, not their output
-        self._finished_streams: set[str] = set()  # those that finished, until their generate() has seen it
+        self._awaited: set[str] = set()  # those a running generate() still waits for
+        self._finished_streams: set[str] = set()  # awaited ones that finished, until their generate() sees it
         self._ctrl_c_held = CtrlCHeld()
         self._closed = False
         if compile_max_bs:
@@ -2529,11 +2530,13 @@ class Engine:
         return out
 
     def _note_stream_finished(self, rid: str) -> bool:
-        """True if rid is a request of generate(), which then reads its Req instead of its output."""
+        """True if rid is a request of generate(), which reads its Req instead of its output (if it still
+        waits for it: not after an abandoned stream)."""
         if rid not in self._streamed:
             return False
         self._streamed.discard(rid)
-        self._finished_streams.add(rid)
+        if rid in self._awaited:
+            self._finished_streams.add(rid)
         return True
 
     def _check_open(self):
@@ -2612,6 +2615,8 @@ class Engine:
         from requests that hold a KV row (they run) or just finished (here, or in another generate() or
         step()): a long list of waiting requests is not looked at every iteration."""
         mine, pending = {r.rid: i for i, r in enumerate(reqs)}, {r.rid: r for r in reqs}
+        self._awaited.update(pending)
+        done_before = {rid for rid, r in pending.items() if r.finished()}  # a stream started late
         try:
             while pending:
                 for o in self._iterate():
@@ -2619,12 +2624,14 @@ class Engine:
                         self._backlog.append(o)  # for the caller of step()
                 running = (r.rid for r in self.scheduler.row_owner.values())
                 news = {rid for rid in itertools.chain(self._finished_streams, running) if rid in pending}
+                news, done_before = news | done_before, set()
                 for rid in sorted(news, key=mine.get):
                     r = pending[rid]
                     chunk = self.stream_chunk(r)
                     if chunk is not None:
                         if r.finished():
                             del pending[rid]
+                            self._awaited.discard(rid)
                             self._finished_streams.discard(rid)
                             chunk["final"] = r.output()
                         if batched:
@@ -2632,6 +2639,7 @@ class Engine:
                         yield chunk
         finally:  # a consumer that stops early aborts what it started
             for rid in pending:
+                self._awaited.discard(rid)
                 self._finished_streams.discard(rid)
                 self.abort(rid)
 

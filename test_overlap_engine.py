@@ -3054,7 +3054,18 @@ def test_abandoned_streams_leave_nothing_behind(ckpt):
             next(stream)
             stream.close()  # the consumer stops early: the request is aborted
             e.generate(input_ids=[9, 9, 9], sampling_params={**sp, "max_new_tokens": 3})
+        never = e.generate(input_ids=[4, 4, 4], sampling_params={**sp, "max_new_tokens": 2}, stream=True)
+        del never  # never started: its request runs to its end
+        e.generate(input_ids=[9, 9, 9], sampling_params={**sp, "max_new_tokens": 3})
+        assert e._reqs == {}
+        both = e.generate(input_ids=[[3, 3, 3], [2, 2, 2]], sampling_params=sp, stream=True)
+        first = next(both)
+        e.abort(next(o for o in e._reqs.values() if o.rid != first["meta_info"]["id"]).rid)  # mid-stream
+        finals = [c for c in [first] + list(both) if c["meta_info"]["finish_reason"] is not None]
+        assert sorted(c["meta_info"]["finish_reason"]["type"] for c in finals) == ["abort", "length"]
+        e.generate(input_ids=[9, 9, 9], sampling_params={**sp, "max_new_tokens": 3})
         assert e._backlog == [] and e._reqs == {}
+        assert not (e._streamed or e._awaited or e._finished_streams)  # no request id left behind
         e.check_invariants()
 
 
@@ -3077,11 +3088,12 @@ def test_generate_of_a_long_list_looks_only_at_running_and_finished_requests(ckp
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_streams_that_finish_while_another_stream_or_step_drives_the_loop(ckpt, loop, monkeypatch):
-    """Stream b's request finishes while stream a is consumed, and c's while the caller steps the loop
-    with step(): each stream still ends with its final chunk, and the texts are whole. (A stream that
-    missed its request's finish would step an idle engine for ever: iterations are bounded here.)"""
+    """Stream b's request finishes while stream a is consumed, c's while the caller steps the loop with
+    step(), and d's before d is first read: each stream still ends with its final chunk, and the texts
+    are whole. (A stream that missed its request's finish would step an idle engine for ever: iterations
+    are bounded here.)"""
     sp = {"temperature": 0, "ignore_eos": True}
-    prompts = random_prompts(3, seed=194, lo=3, hi=6)
+    prompts = random_prompts(4, seed=194, lo=3, hi=6)
     iterations, real = [0], oe.Engine._iterate
 
     def bounded(self):
@@ -3093,6 +3105,7 @@ def test_streams_that_finish_while_another_stream_or_step_drives_the_loop(ckpt, 
         a = e.generate(input_ids=prompts[0], sampling_params={**sp, "max_new_tokens": 12}, stream=True)
         b = e.generate(input_ids=prompts[1], sampling_params={**sp, "max_new_tokens": 3}, stream=True)
         c = e.generate(input_ids=prompts[2], sampling_params={**sp, "max_new_tokens": 4}, stream=True)
+        d = e.generate(input_ids=prompts[3], sampling_params={**sp, "max_new_tokens": 2}, stream=True)
         first_c = next(c)
         chunks_a = list(a)
         for _ in range(50):
@@ -3100,9 +3113,10 @@ def test_streams_that_finish_while_another_stream_or_step_drives_the_loop(ckpt, 
             if not e._reqs:
                 break
         assert not e._reqs  # every request finished, driven by a and by step()
-        chunks_b, chunks_c = list(b), [first_c] + list(c)
+        chunks_b, chunks_c, chunks_d = list(b), [first_c] + list(c), list(d)  # d starts after its finish
         e.check_invariants()
-    for chunks, prompt, n in zip((chunks_a, chunks_b, chunks_c), prompts, (12, 3, 4)):
+        assert not (e._streamed or e._awaited or e._finished_streams)
+    for chunks, prompt, n in zip((chunks_a, chunks_b, chunks_c, chunks_d), prompts, (12, 3, 4, 2)):
         assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
         assert sum((ch["output_ids"] for ch in chunks), []) == reference_greedy(ckpt, prompt, n)
         assert chunks[-1]["final"]["output_ids"] == reference_greedy(ckpt, prompt, n)
@@ -4594,7 +4608,7 @@ def test_bench_serve_quick_runs(tmp_path):
 
 def test_bench_single_and_profile_quick_run(tmp_path):
     """bench.py single --quick (one request alone: float32, int8, int4), profile --quick (a decode
-    step's parts) and sampling --quick (what logprobs and penalties cost a step)."""
+    step's parts) and sampling --quick (what logprobs, penalties and sampling cost a step)."""
     out = tmp_path / "single.json"
     r = run_bench("single", "--quick", "--json", str(out))
     res = json.loads(out.read_text())
@@ -4609,10 +4623,11 @@ def test_bench_single_and_profile_quick_run(tmp_path):
     run_bench("profile", "--quick", "--json", str(out))
     shares = json.loads(out.read_text())["shares"]
     assert "matmul (weights)" in shares and sum(shares.values()) == pytest.approx(1.0)
-    out = tmp_path / "sampling.json"  # logprobs and penalties on and off
+    out = tmp_path / "sampling.json"  # logprobs, penalties and sampling on and off
     run_bench("sampling", "--quick", "--json", str(out))
     rows = json.loads(out.read_text())
-    assert set(rows) == {"plain", "logprobs, top 5", "penalties", "logprobs and penalties"}
+    assert set(rows) == {"plain", "logprobs, top 5", "penalties", "logprobs and penalties", "temperature 0.8",
+                         "temperature 0.8, top_p 0.95"}
     assert all(r["step_ms"] > 0 and r["host_ms"] > 0 for r in rows.values())
 
 
