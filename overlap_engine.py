@@ -2616,7 +2616,7 @@ class Engine:
         step()): a long list of waiting requests is not looked at every iteration."""
         mine, pending = {r.rid: i for i, r in enumerate(reqs)}, {r.rid: r for r in reqs}
         self._awaited.update(pending)
-        done_before = {rid for rid, r in pending.items() if r.finished()}  # a stream started late
+        self._finished_streams.update(rid for rid, r in pending.items() if r.finished())  # started late
         try:
             while pending:
                 for o in self._iterate():
@@ -2624,7 +2624,6 @@ class Engine:
                         self._backlog.append(o)  # for the caller of step()
                 running = (r.rid for r in self.scheduler.row_owner.values())
                 news = {rid for rid in itertools.chain(self._finished_streams, running) if rid in pending}
-                news, done_before = news | done_before, set()
                 for rid in sorted(news, key=mine.get):
                     r = pending[rid]
                     chunk = self.stream_chunk(r)
