@@ -69,6 +69,7 @@ import itertools
 import math
 import queue
 import random
+import re
 import threading
 import time
 from collections import deque
@@ -153,10 +154,13 @@ class Req:
         self.streamed_text_len, self.streamed_ids_len = 0, 0          # what generate(stream=True) sent
         # logprobs, committed with their tokens: (logprob, token id, None) each, as SGLang gives them
         self.return_logprob, self.top_logprobs_num, self.logprob_start_len = False, 0, -1
+        self.token_ids_logprob: Optional[list] = None  # token ids whose logprobs each position reports
         self.output_token_logprobs: list = []
         self.output_top_logprobs: list = []
         self.input_token_logprobs: list = []  # prompt tokens from logprob_start_len on
         self.input_top_logprobs: list = []
+        self.output_token_ids_logprobs: list = []  # with token_ids_logprob: per position, those ids'
+        self.input_token_ids_logprobs: list = []
         self.input_logprobs_done = False
         self.shares_prefill_of: Optional[Req] = None  # n > 1: the sibling whose prompt KV it waits for
         self.grammar = None  # json_schema / regex / ebnf: Part II's matcher (ready, accept, fill_mask)
@@ -194,44 +198,51 @@ class Req:
         return not self.finished() and self.planned_outputs() < self.sampling_params.max_new_tokens
 
     def update_finish_state(self, tokenizer: Optional[Tokenizer]):
-        """Called at commit, after a token was appended: length, EOS and stop ids, stop strings (in that
-        order). Text is decoded here only when stop strings need it; otherwise at finish or when streamed."""
+        """Called at commit, after a token was appended: the grammar, EOS and stop ids, stop strings and
+        regexes, then length (SGLang's order: a stop at the last allowed token is a stop). Text is decoded
+        here only when stop strings need it; otherwise at finish or when streamed."""
         sp, tok = self.sampling_params, self.output_ids[-1] if self.output_ids else None
         if self.grammar is not None and tok is not None:  # once per committed token, which it allowed
             assert self.grammar.accept(tok), f"the grammar refused token {tok}, which its mask allowed"
-        if len(self.output_ids) >= sp.max_new_tokens:
-            self.finished_reason = {"type": "length", "length": sp.max_new_tokens}
-        elif self.grammar is not None and self.grammar.terminated():
+        by_text = (sp.stop or sp.stop_regex) and tokenizer is not None
+        if self.grammar is not None and self.grammar.terminated():
             self.finished_reason = {"type": "stop", "matched": tok}
         elif len(self.output_ids) < sp.min_new_tokens:  # no stop yet (sampling masked its stop ids)
-            if sp.stop and tokenizer is not None:
+            if by_text:
                 self.detokenize(tokenizer)  # a stop string must end after the window to count
         elif tok in self.stop_ids:
             self.finished_reason = {"type": "stop", "matched": tok}
-        elif sp.stop and tokenizer is not None:
+        elif by_text:
             self.check_stop_strings(tokenizer)
-        if self.finished() and tokenizer is not None and self.finished_reason.get("matched") not in sp.stop:
-            # subtle: the text of a matched stop token is left out, like a stop string; so a stop token
-            # is recognised before stop strings decode it into `text`
-            stop_tok = self.finished_reason["type"] == "stop"
+        if not self.finished() and len(self.output_ids) >= sp.max_new_tokens:
+            self.finished_reason = {"type": "length", "length": sp.max_new_tokens}
+        matched = (self.finished_reason or {}).get("matched")
+        if self.finished() and tokenizer is not None and not isinstance(matched, str):
+            # subtle: the text of a matched stop token is left out, like a stop string (unless
+            # no_stop_trim); so a stop token is recognised before stop strings decode it into `text`
+            stop_tok = self.finished_reason["type"] == "stop" and not sp.no_stop_trim
             self.detokenize(tokenizer, final=True, upto=len(self.output_ids) - stop_tok)
 
     def check_stop_strings(self, tokenizer: Tokenizer):
-        """Decodes the new token and finishes at the first stop string in the text, cutting it off."""
+        """Decodes the new token and finishes at the first stop string or stop_regex match that ends in
+        the new text; the match and what follows are cut off (no_stop_trim keeps the match)."""
         sp, old_len = self.sampling_params, len(self.text)
         self.detokenize(tokenizer)
-        start = max(0, old_len - max(map(len, sp.stop)) + 1)  # a new match must end in the new text
-        hits = [(self.text.find(s, start), s) for s in sp.stop]
-        hits = [(i, s) for i, s in hits if i >= 0]
+        start = max(0, old_len - max(map(len, sp.stop), default=1) + 1)
+        hits = [(i, i + len(s), s) for s in sp.stop for i in [self.text.find(s, start)] if i >= 0]
+        for pattern in sp.stop_regex:  # a regex match may start anywhere: the first that ends in the new text
+            m = next((m for m in re.finditer(pattern, self.text) if m.end() > old_len), None)
+            hits += [(m.start(), m.end(), pattern)] if m else []
         if hits:
-            i, s = min(hits)
-            self.text, self.finished_reason = self.text[:i], {"type": "stop", "matched": s}
+            i, end, s = min(hits)
+            self.text, self.finished_reason = self.text[:end if sp.no_stop_trim else i], {"type": "stop",
+                                                                                          "matched": s}
 
     def detokenize(self, tokenizer: Tokenizer, final: bool = False, upto: Optional[int] = None):
         """Incremental detokenizer: text grows only by complete characters (no dangling UTF-8 bytes)."""
-        ids = self.output_ids[:upto]
-        prev = tokenizer.decode(ids[self.prefix_offset:self.read_offset])
-        new = tokenizer.decode(ids[self.prefix_offset:])
+        ids, skip = self.output_ids[:upto], self.sampling_params.skip_special_tokens
+        prev = tokenizer.decode(ids[self.prefix_offset:self.read_offset], skip)
+        new = tokenizer.decode(ids[self.prefix_offset:], skip)
         if len(new) > len(prev) and (final or not new.endswith("\ufffd")):
             self.text += new[len(prev):]
             self.prefix_offset, self.read_offset = self.read_offset, len(ids)
@@ -242,14 +253,22 @@ class Req:
         if not self.input_token_logprobs and self.logprob_start_len == 0:
             self.input_token_logprobs.append((None, self.origin_input_ids[0], None))
             self.input_top_logprobs.append(None)
+            self.input_token_ids_logprobs.append(None)
         assert first == self.logprob_start_len + len(self.input_token_logprobs) or not count, "chunk order"
         for j, tok in zip(range(start, start + count), self.origin_input_ids[first:first + count]):
             self.input_token_logprobs.append((out["input_logprobs"][j], tok, None))
             self.input_top_logprobs.append(top_logprobs(out, "input_", j, self.top_logprobs_num))
+            self.input_token_ids_logprobs.append(self.given_ids_logprobs(out, "input_", j))
 
     def add_output_logprob(self, out: dict, j: int):
         self.output_token_logprobs.append((out["logprobs"][j], self.output_ids[-1], None))
         self.output_top_logprobs.append(top_logprobs(out, "", j, self.top_logprobs_num))
+        self.output_token_ids_logprobs.append(self.given_ids_logprobs(out, "", j))
+
+    def given_ids_logprobs(self, out: dict, kind: str, j: int) -> Optional[list]:
+        """Row j's (logprob, token id, None) of each id in token_ids_logprob (the row is padded past them)."""
+        ids = self.token_ids_logprob
+        return None if ids is None else [(lp, t, None) for lp, t in zip(out[kind + "ids_logprobs"][j], ids)]
 
     def meta_info(self) -> dict:
         meta = {"id": self.rid, "finish_reason": self.finished_reason,
@@ -260,6 +279,9 @@ class Req:
                         output_top_logprobs=list(self.output_top_logprobs),
                         input_token_logprobs=list(self.input_token_logprobs),
                         input_top_logprobs=list(self.input_top_logprobs))
+            if self.token_ids_logprob is not None:
+                meta.update(output_token_ids_logprobs=list(self.output_token_ids_logprobs),
+                            input_token_ids_logprobs=list(self.input_token_ids_logprobs))
         return meta
 
     def output(self) -> dict:
@@ -375,6 +397,12 @@ class ScheduleBatch:
         if wanted or rows:
             sampling["logprob_idx"] = int64(wanted)
             sampling["top_logprobs_num"] = max(r.top_logprobs_num for r in self.reqs if r.return_logprob)
+        given = [self.reqs[i].token_ids_logprob or [] for i in wanted]  # token_ids_logprob, padded with 0
+        if any(given) or rows and any(r.token_ids_logprob for r in self.reqs[:self.n_prefill]):
+            K = max(len(g) for g in given + [r.token_ids_logprob or [] for r in self.reqs])
+            sampling["ids_logprob"] = int64([g + [0] * (K - len(g)) for g in given]).view(-1, K)
+            row_ids = [self.reqs[i].token_ids_logprob or [] for i in self.prompt_row_reqs]
+            sampling["input_ids_logprob"] = int64([g + [0] * (K - len(g)) for g in row_ids]).view(-1, K)
         # overlap mode publishes each sampled token (not a mid-prompt chunk's) for the next step to gather
         publish = [i for i, last in enumerate(self.is_last_chunk) if last and self.scheduler.enable_overlap]
         deferred = any(r.grammar is not None and last for r, last in zip(self.reqs, self.is_last_chunk))
@@ -421,7 +449,7 @@ class ScheduleBatch:
         """Prompt logprobs: a logits row at each fed position q whose next token q + 1 is a prompt token
         its request asks about (from logprob_start_len on). Returns the rows' flat positions and tokens."""
         rows, ids, start = [], [], 0
-        self.input_spans = [None] * len(self.reqs)
+        self.input_spans, self.prompt_row_reqs = [None] * len(self.reqs), []  # the request of each row
         for i, (r, pre, ext) in enumerate(zip(self.reqs[:self.n_prefill], prefix_lens, extend_lens)):
             if r.owes_input_logprobs():
                 lo = max(pre, max(r.logprob_start_len, 1) - 1)
@@ -429,6 +457,7 @@ class ScheduleBatch:
                 self.input_spans[i] = (len(rows), n, lo + 1)
                 rows += range(start + lo - pre, start + lo - pre + n)
                 ids += r.origin_input_ids[lo + 1:lo + 1 + n]
+                self.prompt_row_reqs += [i] * n
             start += ext
         return rows, ids
 
@@ -989,7 +1018,8 @@ class ModelWorker:
             sampling["bitmask"] = to(bitmask)
         out = self.sample_tokens(logits[:B], sampling)
         if len(batch.prompt_logit_rows):
-            out |= logprobs(logits[B:], to(batch.prompt_logit_ids), sampling["top_logprobs_num"], "input_")
+            out |= logprobs(logits[B:], to(batch.prompt_logit_ids), sampling["top_logprobs_num"], "input_",
+                            sampling.get("input_ids_logprob"))
         if len(publish_idx):  # host-known: no sync (a device boolean mask would sync)
             sel = to(publish_idx)
             self.future_map.publish(to(batch.req_pool_indices)[sel], out["next_ids"][sel])
@@ -1010,7 +1040,7 @@ class ModelWorker:
         out = {"next_ids": next_ids}
         if "logprob_idx" in s:
             idx = s["logprob_idx"]
-            out |= logprobs(logits[idx], next_ids[idx], s["top_logprobs_num"])
+            out |= logprobs(logits[idx], next_ids[idx], s["top_logprobs_num"], "", s.get("ids_logprob"))
         return out
 
     def write_row(self, row: int, slots: torch.Tensor):
@@ -1741,13 +1771,17 @@ class TokenCounts:
         self.counts[rows, tokens] += 1  # a row appears once per step: no repeated index
 
 
-def logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int, kind: str = "") -> dict:
+def logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int, kind: str = "",
+             given: Optional[torch.Tensor] = None) -> dict:
     """The model's own logprobs (log_softmax of the raw logits: before penalties, temperature and
-    filters, as OpenAI and vLLM report them) of ids (R,) under logits (R, V), and each row's k best."""
+    filters, as OpenAI and vLLM report them) of ids (R,) under logits (R, V), each row's k best, and
+    those of the given token ids (R, K) (token_ids_logprob)."""
     lp = torch.log_softmax(logits, dim=-1)  # (R, V), fp32 or fp64: the model's logits are at least fp32
     out = {kind + "logprobs": lp.gather(1, ids[:, None]).squeeze(1)}
     if k:
         out[kind + "top_logprobs"], out[kind + "top_ids"] = lp.topk(k, dim=-1)
+    if given is not None:
+        out[kind + "ids_logprobs"] = lp.gather(1, given)  # (R, K)
     return out
 
 
@@ -1931,6 +1965,8 @@ import jinja2.sandbox
 import numpy as np
 import torch.distributed as dist
 
+__version__ = "0.4.0"  # /server_info's version
+
 
 # ----------------------------------------------------------------------------------------------------
 # Engine API: arguments, sampling parameters, and the Engine that wires everything together
@@ -1979,6 +2015,8 @@ class ServerArgs:
     schedule_conservativeness: float = arg(1.0, "scales the decode headroom kept when admitting; 0: none")
     mem_fraction_static: float = arg(0.8, "CUDA: share of free memory for weights and KV cache")
     random_seed: int = arg(0, "seeds the requests that give no sampling_seed")
+    constrained_json_disable_any_whitespace: bool = arg(
+        False, "a json_schema grammar allows no whitespace between tokens of JSON (by default any)")
     # tensor parallelism: one scheduler per rank, in lockstep
     tp_size: int = arg(1, "tensor-parallel ranks; each holds 1/tp_size of the heads, MLP and vocabulary")
     nnodes: int = arg(1, "machines the ranks span, tp_size / nnodes ranks on each")
@@ -2059,11 +2097,13 @@ def _is_real(x) -> bool:
 
 SAMPLING_EPS = 1e-6  # a temperature below this samples greedily
 MAX_TOP_LOGPROBS = 20  # top_logprobs_num at most (OpenAI's top_logprobs limit)
+MAX_TOKEN_IDS_LOGPROB = 1024  # token_ids_logprob: ids at most
 SIBLING_SEED_STEP = 0x9E3779B97F4A7C15  # n > 1: sibling i samples with seed + i * this (mod 2**63)
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")  # SGLang's names for a constrained request's grammar
 
 
-def check_logprob_args(return_logprob, top_logprobs_num, logprob_start_len):
+def check_logprob_args(return_logprob, top_logprobs_num, logprob_start_len, token_ids_logprob=None,
+                       vocab_size: int = 0):
     """Engine.generate's logprob arguments (SGLang's names); a ValueError names a bad one."""
     if not isinstance(return_logprob, bool):
         raise ValueError(f"return_logprob={return_logprob!r} must be a bool")
@@ -2073,6 +2113,13 @@ def check_logprob_args(return_logprob, top_logprobs_num, logprob_start_len):
     if not _is_int(logprob_start_len) or logprob_start_len < -1:
         raise ValueError(f"logprob_start_len={logprob_start_len!r} must be -1 (no prompt logprobs) or an "
                          "integer >= 0")
+    if token_ids_logprob is not None:
+        ok = isinstance(token_ids_logprob, list) and 0 < len(token_ids_logprob) <= MAX_TOKEN_IDS_LOGPROB
+        if not ok or not all(_is_int(t) and 0 <= t < vocab_size for t in token_ids_logprob):
+            raise ValueError(f"token_ids_logprob={token_ids_logprob!r:.80} must be a list of 1 to "
+                             f"{MAX_TOKEN_IDS_LOGPROB} token ids in [0, {vocab_size})")
+        if not return_logprob:
+            raise ValueError("token_ids_logprob needs return_logprob=True")
 
 
 @dataclass
@@ -2096,6 +2143,10 @@ class SamplingParams:
     json_schema: Optional[str] = None  # a JSON schema (a string) the output must follow, or
     regex: Optional[str] = None        # a regular expression it must match, or
     ebnf: Optional[str] = None         # an EBNF grammar (xgrammar's dialect): at most one of the three
+    stop_regex: list = field(default_factory=list)  # regular expressions (Python's re): a match stops it
+    no_stop_trim: bool = False     # keep the matched stop string, regex match or stop token in the text
+    skip_special_tokens: bool = True   # special tokens are left out of the text
+    spaces_between_special_tokens: bool = True  # SGLang's; only True (tokenizers has no such switch)
 
     def has_penalties(self) -> bool:
         return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
@@ -2115,9 +2166,10 @@ class SamplingParams:
             if key not in names:
                 raise ValueError(f"unknown sampling parameter {key!r}; known: {sorted(names)}")
         sp = cls(**d)
-        if isinstance(sp.stop, str):
-            sp.stop = [sp.stop]
-        for key in ("stop", "stop_token_ids"):
+        for key in ("stop", "stop_regex"):
+            if isinstance(getattr(sp, key), str):
+                setattr(sp, key, [getattr(sp, key)])
+        for key in ("stop", "stop_token_ids", "stop_regex"):
             v = getattr(sp, key)
             if v is not None and not isinstance(v, (list, tuple)):
                 raise ValueError(f"sampling parameter {key}={v!r}: must be a list")
@@ -2145,8 +2197,19 @@ class SamplingParams:
             bad("stop", "must be a non-empty string or a list of non-empty strings")
         if not all(_is_int(t) and 0 <= t < vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be a list of token ids in [0, {vocab_size})")
-        if not isinstance(self.ignore_eos, bool):
-            bad("ignore_eos", "must be a bool")
+        for key in ("ignore_eos", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, key), bool):
+                bad(key, "must be a bool")
+        if not self.spaces_between_special_tokens:
+            bad("spaces_between_special_tokens", "only true is implemented")
+        for pattern in self.stop_regex:
+            if not isinstance(pattern, str) or not pattern:
+                bad("stop_regex", "must be a non-empty string or a list of them")
+            try:
+                if re.compile(pattern).match(""):
+                    bad("stop_regex", f"{pattern!r} matches the empty string: it would stop at once")
+            except re.error as e:
+                bad("stop_regex", f"{pattern!r} is not a valid regular expression: {e}")
         seed = self.sampling_seed
         if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
             bad("sampling_seed", "must be an integer in [0, 2**63) or None")
@@ -2176,6 +2239,15 @@ class SamplingParams:
                 bad("logit_bias", f"bias {b!r} of token {t!r} is not a number in [-100, 100]")
             bias[tok] = bias.get(tok, 0) + b
         self.logit_bias = bias
+
+
+def partial_match_start(patterns: list, text: str, pos: int) -> int:
+    """Where the first match of any pattern at or after pos starts, a partial one at the end of the text
+    included (the `regex` module's partial matching): from there the text may still become a stop_regex
+    match. len(text) if none."""
+    import regex
+    found = (regex.search(p, text, pos=pos, partial=True) for p in patterns)
+    return min((m.start() for m in found if m is not None), default=len(text))
 
 
 class CtrlCHeld:
@@ -2289,9 +2361,11 @@ class Engine:
         dtype = getattr(torch, args.dtype)
         shard = TPShard(tp_rank, args.tp_size)  # tp_size 1: the whole model
         if args.load_format == "dummy":
-            cfg, state, self.tokenizer = load_dummy(args.model_path or "smollm2-135m", args.device, shard)
+            self.model_path = args.model_path or "smollm2-135m"  # a preset's name, or a config's directory
+            cfg, state, self.tokenizer = load_dummy(self.model_path, args.device, shard)
         else:
-            cfg, state, self.tokenizer = load_checkpoint(args.model_path or default_model_path(), shard)
+            self.model_path = args.model_path or default_model_path()
+            cfg, state, self.tokenizer = load_checkpoint(self.model_path, shard)
         self.model_config = cfg
         self.model = build_model(cfg, state, dtype, args.device, shard, args.quantization)
         del state
@@ -2414,7 +2488,9 @@ class Engine:
 
     def _make_reqs(self, input_ids, sampling_params, rid=None, logprob: tuple = (False, 0, -1)) -> list:
         """Validates one prompt's request completely before anything is allocated. n > 1 makes n
-        siblings, seeded apart, the first of which prefills the prompt for all."""
+        siblings, seeded apart, the first of which prefills the prompt for all (given a rid, sibling i
+        is f"{rid}_{i}"). logprob: generate()'s return_logprob, top_logprobs_num, logprob_start_len and
+        token_ids_logprob."""
         V = self.model_config.vocab_size
         if not isinstance(input_ids, (list, tuple)) or len(input_ids) == 0:
             raise ValueError(f"input_ids must be a non-empty list of token ids, got {input_ids!r:.80}")
@@ -2429,9 +2505,9 @@ class Engine:
         if L >= self.max_total_tokens:
             raise ValueError(f"input_ids has {L} tokens; the KV pool holds {self.max_total_tokens}")
         sp = SamplingParams.from_dict(sampling_params, V)
-        for s in sp.stop:
-            if self.tokenizer is None:
-                raise ValueError(f"stop={s!r} needs a tokenizer, and this checkpoint has none")
+        for key in ("stop", "stop_regex"):
+            if getattr(sp, key) and self.tokenizer is None:
+                raise ValueError(f"sampling parameter {key} needs a tokenizer, and this checkpoint has none")
         if sp.n > self.server_args.max_running_requests:
             raise ValueError(f"sampling parameter n={sp.n}: more than max_running_requests="
                              f"{self.server_args.max_running_requests} requests")
@@ -2440,9 +2516,9 @@ class Engine:
             raise ValueError(f"input_ids has {L} tokens and max_new_tokens={sp.max_new_tokens}: "
                              f"{L + sp.max_new_tokens} in all, more than the KV pool holds "
                              f"({self.max_total_tokens}); lower max_new_tokens or raise max_total_tokens")
-        if rid is not None and (not isinstance(rid, str) or rid in self._reqs):
-            raise ValueError(f"rid={rid!r} must be a new string")
-        check_logprob_args(*logprob)
+        if rid is not None and (not isinstance(rid, str) or not rid or rid in self._reqs):
+            raise ValueError(f"rid={rid!r:.80} must be a new non-empty string (a request of that id runs)")
+        check_logprob_args(*logprob, vocab_size=V)
         if sp.grammar() is not None:  # parsed now (a ValueError names it); compiled off the scheduler's path
             if self.tokenizer is None:
                 raise ValueError(f"sampling parameter {sp.grammar()[0]} needs a tokenizer, and this "
@@ -2453,9 +2529,10 @@ class Engine:
         eos = eos or self.model_config.eos_token_ids
         reqs = []
         for i in range(sp.n):  # sibling i draws with a seed of its own, derived from the request's
-            r = Req(rid if rid and not i else os.urandom(16).hex(), list(input_ids), sp,
-                    (seed + i * SIBLING_SEED_STEP) % 2**63, eos)
-            r.return_logprob, r.top_logprobs_num, r.logprob_start_len = logprob
+            name = os.urandom(16).hex() if rid is None else f"{rid}_{i}" if i else rid
+            r = Req(name, list(input_ids), sp, (seed + i * SIBLING_SEED_STEP) % 2**63, eos)
+            r.return_logprob, r.top_logprobs_num, r.logprob_start_len = logprob[:3]
+            r.token_ids_logprob = logprob[3] if len(logprob) > 3 else None
             reqs.append(r)
         return reqs
 
@@ -2479,16 +2556,17 @@ class Engine:
         """The grammar backend, made on first use. With tensor parallelism grammars compile in the call:
         every rank must find a request's grammar ready in the same iteration."""
         if self._grammars is None:
-            self._grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size,
-                                            self.tokenizer.eos_token_ids or self.model_config.eos_token_ids,
-                                            threads=self.tp is None)
+            self._grammars = GrammarBackend(
+                self.tokenizer, self.model_config.vocab_size,
+                self.tokenizer.eos_token_ids or self.model_config.eos_token_ids, threads=self.tp is None,
+                any_whitespace=not self.server_args.constrained_json_disable_any_whitespace)
         return self._grammars
 
-    def add_request(self, input_ids=None, sampling_params=None, prompt=None, rid=None,
-                    return_logprob=False, top_logprobs_num=0, logprob_start_len=-1) -> str:
+    def add_request(self, input_ids=None, sampling_params=None, prompt=None, rid=None, return_logprob=False,
+                    top_logprobs_num=0, logprob_start_len=-1, token_ids_logprob=None) -> str:
         """Queues one request; returns its id (later meta_info['id']). Logprobs as in generate()."""
         self._check_open()
-        logprob = (return_logprob, top_logprobs_num, logprob_start_len)
+        logprob = (return_logprob, top_logprobs_num, logprob_start_len, token_ids_logprob)
         reqs = self._make_reqs(self._to_ids(prompt, input_ids), sampling_params, rid, logprob)
         if len(reqs) > 1:
             raise ValueError(f"sampling parameter n={len(reqs)}: add_request queues one request; "
@@ -2496,12 +2574,17 @@ class Engine:
         return self._submit(reqs[0])
 
     def add_requests(self, input_ids: list, sampling_params: list, return_logprob=False, top_logprobs_num=0,
-                     logprob_start_len=-1) -> list[str]:
+                     logprob_start_len=-1, token_ids_logprob=None, rids: Optional[list] = None) -> list[str]:
         """Queues several requests, all validated before any is queued (a server's batch); their ids,
-        n for a prompt whose sampling_params ask for n > 1."""
+        n for a prompt whose sampling_params ask for n > 1. rids: one per prompt, or None."""
         self._check_open()
-        logprob = (return_logprob, top_logprobs_num, logprob_start_len)
-        groups = [self._make_reqs(ids, sp, logprob=logprob) for ids, sp in zip(input_ids, sampling_params)]
+        logprob = (return_logprob, top_logprobs_num, logprob_start_len, token_ids_logprob)
+        rids = rids or [None] * len(input_ids)
+        groups = [self._make_reqs(ids, sp, rid, logprob)
+                  for ids, sp, rid in zip(input_ids, sampling_params, rids)]
+        given = [r.rid for group in groups for r in group]
+        if len(set(given)) < len(given):
+            raise ValueError(f"duplicate request ids in one batch: {sorted(given)!r:.120}")
         return [self._submit(r, group[0].rid if i else None) for group in groups for i, r in enumerate(group)]
 
     def request(self, rid: str) -> Req:
@@ -2580,12 +2663,14 @@ class Engine:
             self.scheduler.abort_req(r)
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False,
-                 return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1):
+                 return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1,
+                 token_ids_logprob: Optional[list] = None):
         """One prompt (str or ids) in, one dict out; a list in, a list out (n > 1: n outputs a prompt, in
         prompt order); stream=True yields chunks. return_logprob adds SGLang's logprobs to meta_info: of
         the output, with the top_logprobs_num best of each position, and of the prompt from token
-        logprob_start_len on (-1: none). They are the model's raw distribution (before temperature,
-        penalties and filters), as OpenAI and vLLM report them."""
+        logprob_start_len on (-1: none); token_ids_logprob, those of the given token ids at each position.
+        They are the model's raw distribution (before temperature, penalties and filters), as OpenAI and
+        vLLM report them."""
         batched = isinstance(prompt, list) or (
             isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list))
         prompts, id_lists = (prompt, input_ids) if batched else ([prompt], [input_ids])
@@ -2596,7 +2681,8 @@ class Engine:
         if len(sps) != n:
             raise ValueError(f"sampling_params has {len(sps)} entries for {n} prompts")
         ids = [self._to_ids(p, i) for p, i in zip(prompts or [None] * n, id_lists or [None] * n)]
-        rids = self.add_requests(ids, sps, return_logprob, top_logprobs_num, logprob_start_len)
+        rids = self.add_requests(ids, sps, return_logprob, top_logprobs_num, logprob_start_len,
+                                 token_ids_logprob)
         reqs = [self._reqs[rid] for rid in rids]
         self._streamed.update(rids)
         batched = batched or len(reqs) > n  # n > 1: a list out
@@ -2643,11 +2729,14 @@ class Engine:
                 self.abort(rid)
 
     def stream_chunk(self, r: Req) -> Optional[dict]:
-        """What a request committed since its last chunk: text (held back while a stop string may still
-        be forming), output ids and meta_info; None when there is nothing new."""
+        """What a request committed since its last chunk: text (held back while a stop string or regex
+        match may still be forming), output ids and meta_info; None when there is nothing new."""
+        sp = r.sampling_params
         if self.tokenizer is not None and not r.finished():
             r.detokenize(self.tokenizer)  # catch the text up with the committed tokens
-        hold = 0 if r.finished() else max(map(len, r.sampling_params.stop), default=1) - 1
+        hold = 0 if r.finished() else max(map(len, sp.stop), default=1) - 1
+        if sp.stop_regex and not r.finished():
+            hold = max(hold, len(r.text) - partial_match_start(sp.stop_regex, r.text, r.streamed_text_len))
         text_end = max(r.streamed_text_len, len(r.text) - hold)
         if text_end == r.streamed_text_len and len(r.output_ids) == r.streamed_ids_len and not r.finished():
             return None
@@ -3284,8 +3373,10 @@ class GrammarBackend:
 
     CACHE_SIZE = 256  # compiled grammars kept
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_ids, threads: bool = True):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_ids, threads: bool = True,
+                 any_whitespace: bool = True):
         import xgrammar as xgr
+        self.any_whitespace = any_whitespace  # json_schema: whitespace allowed between JSON's tokens
         from tokenizers import decoders
         tk = tokenizer.tk
         kind = xgr.VocabType.BYTE_LEVEL if isinstance(tk.decoder, decoders.ByteLevel) else xgr.VocabType.RAW
@@ -3313,7 +3404,7 @@ class GrammarBackend:
         try:
             if kind == "json_schema":
                 json.loads(source)
-                return self.xgr.Grammar.from_json_schema(source, any_whitespace=False)
+                return self.xgr.Grammar.from_json_schema(source, any_whitespace=self.any_whitespace)
             if kind == "regex":
                 return self.xgr.Grammar.from_regex(source)
             return self.xgr.Grammar.from_ebnf(source)
@@ -3573,13 +3664,14 @@ class Tokenizer:
             raise ValueError(f"the text has {len(enc)} tokens, more than {max_len}")
         return enc.ids
 
-    def decode(self, ids) -> str:
-        return self.tk.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Renders a conversation with the model's chat template (jinja2, as transformers does)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        """Renders a conversation with the model's chat template (jinja2, as transformers does); extra:
+        more variables for the template (SGLang's chat_template_kwargs)."""
         return render_chat_template(self.chat_template, messages, self.bos_token or "", self.eos_token or "",
-                                    add_generation_prompt)
+                                    add_generation_prompt, **extra)
 
     def token_text(self, token: int) -> str:
         """One token's text, special tokens included (what a logprobs entry shows)."""
@@ -3873,15 +3965,15 @@ def _compile_chat_template(template):
     return env.from_string(template)
 
 
-def render_chat_template(template, messages, bos_token, eos_token, add_generation_prompt=True):
+def render_chat_template(template, messages, bos_token, eos_token, add_generation_prompt=True, **extra):
     """Render a chat as the model was trained to see it, e.g.
     render_chat_template(t, [{"role": "user", "content": "hi"}], "<s>", "</s>")
     -> '<|im_start|>user\\nhi...'"""
     # like transformers: keys set to None are dropped (templates test `'key' in message`, not None)
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
     return _compile_chat_template(template).render(
-        messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
-        bos_token=bos_token, eos_token=eos_token)
+        **{"tools": None, "documents": None, **extra}, messages=messages,
+        add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token)
 
 
 class DefaultModelUnavailable(RuntimeError):
@@ -4182,7 +4274,7 @@ CLI_GROUPS = {
                               "max_prefill_tokens", "chunked_prefill_size", "disable_radix_cache",
                               "enable_mixed_chunk",
                               "schedule_policy", "schedule_conservativeness", "mem_fraction_static"),
-    "sampling": ("random_seed",),
+    "sampling": ("random_seed", "constrained_json_disable_any_whitespace"),
     "tensor parallelism": ("tp_size", "nnodes", "node_rank", "dist_init_addr", "dist_timeout"),
     "debugging": ("debug_future_map", "debug_ledger", "worker_jitter_ms", "debug_tp_plan"),
 }
@@ -4391,6 +4483,72 @@ class RequestChannel:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+class ServerMetrics:
+    """SGLang's Prometheus metrics, by its names, in a registry of this server's own: counters and
+    latency histograms fed by the scheduler thread as it hands out committed tokens, gauges read from the
+    engine (on that thread) when /metrics is scraped."""
+
+    TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)  # SGLang's
+    ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 0.08, 0.1,
+                   0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8)
+
+    def __init__(self, model_name: str):
+        import prometheus_client as pc
+        self.pc, self.registry = pc, pc.CollectorRegistry()
+        self.content_type = pc.CONTENT_TYPE_LATEST
+        made = {}
+
+        def metric(kind, name, doc, **kw):
+            made[name] = kind("sglang:" + name, doc, ["model_name"], registry=self.registry, **kw)
+            return made[name].labels(model_name=model_name)
+        self.prompt_tokens = metric(pc.Counter, "prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = metric(pc.Counter, "generation_tokens", "Output tokens of finished requests")
+        self.num_requests = metric(pc.Counter, "num_requests", "Finished requests (aborted ones included)")
+        self.num_aborted = metric(pc.Counter, "num_aborted_requests", "Aborted requests")
+        self.running = metric(pc.Gauge, "num_running_reqs", "Requests that hold a KV row")
+        self.queued = metric(pc.Gauge, "num_queue_reqs", "Requests waiting to be admitted")
+        self.token_usage = metric(pc.Gauge, "token_usage", "Share of the KV pool held by requests")
+        self.ttft = metric(pc.Histogram, "time_to_first_token_seconds", "Time to first token",
+                           buckets=self.TTFT_BUCKETS)
+        self.itl = metric(pc.Histogram, "inter_token_latency_seconds", "Time between output tokens",
+                          buckets=self.ITL_BUCKETS)
+        self.e2e = metric(pc.Histogram, "e2e_request_latency_seconds", "Submission to the last token",
+                          buckets=self.TTFT_BUCKETS + (600, 1200, 1800, 2400))
+        self.clocks: dict[str, list] = {}  # rid -> [submitted at, last token at, output tokens seen]
+
+    def submitted(self, rid: str):
+        self.clocks[rid] = [time.perf_counter(), None, 0]
+
+    def progressed(self, r: Req, now: float):
+        """r's committed tokens since the last look: the first one's latency, then each one's."""
+        clock = self.clocks.get(r.rid)
+        new = 0 if clock is None else len(r.output_ids) - clock[2]
+        if new > 0:
+            if clock[1] is None:  # the first token(s)
+                self.ttft.observe(now - clock[0])
+            else:
+                for _ in range(new):  # several tokens in one commit: each gets its share of the gap
+                    self.itl.observe((now - clock[1]) / new)
+            clock[1], clock[2] = now, len(r.output_ids)
+        if r.finished() and clock is not None:
+            del self.clocks[r.rid]
+            self.prompt_tokens.inc(len(r.origin_input_ids))
+            self.generation_tokens.inc(len(r.output_ids))
+            self.num_requests.inc()
+            if r.finished_reason["type"] == "abort":
+                self.num_aborted.inc()
+            self.e2e.observe(now - clock[0])
+
+    def read_gauges(self, engine: Engine):
+        s = engine.scheduler
+        self.running.set(len(s.row_owner))
+        self.queued.set(len(s.waiting))
+        self.token_usage.set(kv_tokens_used(s) / s.kv_pool.size)
+
+    def exposition(self) -> bytes:
+        return self.pc.generate_latest(self.registry)
+
+
 class SchedulerThread(threading.Thread):
     """Owns the Engine. Takes requests, aborts and calls from its inbox (new requests join the next
     plan, with a step still in flight), steps the engine while there is work, and sends each request's
@@ -4402,11 +4560,14 @@ class SchedulerThread(threading.Thread):
         self.live: dict[str, tuple] = {}  # rid -> (Req, channel, index in its HTTP request)
         self.error: Optional[Exception] = None  # a step failed: the engine cannot continue
         self.stopping = False
+        self.metrics = ServerMetrics(served_model_name(engine))
 
     # -- called from the HTTP side (any thread) --
-    def submit(self, input_ids: list, sampling_params: list, channel: RequestChannel, logprob: tuple):
-        """Queues the prompts' requests; logprob: Engine.add_requests' three logprob arguments."""
-        self.inbox.put(("add", input_ids, sampling_params, channel, logprob))
+    def submit(self, input_ids: list, sampling_params: list, channel: RequestChannel, logprob: tuple,
+               rids: Optional[list] = None, log: bool = True):
+        """Queues the prompts' requests; logprob: Engine.add_requests' logprob arguments; rids: one per
+        prompt or None; log: counted in /metrics."""
+        self.inbox.put(("add", input_ids, sampling_params, channel, logprob, rids, log))
 
     def cancel(self, channel: RequestChannel):
         """The client went away: abort whatever that channel's requests are by now (they may not even
@@ -4465,16 +4626,18 @@ class SchedulerThread(threading.Thread):
             for rid in list(self.live):
                 self.engine.abort(rid)
 
-    def add(self, input_ids, sampling_params, channel, logprob):
+    def add(self, input_ids, sampling_params, channel, logprob, rids, log):
         if self.error is not None or self.stopping:
             return channel.put(("error", 503, f"the engine cannot take requests: {self.error or 'stopping'}"))
         try:
-            rids = self.engine.add_requests(input_ids, sampling_params, *logprob)
+            rids = self.engine.add_requests(input_ids, sampling_params, *logprob, rids=rids)
         except ValueError as e:
             return channel.put(("error", 400, str(e)))
         channel.put(("queued", len(rids)))  # n > 1: more requests than prompts
         for i, rid in enumerate(rids):
             self.live[rid] = (self.engine.request(rid), channel, i)
+            if log:
+                self.metrics.submitted(rid)
 
     def step(self):
         try:
@@ -4487,16 +4650,50 @@ class SchedulerThread(threading.Thread):
             return
         # news come only from requests that hold a KV row (they run) or just finished: a long queue of
         # waiting requests is not looked at every step
-        running = (r.rid for r in self.engine.scheduler.row_owner.values())
+        running, now = (r.rid for r in self.engine.scheduler.row_owner.values()), time.perf_counter()
         for rid in dict.fromkeys(itertools.chain((o["meta_info"]["id"] for o in finished), running)):
             if rid not in self.live:
                 continue
             req, channel, i = self.live[rid]
+            self.metrics.progressed(req, now)
             chunk = self.engine.stream_chunk(req) if channel.stream or req.finished() else None
             if chunk is not None:
                 channel.put(("chunk", i, chunk))
             if req.finished():
                 del self.live[rid]
+
+
+    # -- run on this thread, for the endpoints that read the engine --
+    def load(self) -> dict:
+        """SGLang's /get_load entry: requests held and waiting, and KV tokens used plus those the waiting
+        prompts will take (a walk of the queue: only when asked)."""
+        s = self.engine.scheduler
+        waiting = sum(len(r.origin_input_ids) for r in s.waiting)
+        return {"dp_rank": 0, "num_reqs": len(s.row_owner) + len(s.waiting),
+                "num_waiting_reqs": len(s.waiting), "num_tokens": kv_tokens_used(s) + waiting}
+
+    def abort_requests(self, rid: str, everything: bool) -> int:
+        """POST /abort_request: the live requests whose id starts with rid (SGLang's rule), or all."""
+        hits = [r for r in self.live if everything or rid and r.startswith(rid)]
+        for r in hits:
+            self.engine.abort(r)
+        return len(hits)
+
+
+def kv_tokens_used(s: Scheduler) -> int:
+    """KV slots held by requests: neither free nor only cached (evictable)."""
+    return s.kv_pool.size - s.kv_pool.available_size() - s.tree_cache.evictable_size()
+
+
+def architecture(engine: Engine) -> str:
+    """The checkpoint's architecture name, as HF's config.json has it (from the family's flags for GGUF)."""
+    path = engine.model_path
+    if os.path.isfile(os.path.join(path, "config.json")):
+        with open(os.path.join(path, "config.json")) as f:
+            return (json.load(f).get("architectures") or ["LlamaForCausalLM"])[0]
+    cfg = engine.model_config
+    return ("Qwen3ForCausalLM" if cfg.qk_norm else "Qwen2ForCausalLM" if cfg.attention_bias
+            else "LlamaForCausalLM")
 
 
 def served_model_name(engine: Engine) -> str:
@@ -4506,16 +4703,35 @@ def served_model_name(engine: Engine) -> str:
 
 # -- request bodies: every field checked, a 400 naming it otherwise --
 
-OPENAI_FIELDS = {"model": str, "max_tokens": int, "temperature": float, "top_p": float, "stop": (str, list),
-                 "seed": int, "stream": bool, "n": int, "user": str, "stream_options": dict,
-                 "frequency_penalty": float, "presence_penalty": float, "logit_bias": dict,
-                 "min_tokens": int, "repetition_penalty": float,  # these two: vLLM's and SGLang's extras
-                 "response_format": dict}
+# SGLang's fields that this engine does not implement, each with the one value it takes (SGLang's default,
+# which sglang-router and SGLang's clients send): any other value is a 400 that names the field
+DEFAULT_ONLY = {"return_hidden_states": False, "return_entropy": False, "return_bytes": False,
+                "background": False, "lora_path": None, "session_params": None,
+                "custom_logit_processor": None, "image_data": None, "video_data": None, "audio_data": None,
+                "data_parallel_rank": None,
+                "suffix": None, "best_of": None, "tools": None, "tool_choice": "none", "functions": None}
+# SGLang's fields that change nothing here, whatever their value: no reasoning parser runs (SGLang's
+# separate_reasoning and stream_reasoning act only with one), and no request is logged (no_logs)
+NO_EFFECT = {"separate_reasoning": bool, "stream_reasoning": bool, "no_logs": bool}
+SGLANG_FIELDS = {**{k: object for k in DEFAULT_ONLY}, **NO_EFFECT, "model": str, "rid": (str, list),
+                 "log_metrics": bool}  # log_metrics false: the request is left out of /metrics
+OPENAI_FIELDS = {**SGLANG_FIELDS, "max_tokens": int, "temperature": float, "top_p": float,
+                 "stop": (str, list), "seed": int, "stream": bool, "n": int, "user": str,
+                 "stream_options": dict, "frequency_penalty": float, "presence_penalty": float,
+                 "logit_bias": dict, "response_format": dict,
+                 # SGLang's (and vLLM's) extra sampling fields on the OpenAI endpoints
+                 "top_k": int, "min_p": float, "min_tokens": int, "repetition_penalty": float,
+                 "stop_token_ids": list, "ignore_eos": bool, "no_stop_trim": bool,
+                 "skip_special_tokens": bool, "stop_regex": (str, list), "json_schema": str, "regex": str,
+                 "ebnf": str}
 # OpenAI's body fields -> SGLang's sampling parameters (bad values: the engine's ValueError, a 400)
 OPENAI_SAMPLING = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
                    "stop": "stop", "seed": "sampling_seed", "n": "n", "logit_bias": "logit_bias",
                    "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
-                   "min_tokens": "min_new_tokens", "repetition_penalty": "repetition_penalty"}
+                   "min_tokens": "min_new_tokens",
+                   **{k: k for k in ("top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos",
+                                     "no_stop_trim", "skip_special_tokens", "stop_regex", "json_schema",
+                                     "regex", "ebnf")}}
 
 
 def check_input_ids(ids: list) -> bool:
@@ -4565,6 +4781,12 @@ def parse_body(raw: bytes, fields: dict, required: tuple) -> dict:
     for key, value in body.items():
         if key not in fields:
             raise HTTPError(400, f"unknown field {key!r}; known: {sorted(fields)}")
+        if key in DEFAULT_ONLY:
+            default = DEFAULT_ONLY[key]
+            if not (value is None or type(value) is type(default) and value == default):
+                raise HTTPError(400, f"field {key!r}={value!r:.80} is not implemented by this engine; "
+                                     f"only {json.dumps(DEFAULT_ONLY[key])} is accepted")
+            continue
         kinds = fields[key] if isinstance(fields[key], tuple) else (fields[key],)
         ok = any(isinstance(value, k) and not (isinstance(value, bool) and k in (int, float))
                  or (k is float and _is_real(value)) for k in kinds)
@@ -4606,6 +4828,7 @@ def build_app(scheduler: SchedulerThread, read_timeout: float = READ_TIMEOUT):
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     engine, name = scheduler.engine, served_model_name(scheduler.engine)
+    started = int(time.time())  # the model card's `created`
     # bodies are parsed, templated and tokenized here, off the event loop (SGLang's TokenizerManager is a
     # process of its own); two threads, so that one huge prompt does not hold up every small one
     workers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="overlap-engine-tokenize")
@@ -4685,12 +4908,13 @@ def build_app(scheduler: SchedulerThread, read_timeout: float = READ_TIMEOUT):
             raise HTTPError(400, f"{e}: the context length is {engine.context_len}") from None
 
     async def outputs(request, input_ids: list, sampling_params: list, stream: bool = True,
-                      logprob: tuple = (False, 0, -1)):
+                      logprob: tuple = (False, 0, -1), rids: Optional[list] = None, log: bool = True):
         """Submits the requests (n for a prompt with n > 1) and yields (index, chunk) as text is
-        committed; aborts them if the client goes away first."""
+        committed; aborts them if the client goes away first. logprob: Engine.add_requests' logprob
+        arguments; rids: one per prompt, or None; log: counted in /metrics."""
         loop = asyncio.get_running_loop()
         channel = RequestChannel(loop, stream)
-        scheduler.submit(input_ids, sampling_params, channel, logprob)
+        scheduler.submit(input_ids, sampling_params, channel, logprob, rids, log)
         left, next_check = None, loop.time() + 0.5  # left: the requests not finished, once queued
         try:
             while left is None or left:
@@ -4716,9 +4940,9 @@ def build_app(scheduler: SchedulerThread, read_timeout: float = READ_TIMEOUT):
             if left is None or left:  # the client went away (or the stream was cancelled): free its memory
                 scheduler.cancel(channel)
 
-    async def collect(request, input_ids, sampling_params, logprob: tuple = (False, 0, -1)) -> list:
+    async def collect(request, input_ids, sampling_params, **submit) -> list:
         outs = {}
-        async for i, chunk in outputs(request, input_ids, sampling_params, False, logprob):
+        async for i, chunk in outputs(request, input_ids, sampling_params, False, **submit):
             out = outs.setdefault(i, {"text": "", "output_ids": []})
             out["text"] += chunk["text"]
             out["output_ids"] += chunk["output_ids"]
@@ -4753,30 +4977,88 @@ def build_app(scheduler: SchedulerThread, read_timeout: float = READ_TIMEOUT):
         ok = scheduler.is_alive() and scheduler.error is None
         return JSONResponse({"status": "ok" if ok else f"unavailable: {scheduler.error}"}, 200 if ok else 503)
 
+    async def on_scheduler(fn: Callable):
+        """fn(engine) on the scheduler thread, which owns the engine; a 503 once a step has broken it."""
+        if scheduler.error is not None:
+            raise HTTPError(503, f"the engine cannot continue: {scheduler.error}")
+        return await asyncio.wrap_future(scheduler.call(fn))
+
+    def model_card() -> dict:
+        return {"id": name, "object": "model", "created": started, "owned_by": "overlap_engine", "root": name,
+                "parent": None, "max_model_len": engine.context_len}
+
     @route("/v1/models", "GET")
     async def models(request):
-        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "overlap_engine"}]}
+        return {"object": "list", "data": [model_card()]}
 
+    @route("/v1/models/{model:path}", "GET")
+    async def one_model(request):
+        wanted = request.path_params["model"]
+        if wanted != name:
+            return JSONResponse({"error": {"message": f"The model '{wanted}' does not exist",
+                                           "type": "invalid_request_error", "param": "model",
+                                           "code": "model_not_found"}}, 404)
+        return model_card()
+
+    info = {"model_path": engine.model_path, "tokenizer_path": engine.model_path, "served_model_name": name,
+            "is_generation": True, "architectures": [architecture(engine)], "version": __version__}
+
+    @route("/server_info", "GET")
     @route("/get_server_info", "GET")
     async def server_info(request):
-        return {**dataclasses.asdict(engine.server_args), "served_model_name": name,
-                "max_total_tokens": engine.max_total_tokens, "context_length": engine.context_len}
+        return {**dataclasses.asdict(engine.server_args), **info, "status": "ready",
+                "max_total_num_tokens": engine.max_total_tokens, "max_total_tokens": engine.max_total_tokens,
+                "max_req_input_len": engine.context_len - 1, "context_length": engine.context_len}
+
+    @route("/model_info", "GET")
+    @route("/get_model_info", "GET")
+    async def model_info(request):
+        types = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral"}
+        return {**info, "model_type": types.get(info["architectures"][0], "llama"),
+                "load_format": engine.server_args.load_format}
+
+    @route("/get_load", "GET")
+    async def get_load(request):
+        return [await on_scheduler(lambda e: scheduler.load())]
+
+    @route("/metrics", "GET")
+    async def metrics(request):
+        if scheduler.error is None:  # the gauges, read where the engine lives
+            await on_scheduler(lambda e: scheduler.metrics.read_gauges(e))
+        return Response(scheduler.metrics.exposition(), media_type=scheduler.metrics.content_type)
 
     @route("/flush_cache")
     async def flush_cache(request):
-        if scheduler.error is not None:
-            raise HTTPError(503, f"the engine cannot continue: {scheduler.error}")
         try:
-            await asyncio.wrap_future(scheduler.call(lambda e: e.flush_cache()))
+            await on_scheduler(lambda e: e.flush_cache())
         except AssertionError:
             raise HTTPError(400, "the cache can be flushed only when no request is running") from None
         return {"status": "flushed"}
 
+    @route("/abort_request")
+    async def abort_request(request):
+        """SGLang's: aborts the requests whose rid starts with `rid` (its prefix rule: a batch's or an n > 1
+        request's derived ids go with it), or all with abort_all; their clients get finish_reason abort."""
+        body = await prepared(request, lambda raw: parse_body(raw, {"rid": str, "abort_all": bool}, ()))
+        rid, everything = body.get("rid") or "", bool(body.get("abort_all"))
+        await on_scheduler(lambda e: scheduler.abort_requests(rid, everything))
+        return Response(status_code=200)
+
+    def request_ids(rid, prompts: int) -> Optional[list]:
+        """SGLang's rid: a string (a batch's prompt i gets f"{rid}_{i}") or one string per prompt."""
+        if rid is None or isinstance(rid, str):
+            return None if rid is None else [rid] if prompts == 1 else [f"{rid}_{i}" for i in range(prompts)]
+        if len(rid) != prompts or not all(isinstance(x, str) for x in rid):
+            raise HTTPError(400, f"field 'rid' must be a string or a list of {prompts} strings")
+        return rid
+
     def generate_inputs(raw: bytes) -> tuple:
-        """/generate's body -> (body, input_ids, sampling params, logprob arguments, whether a list out)."""
+        """/generate's body -> (body, input_ids, sampling params, logprob arguments, whether a list out,
+        request ids)."""
         body = parse_body(raw, {
-            "text": (str, list), "input_ids": list, "sampling_params": (dict, list), "stream": bool,
-            "return_logprob": bool, "top_logprobs_num": int, "logprob_start_len": int}, ())
+            **SGLANG_FIELDS, "text": (str, list), "input_ids": list, "sampling_params": (dict, list),
+            "stream": bool, "return_logprob": bool, "top_logprobs_num": int, "logprob_start_len": int,
+            "token_ids_logprob": list, "return_text_in_logprobs": bool}, ())
         text, ids = body.get("text"), body.get("input_ids")
         if (text is None) == (ids is None):
             raise HTTPError(400, "give exactly one of 'text' and 'input_ids'")
@@ -4790,33 +5072,49 @@ def build_app(scheduler: SchedulerThread, read_timeout: float = READ_TIMEOUT):
         sps = sp if isinstance(sp, list) else [sp] * len(prompts)
         if len(sps) != len(prompts):
             raise HTTPError(400, f"sampling_params has {len(sps)} entries for {len(prompts)} prompts")
-        logprob = tuple(body.get(k, d) for k, d in (("return_logprob", False), ("top_logprobs_num", 0),
-                                                    ("logprob_start_len", -1)))
+        logprob = tuple(d if body.get(k) is None else body[k] for k, d in (
+            ("return_logprob", False), ("top_logprobs_num", 0), ("logprob_start_len", -1),
+            ("token_ids_logprob", None)))
         many = batched or any(isinstance(s, dict) and s.get("n", 1) != 1 for s in sps)  # a list out
-        return body, input_ids, sps, logprob, many
+        return body, input_ids, sps, logprob, many, request_ids(body.get("rid"), len(prompts))
 
     @route("/generate")
     async def generate(request):
-        body, input_ids, sps, logprob, many = await prepared(request, generate_inputs)
+        body, input_ids, sps, logprob, many, rids = await prepared(request, generate_inputs)
+        shown = with_token_text if body.get("return_text_in_logprobs") else lambda out: out
+        submit = {"logprob": logprob, "rids": rids, "log": body.get("log_metrics") is not False}
         if body.get("stream"):
             async def chunks():
-                async for i, chunk in outputs(request, input_ids, sps, True, logprob):
-                    yield {**chunk, "index": i} if many else chunk
+                async for i, chunk in outputs(request, input_ids, sps, True, **submit):
+                    yield {**shown(chunk), "index": i} if many else shown(chunk)
             return sse(await first_item(chunks()))
-        outs = await collect(request, input_ids, sps, logprob)
+        outs = [shown(o) for o in await collect(request, input_ids, sps, **submit)]
         return outs if many else outs[0]
+
+    def token_text(token: int) -> str:
+        return engine.tokenizer.token_text(token) if engine.tokenizer is not None else f"token_id:{token}"
+
+    def with_token_text(out: dict) -> dict:
+        """return_text_in_logprobs: the third item of each logprob tuple is its token's text."""
+        def fill(entries):
+            return None if entries is None else [(lp, t, token_text(t)) for lp, t, _ in entries]
+        meta = dict(out["meta_info"])
+        for key in ("output_token_logprobs", "input_token_logprobs"):
+            if key in meta:
+                meta[key] = fill(meta[key])
+        for key in ("output_top_logprobs", "input_top_logprobs", "output_token_ids_logprobs",
+                    "input_token_ids_logprobs"):
+            if key in meta:
+                meta[key] = [fill(entries) for entries in meta[key]]
+        return {**out, "meta_info": meta}
 
     def finish_reason(meta: dict) -> Optional[str]:
         reason = meta["finish_reason"]
         return None if reason is None else reason["type"]  # stop | length | abort
 
-    def usage(metas: list) -> dict:
-        done = sum(m["completion_tokens"] for m in metas)  # n > 1: the prompt counts once
-        return {"prompt_tokens": metas[0]["prompt_tokens"], "completion_tokens": done,
-                "total_tokens": metas[0]["prompt_tokens"] + done}
-
-    def token_text(token: int) -> str:
-        return engine.tokenizer.token_text(token) if engine.tokenizer is not None else f"token_id:{token}"
+    def matched_stop(meta: dict):
+        """SGLang's matched_stop: the stop string, regex or token id that ended the choice; None else."""
+        return (meta["finish_reason"] or {}).get("matched")
 
     def chat_logprobs(entries: list, tops: list) -> dict:
         """OpenAI's chat logprobs of (logprob, token, None) entries and their top lists."""
@@ -4835,36 +5133,46 @@ def build_app(scheduler: SchedulerThread, read_timeout: float = READ_TIMEOUT):
         return {"tokens": tokens, "token_logprobs": [lp for lp, _, _ in entries], "top_logprobs": top,
                 "text_offset": list(starts)[:len(tokens)]}
 
-    async def openai_response(request, body, input_ids, sp, chat: bool, logprob: tuple, echo: str = ""):
-        """The OpenAI response (or its SSE stream) of one prompt's n choices. echo: the prompt text that
-        completions puts before each choice's text (with the prompt's logprobs, when logprobs are on)."""
-        kind = "chat.completion" if chat else "text_completion"
+    async def openai_response(request, body, input_ids: list, sp, chat: bool, logprob: tuple,
+                              echo: Optional[list] = None):
+        """The OpenAI response (or its SSE stream) of the prompts' choices: n a prompt, choice p * n + j
+        the j-th of prompt p (OpenAI's order). echo: per prompt, the text that completions puts before
+        each of its choices' text (with the prompt's logprobs, when logprobs are on)."""
+        kind, n = "chat.completion" if chat else "text_completion", sp.get("n", 1)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{os.urandom(8).hex()}", "created": int(time.time()),
                 "model": body.get("model") or name}
+        echo = echo or [""] * len(input_ids)
+        submit = {"logprob": logprob, "rids": request_ids(body.get("rid"), len(input_ids)),
+                  "log": body.get("log_metrics") is not False}
 
         def choice(i, text, meta, new_ids, first, offset=0):
             """Choice i with its new text (from `offset` in the choice's text); its logprobs those of the
             last len(new_ids) tokens."""
-            lps = None
+            lps, echoed = None, echo[i // n] if first else ""
             if logprob[0]:
                 start = len(meta["output_token_logprobs"]) - len(new_ids)
                 entries, tops = meta["output_token_logprobs"][start:], meta["output_top_logprobs"][start:]
                 if chat:
                     lps = chat_logprobs(entries, tops)
                 else:
-                    if first and echo:
+                    if echoed:
                         entries = meta["input_token_logprobs"] + entries
                         tops = meta["input_top_logprobs"] + tops
                     lps = completion_logprobs(entries, tops, offset)
-            text = (echo if first else "") + text
+            end = {"logprobs": lps, "finish_reason": finish_reason(meta), "matched_stop": matched_stop(meta)}
             if not chat:
-                return {"index": i, "text": text, "logprobs": lps, "finish_reason": finish_reason(meta)}
+                return {"index": i, "text": echoed + text, **end}
             body_key = "delta" if body.get("stream") else "message"
             message = {"role": "assistant", "content": text} if first else {"content": text}
-            return {"index": i, body_key: message, "logprobs": lps, "finish_reason": finish_reason(meta)}
+            return {"index": i, body_key: message, **end}
+
+        def usage(metas: list) -> dict:
+            prompt = sum(map(len, input_ids))  # n > 1: a prompt counts once
+            done = sum(m["completion_tokens"] for m in metas)
+            return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
         if not body.get("stream"):
-            outs = await collect(request, [input_ids], [sp], logprob)
+            outs = await collect(request, input_ids, [sp] * len(input_ids), **submit)
             choices = [choice(i, o["text"], o["meta_info"], o["output_ids"], True)
                        for i, o in enumerate(outs)]
             metas = [o["meta_info"] for o in outs]
@@ -4873,7 +5181,7 @@ def build_app(scheduler: SchedulerThread, read_timeout: float = READ_TIMEOUT):
 
         async def events():
             sent, finals = {}, {}  # per choice: the characters of text sent so far
-            async for i, chunk in outputs(request, [input_ids], [sp], True, logprob):
+            async for i, chunk in outputs(request, input_ids, [sp] * len(input_ids), True, **submit):
                 meta, first = chunk["meta_info"], i not in sent
                 c = choice(i, chunk["text"], meta, chunk["output_ids"], first, sent.get(i, 0))
                 sent[i] = sent.get(i, 0) + len(c["text"] if not chat else c["delta"]["content"])
@@ -4896,17 +5204,44 @@ def build_app(scheduler: SchedulerThread, read_timeout: float = READ_TIMEOUT):
         wanted = body.get(key) is not None and body.get(key) is not False
         return wanted, k, 0 if wanted and body.get("echo") else -1
 
+    def check_max_tokens(body: dict, input_ids: list):
+        """An explicit max_tokens must fit the context with its prompt: SGLang's 400 (a default is capped)."""
+        m, C = body.get("max_tokens"), engine.context_len
+        for ids in input_ids if m is not None else ():
+            if len(ids) + m > C:
+                raise HTTPError(400, f"Requested token count exceeds the model's maximum context length "
+                                     f"of {C} tokens. You requested a total of {len(ids) + m} tokens: "
+                                     f"{len(ids)} tokens from the input messages and {m} tokens for the "
+                                     "completion. Please reduce the number of tokens in the input messages "
+                                     "or the completion to fit within the limit.")
+
+    def completion_prompts(prompt) -> list:
+        """OpenAI's prompt: a string, a list of strings, a list of token ids or a list of such lists; the
+        prompts, each a string or a list of ids in the vocabulary."""
+        V = engine.model_config.vocab_size
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and all(isinstance(p, str) for p in prompt):
+            return prompt
+        many = prompt and all(isinstance(p, list) for p in prompt)
+        for ids in prompt if many else [prompt]:
+            if not ids or not all(_is_int(t) and 0 <= t < V for t in ids):
+                raise HTTPError(400, "field 'prompt' must be a string, a list of strings, a list of token "
+                                     f"ids in [0, {V}) or a list of such lists: {json.dumps(prompt)[:80]}")
+        return prompt if many else [prompt]
+
     def completion_inputs(raw: bytes) -> tuple:
-        """/v1/completions' body -> (body, input_ids, sampling params, logprob arguments, echo text)."""
+        """/v1/completions' body -> (body, input_ids per prompt, sampling params, logprob arguments, echo
+        text per prompt)."""
         fields = {**OPENAI_FIELDS, "prompt": (str, list), "logprobs": int, "echo": bool}
         body = parse_body(raw, fields, ("prompt",))
-        prompt = body["prompt"]
-        input_ids = tokenize(prompt) if isinstance(prompt, str) else prompt
-        echo = ""  # the prompt's text, before each choice's
-        if body.get("echo") and isinstance(prompt, str):
-            echo = prompt
-        elif body.get("echo") and engine.tokenizer is not None:
-            echo = engine.tokenizer.decode(prompt)
+        prompts = completion_prompts(body["prompt"])
+        input_ids = [tokenize(p) if isinstance(p, str) else p for p in prompts]
+        check_max_tokens(body, input_ids)
+        echo = None  # the prompt's text before each choice's: as given, special tokens included
+        if body.get("echo"):
+            echo = [p if isinstance(p, str) else "" if engine.tokenizer is None
+                    else engine.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
         return body, input_ids, openai_sampling(body, 16), openai_logprobs(body, "logprobs", None), echo
 
     @route("/v1/completions")
@@ -4914,23 +5249,39 @@ def build_app(scheduler: SchedulerThread, read_timeout: float = READ_TIMEOUT):
         body, input_ids, sp, logprob, echo = await prepared(request, completion_inputs)
         return await openai_response(request, body, input_ids, sp, False, logprob, echo)
 
+    def chat_prompt(body: dict) -> str:
+        """The templated chat. continue_final_message: a last assistant message is continued, not closed
+        (its text follows the generation prompt, as SGLang has it)."""
+        messages = chat_messages(body["messages"])
+        if engine.tokenizer is None or not engine.tokenizer.chat_template:
+            raise HTTPError(400, "this checkpoint has no chat template: use /v1/completions")
+        extra = body.get("chat_template_kwargs") or {}
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(extra)
+        if reserved:
+            raise HTTPError(400, f"field 'chat_template_kwargs' may not set {sorted(reserved)}")
+        tail = ""
+        if body.get("continue_final_message") and messages[-1]["role"] == "assistant":
+            messages, tail = messages[:-1], messages[-1]["content"]
+        try:
+            return engine.tokenizer.apply_chat_template(messages, **extra) + tail
+        except Exception as e:  # the template's own error (roles that do not alternate), or its failure
+            raise HTTPError(400, f"the chat template refused these messages: {type(e).__name__}: {e}"
+                            ) from None
+
     def chat_inputs(raw: bytes) -> tuple:
         """/v1/chat/completions' body -> (body, input_ids of the templated chat, sampling params, logprob
         arguments)."""
         fields = {**OPENAI_FIELDS, "messages": list, "max_completion_tokens": int, "logprobs": bool,
-                  "top_logprobs": int}
+                  "top_logprobs": int, "continue_final_message": bool, "chat_template_kwargs": dict,
+                  "echo": bool}  # sglang-router sends echo false to chat too
         body = parse_body(raw, fields, ("messages",))
-        messages = chat_messages(body["messages"])
-        if engine.tokenizer is None or not engine.tokenizer.chat_template:
-            raise HTTPError(400, "this checkpoint has no chat template: use /v1/completions")
+        if body.get("echo"):
+            raise HTTPError(400, "field 'echo'=true is not implemented for chat; only false is accepted")
         if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
             body["max_tokens"] = body["max_completion_tokens"]
-        try:
-            prompt = engine.tokenizer.apply_chat_template(messages)
-        except jinja2.exceptions.TemplateError as e:  # e.g. roles that do not alternate
-            raise HTTPError(400, f"the chat template refused these messages: {e}") from None
-        return (body, tokenize(prompt), openai_sampling(body, None),
-                openai_logprobs(body, "logprobs", "top_logprobs"))
+        input_ids = [tokenize(chat_prompt(body))]
+        check_max_tokens(body, input_ids)
+        return body, input_ids, openai_sampling(body, None), openai_logprobs(body, "logprobs", "top_logprobs")
 
     @route("/v1/chat/completions")
     async def chat_completions(request):

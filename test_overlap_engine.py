@@ -11,6 +11,7 @@ the reference forward below is written independently of the engine: no KV cache,
 import ast
 import collections
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -130,6 +131,9 @@ def make_engine(path, loop, **kw):
     kw.setdefault("debug_ledger", True)
     kw.setdefault("debug_tp_plan", True)
     kw.setdefault("max_total_tokens", 2048)
+    # a random model fills JSON with whitespace where a grammar lets it (SGLang's default): the grammar
+    # tests want short records (test_json_whitespace_is_allowed_unless_disabled checks the default)
+    kw.setdefault("constrained_json_disable_any_whitespace", True)
     return Engine(model_path=path, disable_overlap_schedule=loop == "serial", **kw)
 
 
@@ -2919,11 +2923,73 @@ def test_stop_string_is_cut(ckpt, loop):
     assert out["text"] == full[:full.index(stop)] and stop not in out["text"]
 
 
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_stop_at_the_last_allowed_token_is_a_stop_not_length(ckpt, loop):
+    """EOS (forced by a bias once min_new_tokens allows it) and a stop id, each sampled as the last token
+    max_new_tokens allows: finish_reason stop with the token matched (SGLang's and OpenAI's answer)."""
+    prompt = random_prompts(1, seed=5)[0]
+    ref = reference_greedy(ckpt, prompt, 6)
+    with make_engine(ckpt, loop) as e:
+        out = e.generate(input_ids=prompt, sampling_params={
+            "max_new_tokens": 4, "min_new_tokens": 3, "temperature": 0, "logit_bias": {EOS: 100}})
+        assert out["output_ids"] == ref[:3] + [EOS]
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS}
+        k = next(i for i in range(1, 6) if ref[i] not in ref[:i])  # its first occurrence ends it
+        out = e.generate(input_ids=prompt, sampling_params={
+            "max_new_tokens": k + 1, "temperature": 0, "stop_token_ids": [ref[k]], "ignore_eos": False})
+        assert out["output_ids"] == ref[:k + 1]
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": ref[k]}
+        e.check_invariants()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_stop_regex_cuts_the_text_and_streams_nothing_of_the_match(ckpt, loop):
+    """stop_regex (SGLang's): the first match that ends in the new text stops the request and is cut off
+    (no_stop_trim keeps it); streamed chunks hold back a match still forming, so they add up to the final
+    text. Two characters of the free run, the second any, make the pattern."""
+    prompt = list(range(40, 60))
+    ref = reference_greedy(ckpt, prompt, 30)
+    with make_engine(ckpt, loop) as e:
+        char = e.tokenizer.decode  # (one byte a token: ASCII ones are characters)
+        k = next(i for i in range(4, 29) if ref[i] < 128 and ref[i + 1] < 128 and char([ref[i]]).isalnum()
+                 and char([ref[i]]) not in char(ref[:i]))
+        pattern, full = re.escape(char([ref[k]])) + ".", char(ref[:k + 2])
+        cut = full.index(char([ref[k]]))
+        for trim in (False, True):
+            sp = {"max_new_tokens": 30, "temperature": 0, "stop_regex": pattern, "no_stop_trim": trim}
+            out = e.generate(input_ids=prompt, sampling_params=sp)
+            chunks = list(e.generate(input_ids=prompt, sampling_params=sp, stream=True))
+            assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+            assert out["output_ids"] == ref[:k + 2]
+            assert out["text"] == (full[:cut + 2] if trim else full[:cut])
+            assert "".join(c["text"] for c in chunks) == out["text"] and len(chunks) > 2
+        e.check_invariants()
+    with pytest.raises(ValueError, match="stop_regex"):
+        oe.SamplingParams.from_dict({"stop_regex": "a*"}, 10)  # matches the empty string
+    with pytest.raises(ValueError, match="stop_regex"):
+        oe.SamplingParams.from_dict({"stop_regex": ["("]}, 10)
+
+
+def test_json_whitespace_is_allowed_unless_disabled(chat_ckpt):
+    """A json_schema allows whitespace between JSON's tokens by default (SGLang's and vLLM's);
+    constrained_json_disable_any_whitespace forbids it. Checked on the grammar's own matcher."""
+    def accepts(engine, text: str) -> bool:
+        g = oe.Grammar(engine.grammars().xgr, engine.grammars().compiled("json_schema", SMALL_SCHEMA))
+        g.ready(timeout=30)
+        return all(g.accept(t) for t in engine.tokenizer.encode(text))
+    spaced, tight = '{\n  "name" : "ab",\n  "n": 1, "ok": true }', json.dumps({"name": "ab", "n": 1, "ok": True})
+    with make_engine(chat_ckpt, "overlap", constrained_json_disable_any_whitespace=False) as e:
+        assert accepts(e, spaced) and accepts(e, tight)
+    with make_engine(chat_ckpt, "overlap", constrained_json_disable_any_whitespace=True) as e:
+        assert not accepts(e, spaced) and accepts(e, tight)
+    assert oe.ServerArgs().constrained_json_disable_any_whitespace is False
+
+
 def test_stop_string_inside_a_long_token():
     class Tok:  # id -> text
         vocab = {0: "Hello", 1: " internationally", 2: " and"}
 
-        def decode(self, ids):
+        def decode(self, ids, skip_special_tokens=True):
             return "".join(self.vocab[i] for i in ids)
     sp = oe.SamplingParams.from_dict({"stop": ["inter"], "max_new_tokens": 10}, 3)
     r = oe.Req("x", [0], sp, 0, ())
@@ -4537,6 +4603,365 @@ def test_server_failed_step_is_a_500_and_health_turns_503(chat_ckpt, monkeypatch
         server.stop()
 
 
+# -- the clients' dialect: SGLang's and OpenAI's fields, batches of prompts, and never a 500 --
+
+FUZZ_VALUES = [None, [], [[]], {}, {"a": 1}, "x", "", 10**30, -10**30, -1, 1.5, 1e308, True, [1, "a"],
+               [[1, 2], [3]], [{"a": 1}], [None], [[[1]]], {"type": [1]}, ["a", ["b"]]]
+
+
+def fuzz_cases(fields: dict) -> list:
+    """(path, body) pairs: each endpoint's valid base body with one field (or one nested key) swapped for
+    each wrong shape, the whole body replaced by a non-object, and a stream of each."""
+    bases = {"/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 1}},
+             "/v1/completions": {"prompt": "hi", "max_tokens": 1, "echo": True, "logprobs": 1},
+             "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+             "/abort_request": {"rid": "nobody"}, "/flush_cache": {}}
+    cases = []
+    for path, base in bases.items():
+        keys = [(k,) for k in fields[path]]
+        if path == "/generate":
+            keys += [("sampling_params", f.name) for f in dataclasses.fields(oe.SamplingParams)]
+        if path == "/v1/chat/completions":
+            keys += [("messages", 0, "content"), ("messages", 0, "role"), ("response_format", "type"),
+                     ("stream_options", "include_usage"), ("chat_template_kwargs", "messages")]
+        for key in keys:
+            for value in FUZZ_VALUES:
+                body = json.loads(json.dumps(base))
+                node = body
+                for k in key[:-1]:
+                    if isinstance(k, str) and k not in node:
+                        node[k] = {}
+                    node = node[k]
+                node[key[-1]] = value
+                cases.append((path, body))
+        cases += [(path, b) for b in ([], "x", 1, None, [[{"a": [1]}]])]
+    streamed = [(p, {**b, "stream": True}) for p, b in cases if isinstance(b, dict) and "stream" not in b
+                and p not in ("/abort_request", "/flush_cache")]
+    return cases + streamed[::3]
+
+
+def test_server_wrong_shapes_are_4xx_never_500(served):
+    """Every endpoint, every field swapped for lists where strings go, nested lists, objects, nulls and
+    huge numbers, streamed and not: never a 5xx (a shape that happens to be valid is a 200). The server
+    is healthy and exact afterwards, with nothing leaked."""
+    import concurrent.futures
+    server, offline = served
+    fields = {"/generate": ["text", "input_ids", "sampling_params", "return_logprob", "top_logprobs_num",
+                            "logprob_start_len", "token_ids_logprob", "return_text_in_logprobs", "rid",
+                            *oe.SGLANG_FIELDS],
+              "/v1/completions": [*oe.OPENAI_FIELDS, "prompt", "logprobs", "echo"],
+              "/v1/chat/completions": [*oe.OPENAI_FIELDS, "messages", "max_completion_tokens", "logprobs",
+                                       "top_logprobs", "continue_final_message", "chat_template_kwargs"],
+              "/abort_request": ["rid", "abort_all"], "/flush_cache": ["x"]}
+    cases = fuzz_cases(fields)
+    assert len(cases) > 3000
+
+    def send(case) -> tuple:
+        """(status, the error of a 5xx or of an SSE error event, else None)."""
+        import http.client
+        path, body = case
+        host, port = server.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        try:
+            conn.request("POST", path, body=json.dumps(body).encode())
+            resp = conn.getresponse()
+            data = resp.read().decode()
+            failed = resp.status >= 500 or resp.status == 200 and '"error"' in data and '"code": 5' in data
+            return resp.status, data[:300] if failed else None
+        finally:
+            conn.close()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(send, cases))
+    bad = [(case, res) for case, res in zip(cases, results) if res[1] is not None]
+    assert not bad, bad[:5]
+    statuses = collections.Counter(status for status, _ in results)
+    assert set(statuses) <= {200, 400} and statuses[400] > len(cases) // 2, statuses
+    assert http_call(server, "GET", "/health")[0] == 200
+    status, out = http_call(server, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 5,
+                                                                 "temperature": 0})
+    want = offline.generate(prompt="hello", sampling_params={"max_new_tokens": 5, "temperature": 0})
+    assert status == 200 and out["choices"][0]["text"] == want["text"]
+    wait_idle_and_check(server)
+
+
+def test_server_completions_take_a_batch_of_prompts_in_every_shape(served, ckpt_logprobs):
+    """prompt as a string, a list of strings, a list of ids and a list of id lists: one choice per prompt
+    and per n, index p * n + j, with echo and logprobs, streamed and not; lm-eval's scoring call (a list
+    of id lists, echo, max_tokens 1, logprobs 1) gets the logprobs of the reference forward."""
+    import openai
+    server, offline = served
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=60, max_retries=0)
+    tok = offline.tokenizer
+    texts = ["hello there", "a KV cache", "zz"]
+    ids = [tok.encode(t) for t in texts]
+    sp = {"max_new_tokens": 3, "temperature": 0}
+    want = [o["text"] for o in offline.generate(input_ids=ids, sampling_params=sp)]
+    for prompt in (texts, ids):
+        for stream in (False, True):
+            r = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, n=2,
+                                          stream=stream)
+            texts_by_index = collections.defaultdict(str)
+            for c in (ch for chunk in r for ch in chunk.choices) if stream else r.choices:
+                texts_by_index[c.index] += c.text
+            assert dict(texts_by_index) == {p * 2 + j: want[p] for p in range(3) for j in range(2)}
+            if not stream:
+                assert [c.index for c in r.choices] == list(range(6))
+                assert r.usage.prompt_tokens == sum(map(len, ids)) and r.usage.completion_tokens == 18
+    for prompt in (texts[0], ids[0]):  # one prompt, as a string and as ids
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0)
+        assert [c.text for c in r.choices] == [want[0]]
+    # lm-eval's loglikelihood request, exactly as local-completions sends it
+    body = {"model": None, "prompt": ids[:2], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+            "echo": True}
+    status, out = http_call(server, "POST", "/v1/completions", body)
+    assert status == 200 and [c["index"] for c in out["choices"]] == [0, 1]
+    for p, c in zip(ids[:2], out["choices"]):
+        lps = c["logprobs"]["token_logprobs"]
+        assert len(lps) == len(p) + 1 and lps[0] is None and c["text"].startswith(tok.decode(p))
+        ref = ckpt_logprobs(p + [0], 0)  # row q scores token q + 1
+        assert lps[1:len(p)] == pytest.approx([ref[q, p[q + 1]].item() for q in range(len(p) - 1)], abs=1e-9)
+        greedy = ref[len(p) - 1].argmax().item()  # the one generated token, greedy, with its logprob
+        assert lps[-1] == pytest.approx(ref[len(p) - 1, greedy].item(), abs=1e-9)
+        assert max(c["logprobs"]["top_logprobs"][-1].values()) == pytest.approx(lps[-1], abs=1e-9)
+    # and its generate_until request: a list of strings with stops
+    status, out = http_call(server, "POST", "/v1/completions", {"model": None, "prompt": texts[:2],
+                                                                 "max_tokens": 3, "temperature": 0,
+                                                                 "stop": ["\n\n"], "seed": 1234})
+    assert status == 200 and [c["text"] for c in out["choices"]] == want[:2]
+    for bad in ([], [[]], [1, [2]], [[1, 2], "x"], [10**6], [[-1]]):
+        status, err = http_call(server, "POST", "/v1/completions", {"prompt": bad, "max_tokens": 1})
+        assert status == 400 and "prompt" in err["error"]["message"], (bad, err)
+    wait_idle_and_check(server)
+
+
+@pytest.fixture(scope="module")
+def ckpt_logprobs(chat_ckpt):
+    return functools.partial(reference_logprobs, chat_ckpt)
+
+
+ROUTER_GENERATE_FIELDS = {"model": None, "return_text_in_logprobs": False, "log_metrics": True,
+                          "return_hidden_states": False, "background": False, "no_logs": False,
+                          "return_bytes": False, "return_entropy": False, "stream": False}
+ROUTER_OPENAI_FIELDS = {"no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
+                        "return_hidden_states": False, "echo": False, "stream": False}
+ROUTER_CHAT_FIELDS = {**ROUTER_OPENAI_FIELDS, "continue_final_message": False, "separate_reasoning": True,
+                      "stream_reasoning": True, "logprobs": False}
+
+
+def test_server_accepts_sglang_fields_at_their_defaults_and_names_the_rest(served):
+    """What sglang-router adds to every request (observed from its 0.3.2 against a logging worker) is
+    accepted at its default and changes nothing; a value the engine does not implement is a 400 naming
+    the field."""
+    server, offline = served
+    want = offline.generate(prompt="hello", sampling_params={"max_new_tokens": 4, "temperature": 0})["text"]
+    sp = {"max_new_tokens": 4, "temperature": 0}
+    status, out = http_call(server, "POST", "/generate", {"text": "hello", "sampling_params": sp,
+                                                          **ROUTER_GENERATE_FIELDS})
+    assert status == 200 and out["text"] == want
+    status, out = http_call(server, "POST", "/v1/completions", {"model": "tiny", "prompt": "hello",
+                                                                 "max_tokens": 4, "temperature": 0,
+                                                                 **ROUTER_OPENAI_FIELDS})
+    assert status == 200 and out["choices"][0]["text"] == want
+    messages = [{"role": "user", "content": "hi"}]
+    want_chat = offline.generate(prompt=offline.tokenizer.apply_chat_template(messages), sampling_params=sp)
+    status, out = http_call(server, "POST", "/v1/chat/completions", {
+        "model": "unknown", "messages": messages, "max_completion_tokens": 4, "temperature": 0.0,
+        **ROUTER_CHAT_FIELDS, "separate_reasoning": False})
+    assert status == 200 and out["choices"][0]["message"]["content"] == want_chat["text"]
+    for path, body in (("/generate", {"text": "hi"}), ("/v1/completions", {"prompt": "hi"})):
+        for key, value in (("return_hidden_states", True), ("background", True), ("return_entropy", True),
+                           ("return_bytes", True), ("lora_path", "x"), ("image_data", "x")):
+            status, err = http_call(server, "POST", path, {**body, key: value})
+            assert status == 400 and f"'{key}'" in err["error"]["message"] and "not implemented" in \
+                err["error"]["message"], (path, key, err)
+    status, err = http_call(server, "POST", "/v1/chat/completions", {"messages": messages, "tools": [{}]})
+    assert status == 400 and "'tools'" in err["error"]["message"]
+    wait_idle_and_check(server)
+
+
+def test_server_rid_and_abort_request(served, monkeypatch):
+    """SGLang's rid names a request (a batch's prompt i is f"{rid}_{i}"); POST /abort_request aborts the
+    requests whose rid starts with it, or all: their clients get finish_reason abort with what was
+    committed; a rid that runs already is a 400."""
+    import threading
+    server, _ = served
+    slow_forward(monkeypatch, 0.01)
+    sp = {"max_new_tokens": 300, "ignore_eos": True}
+    results = {}
+
+    def run(key, path, body):
+        results[key] = http_call(server, "POST", path, body)
+    jobs = [("one", "/generate", {"text": "aa", "sampling_params": sp, "rid": "job-1"}),
+            ("batch", "/generate", {"text": ["bb", "cc"], "sampling_params": sp, "rid": "job-2"}),
+            ("openai", "/v1/completions", {"prompt": "dd", "max_tokens": 300, "ignore_eos": True,
+                                           "rid": "other"})]
+    threads = [threading.Thread(target=run, args=job) for job in jobs]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 20
+    while len(server.scheduler.call(lambda e: list(server.scheduler.live)).result(10)) < 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    status, err = http_call(server, "POST", "/generate", {"text": "x", "rid": "job-1"})
+    assert status == 400 and "job-1" in err["error"]["message"]
+    assert sorted(server.scheduler.call(lambda e: list(server.scheduler.live)).result(10)) == [
+        "job-1", "job-2_0", "job-2_1", "other"]
+    assert http_call(server, "POST", "/abort_request", {"rid": "job-"})[0] == 200  # SGLang's prefix rule
+    for t in threads[:2]:
+        t.join(20)
+    assert results["one"][1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert [o["meta_info"]["finish_reason"]["type"] for o in results["batch"][1]] == ["abort", "abort"]
+    assert [o["meta_info"]["id"] for o in results["batch"][1]] == ["job-2_0", "job-2_1"]
+    assert threads[2].is_alive()  # "other" goes on
+    assert http_call(server, "POST", "/abort_request", {"abort_all": True})[0] == 200
+    threads[2].join(20)
+    status, out = results["openai"]
+    assert status == 200 and out["choices"][0]["finish_reason"] == "abort"
+    assert len(out["choices"][0]["text"]) < 300
+    monkeypatch.undo()
+    wait_idle_and_check(server)
+
+
+def test_server_logprob_text_token_ids_logprob_and_matched_stop(served, ckpt_logprobs):
+    """return_text_in_logprobs puts each token's text in its tuple; token_ids_logprob gives the logprobs of
+    the given ids at every position (the reference forward's); matched_stop names the stop string, the
+    stop token id or nothing."""
+    server, offline = served
+    tok = offline.tokenizer
+    prompt = tok.encode("hello there")
+    status, out = http_call(server, "POST", "/generate", {
+        "input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0, "token_ids_logprob": [5, 97],
+        "return_text_in_logprobs": True})
+    assert status == 200
+    m, full = out["meta_info"], prompt + out["output_ids"]
+    ref = ckpt_logprobs(full, 0)  # row q scores token q + 1
+    assert [t for _, _, t in m["output_token_logprobs"]] == [tok.token_text(t) for t in out["output_ids"]]
+    assert all(len(e) == 3 and isinstance(e[2], str) for top in m["output_top_logprobs"] for e in top)
+    got = [lp for pos in m["output_token_ids_logprobs"] for lp, _, _ in pos]
+    start = len(prompt) - 1
+    assert got == pytest.approx([ref[start + j, t].item() for j in range(4) for t in (5, 97)], abs=1e-9)
+    assert m["input_token_ids_logprobs"][0] is None
+    assert [lp for lp, _, _ in m["input_token_ids_logprobs"][1]] == pytest.approx(
+        [ref[0, 5].item(), ref[0, 97].item()], abs=1e-9)
+    assert [t for _, t, _ in m["output_token_ids_logprobs"][0]] == [5, 97]
+    status, err = http_call(server, "POST", "/generate", {"text": "hi", "token_ids_logprob": [1]})
+    assert status == 400 and "return_logprob" in err["error"]["message"]
+    # matched_stop: a stop token id, a stop string, nothing at length
+    sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    free = offline.generate(input_ids=prompt, sampling_params=sp)["output_ids"]
+    status, out = http_call(server, "POST", "/v1/completions", {
+        "prompt": prompt, "max_tokens": 12, "temperature": 0, "stop_token_ids": [free[3]]})
+    assert out["choices"][0]["finish_reason"] == "stop" and out["choices"][0]["matched_stop"] == free[3]
+    status, out = http_call(server, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 2,
+                                                                 "temperature": 0})
+    assert out["choices"][0]["finish_reason"] == "length" and out["choices"][0]["matched_stop"] is None
+    wait_idle_and_check(server)
+
+
+def test_server_openai_endpoints_take_sglang_sampling_extras(served):
+    """Through the openai client's extra_body: regex, ebnf, ignore_eos, stop_regex, no_stop_trim,
+    skip_special_tokens, top_k, continue_final_message: each the text Engine.generate gives for the
+    same sampling parameters."""
+    import openai
+    server, offline = served
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=60, max_retries=0)
+    tok = offline.tokenizer
+    base = {"max_new_tokens": 12, "temperature": 0}
+    prompt = "hello there"
+    free = offline.generate(prompt=prompt, sampling_params={**base, "ignore_eos": True})
+    text = free["text"]
+    stop_char = next(c for c in text[2:] if c.isprintable() and not c.isspace())
+    cases = [({"regex": "[a-e]{2,5}"}, {"regex": "[a-e]{2,5}"}),
+             ({"ebnf": 'root ::= "x" [0-9]'}, {"ebnf": 'root ::= "x" [0-9]'}),
+             ({"ignore_eos": True, "top_k": 3}, {"ignore_eos": True, "top_k": 3}),
+             ({"stop_regex": [re.escape(stop_char) + "."]}, {"stop_regex": [re.escape(stop_char) + "."]}),
+             ({"stop": [stop_char], "no_stop_trim": True}, {"stop": [stop_char], "no_stop_trim": True})]
+    for extra, sp in cases:
+        want = offline.generate(prompt=prompt, sampling_params={**base, **sp})
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body=extra)
+        assert r.choices[0].text == want["text"], extra
+        if "stop_regex" in sp and want["meta_info"]["finish_reason"]["type"] == "stop":
+            assert r.choices[0].model_extra["matched_stop"] == sp["stop_regex"][0]
+    want = offline.generate(prompt=prompt, sampling_params={**base, "no_stop_trim": True})
+    assert want["text"] == text or want["meta_info"]["finish_reason"]["type"] == "stop"
+    # skip_special_tokens false: </s> (the EOS, forced by a bias at the third token) stays in the text
+    sp = {**base, "logit_bias": {"257": 100}, "min_new_tokens": 2, "no_stop_trim": True}
+    for skip in (True, False):
+        want = offline.generate(prompt=prompt, sampling_params={**sp, "skip_special_tokens": skip})
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, logit_bias={
+            "257": 100}, extra_body={"min_tokens": 2, "no_stop_trim": True, "skip_special_tokens": skip})
+        assert r.choices[0].text == want["text"] and want["text"].endswith("</s>") == (not skip)
+        assert r.choices[0].finish_reason == "stop" and want["output_ids"][-1] == 257
+    # continue_final_message: the assistant's text is continued, not closed
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
+    prompt = tok.apply_chat_template(messages[:1]) + "Once upon"
+    want = offline.generate(prompt=prompt, sampling_params={"max_new_tokens": 5, "temperature": 0})
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                       extra_body={"continue_final_message": True})
+    assert r.choices[0].message.content == want["text"]
+    wait_idle_and_check(server)
+
+
+def test_server_info_load_metrics_and_models_endpoints(served):
+    """The endpoints sglang-router and dashboards read: /server_info and /model_info (and their get_
+    names), /get_load, Prometheus /metrics counting requests and tokens, /v1/models with max_model_len
+    and /v1/models/{id} (404 for another id); an explicit max_tokens past the context is SGLang's 400."""
+    from prometheus_client.parser import text_string_to_metric_families
+    import openai
+    server, offline = served
+    name = os.path.basename(offline.server_args.model_path)
+    for path in ("/server_info", "/get_server_info", "/model_info", "/get_model_info"):
+        status, info = http_call(server, "GET", path)
+        assert status == 200 and info["model_path"] == offline.server_args.model_path, path
+        assert info["architectures"] == ["LlamaForCausalLM"] and info["is_generation"] is True
+        assert info["tokenizer_path"] and info["version"] == oe.__version__
+    info = http_call(server, "GET", "/server_info")[1]
+    assert info["max_total_num_tokens"] == 2048 and info["served_model_name"] == name
+
+    def scrape():
+        status, raw = http_call_text(server, "/metrics")
+        assert status == 200
+        return {s.name: s.value for fam in text_string_to_metric_families(raw) for s in fam.samples
+                if not s.name.endswith("_created")}
+    before = scrape()
+    http_call(server, "POST", "/generate", {"input_ids": [5, 6, 7], "sampling_params": {
+        "max_new_tokens": 4, "ignore_eos": True}})
+    http_call(server, "POST", "/generate", {"input_ids": [5, 6], "log_metrics": False})  # not counted
+    after = scrape()
+    assert after["sglang:num_requests_total"] - before["sglang:num_requests_total"] == 1
+    assert after["sglang:prompt_tokens_total"] - before["sglang:prompt_tokens_total"] == 3
+    assert after["sglang:generation_tokens_total"] - before["sglang:generation_tokens_total"] == 4
+    assert after["sglang:time_to_first_token_seconds_count"] - before["sglang:time_to_first_token_seconds_count"] == 1
+    assert after["sglang:inter_token_latency_seconds_count"] - before["sglang:inter_token_latency_seconds_count"] == 3
+    assert after["sglang:num_running_reqs"] == 0 and after["sglang:num_queue_reqs"] == 0
+    assert http_call(server, "GET", "/get_load") == (200, [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0,
+                                                            "num_tokens": 0}])
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=60, max_retries=0)
+    card = client.models.retrieve(name)
+    assert card.id == name and card.model_extra["max_model_len"] == offline.context_len
+    assert [m.model_extra["max_model_len"] for m in client.models.list()] == [offline.context_len]
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    with pytest.raises(openai.BadRequestError, match="maximum context length of 512 tokens"):
+        client.completions.create(model="tiny", prompt="hello", max_tokens=510)
+    assert client.completions.create(model="tiny", prompt="hello", max_tokens=507).choices  # 5 + 507 fit
+    wait_idle_and_check(server)
+
+
+def http_call_text(server, path: str, timeout=30) -> tuple:
+    import http.client
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode()
+    finally:
+        conn.close()
+
+
 def test_server_cli_sigterm_stops_cleanly(tmp_path):
     """`python overlap_engine.py --serve --port 0` prints its URL once ready, serves, and on SIGTERM
     stops accepting, aborts what runs, joins the scheduler and exits 0, at once even with a connection
@@ -4582,6 +5007,89 @@ def test_server_cli_sigterm_stops_cleanly(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def start_server_process(ckpt: str, *flags) -> tuple:
+    """`python overlap_engine.py --serve --port 0` on ckpt in float64: (the process, its URL), once ready."""
+    import threading
+    p = subprocess.Popen([sys.executable, "overlap_engine.py", "--serve", "--port", "0", "--model-path", ckpt,
+                          "--dtype", "float64", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+    line = []
+    reader = threading.Thread(target=lambda: line.append(p.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(60)
+    if not (line and "serving" in line[0]):
+        p.kill()
+        raise AssertionError(f"the server did not start: {p.stderr.read()[-2000:]}")
+    return p, line[0].split()[-1]
+
+
+def test_two_servers_behind_sglang_router(chat_ckpt):
+    """sglang-router (cache-aware) in front of two engines, as README "More than one server" runs it:
+    concurrent requests spread over both, greedy text through the router equals a worker's, a client's
+    400 comes back as a 400, and once a worker is killed its share of the requests is retried on the
+    other (the retry backoff outlasts the router's health check)."""
+    import concurrent.futures
+    import signal
+    pytest.importorskip("sglang_router")
+    procs, router = [], None
+    try:
+        workers = [start_server_process(chat_ckpt) for _ in range(2)]
+        procs = [p for p, _ in workers]
+        urls = [u for _, u in workers]
+        port, metrics_port = oe.free_port(), oe.free_port()
+        router = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--policy",
+             "cache_aware", "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+             "--prometheus-port", str(metrics_port), "--disable-circuit-breaker", "--health-check-interval-secs",
+             "1", "--health-failure-threshold", "2", "--retry-max-retries", "6", "--retry-initial-backoff-ms",
+             "500", "--retry-backoff-multiplier", "2", "--log-level", "error"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        front = type("Remote", (), {"url": f"http://127.0.0.1:{port}"})()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                status, ready = http_call(front, "GET", "/readiness", timeout=5)
+                if status == 200 and ready.get("healthy_workers") == 2:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and router.poll() is None, "the router did not get ready"
+            time.sleep(0.2)
+        with Engine(model_path=chat_ckpt, dtype="float64", max_total_tokens=2048) as offline:
+            rng = random.Random(3)  # no shared prefixes: the cache-aware policy balances by tree size
+            prompts = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(40)) for _ in range(16)]
+            sp = {"max_new_tokens": 6, "temperature": 0}
+            want = [o["text"] for o in offline.generate(prompt=prompts, sampling_params=sp)]
+
+        def ask(i):
+            return http_call(front, "POST", "/generate", {"text": prompts[i], "sampling_params": sp})
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(ask, range(16)))
+        assert [s for s, _ in got] == [200] * 16 and [o["text"] for _, o in got] == want
+        served = []
+        for u in urls:
+            status, raw = http_call_text(type("Remote", (), {"url": u})(), "/metrics")
+            served.append(sum(float(line.split()[-1]) for line in raw.splitlines()
+                              if line.startswith("sglang:num_requests_total")))
+        assert sum(served) == 16 and min(served) > 0, served  # both took some
+        status, err = http_call(front, "POST", "/v1/completions", {"model": "tiny", "prompt": "hi",
+                                                                    "temperature": -1})
+        assert status == 400 and "temperature" in err["error"]["message"]
+        procs[0].send_signal(signal.SIGKILL)  # dies with no goodbye: connections refused from now on
+        procs[0].wait(10)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(ask, range(16)))
+        assert [s for s, _ in got] == [200] * 16 and [o["text"] for _, o in got] == want
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(10)
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(10)
 
 
 # ----------------------------------------------------------------------------------------------------
