@@ -397,12 +397,11 @@ class ScheduleBatch:
         if wanted or rows:
             sampling["logprob_idx"] = int64(wanted)
             sampling["top_logprobs_num"] = max(r.top_logprobs_num for r in self.reqs if r.return_logprob)
-        given = [self.reqs[i].token_ids_logprob or [] for i in wanted]  # token_ids_logprob, padded with 0
-        if any(given) or rows and any(r.token_ids_logprob for r in self.reqs[:self.n_prefill]):
-            K = max(len(g) for g in given + [r.token_ids_logprob or [] for r in self.reqs])
-            sampling["ids_logprob"] = int64([g + [0] * (K - len(g)) for g in given]).view(-1, K)
-            row_ids = [self.reqs[i].token_ids_logprob or [] for i in self.prompt_row_reqs]
-            sampling["input_ids_logprob"] = int64([g + [0] * (K - len(g)) for g in row_ids]).view(-1, K)
+        K = max((len(r.token_ids_logprob) for r in self.reqs if r.token_ids_logprob), default=0)
+        if K:  # token_ids_logprob: each row's ids, padded with 0 to (rows, K)
+            pad = [((r.token_ids_logprob or []) + [0] * K)[:K] for r in self.reqs]
+            sampling["ids_logprob"] = int64([pad[i] for i in wanted]).view(-1, K)
+            sampling["input_ids_logprob"] = int64([pad[i] for i in self.prompt_row_reqs]).view(-1, K)
         # overlap mode publishes each sampled token (not a mid-prompt chunk's) for the next step to gather
         publish = [i for i, last in enumerate(self.is_last_chunk) if last and self.scheduler.enable_overlap]
         deferred = any(r.grammar is not None and last for r, last in zip(self.reqs, self.is_last_chunk))
@@ -963,6 +962,7 @@ class ModelWorker:
         self.model, self.req_to_token_pool, self.future_map = model, req_to_token_pool, future_map
         self.attn, self.stream, self.device = attn_backend, stream, device
         self.token_counts: Optional[TokenCounts] = None  # the penalties' per-row state, on the device
+        self.race_rows: Optional[Callable] = None  # how sample() races rows (None: race)
         self.kept_logits: Optional[torch.Tensor] = None  # a deferred step's, until its sample runs
 
     def launch(self, batch: ForwardBatch) -> Optional[StepHandle]:
@@ -1034,7 +1034,7 @@ class ModelWorker:
         counts = self.token_counts
         if "reset_rows" in s:
             counts.reset(s["reset_rows"], s["reset_tokens"], s["reset_counts"])
-        next_ids = sample(logits, s, counts)  # (B,)
+        next_ids = sample(logits, s, counts, self.race_rows)  # (B,)
         if "penalized" in s:
             counts.add(s["penalty_rows"], s["penalty_lens"], next_ids[s["penalized"]])
         out = {"next_ids": next_ids}
@@ -1663,59 +1663,43 @@ def sampling_noise(seed: torch.Tensor, out_pos: torch.Tensor, V: int) -> torch.T
     return u.log_().neg_()
 
 
-SAMPLE_BLOCK = 1 << 19  # on a CPU, logits raced at a time: 4 MB float64 temporaries, 10 rows of 49,152
-
-
-def sample(logits: torch.Tensor, sampling: dict, counts: Optional[TokenCounts] = None) -> torch.Tensor:
+def sample(logits: torch.Tensor, sampling: dict, counts: Optional[TokenCounts] = None,
+           race_rows: Optional[Callable] = None) -> torch.Tensor:
     """Greedy where temperature == 0; else argmax(p / E), E ~ Exp(1), which draws from p exactly
-    (the exponential race), with p filtered by top_k, top_p and min_p; penalties and biases first. A CPU
-    races blocks of rows: batch 256 in one piece took 5x as long here, its temporaries out of cache."""
+    (the exponential race), with p filtered by top_k, top_p and min_p; penalties and biases first.
+    race_rows: how the rows race (race; Part II hands a CPU's worker its own)."""
     if any(k in sampling for k in ("penalized", "bias", "banned", "bitmask")):
         logits = adjust_logits(logits, sampling, counts)
     greedy = logits.argmax(-1)
     if sampling["all_greedy"]:
         return greedy
-    n = max(1, SAMPLE_BLOCK // logits.shape[1]) if logits.device.type == "cpu" else len(logits)
-    drawn = torch.cat([race(logits[i:i + n], sampling, slice(i, i + n)) for i in range(0, len(logits), n)])
-    return torch.where(sampling["temperature"] == 0, greedy, drawn)
+    return torch.where(sampling["temperature"] == 0, greedy, (race_rows or race)(logits, sampling))
 
 
-def race(logits: torch.Tensor, s: dict, rows: slice) -> torch.Tensor:
-    """The exponential race of the batch's rows `rows` (logits holds theirs)."""
+def race(logits: torch.Tensor, s: dict, rows: slice = slice(None), filter: Optional[Callable] = None):
+    """The exponential race of the batch's rows `rows` (logits holds theirs); filter: filter_probs."""
     t, V = s["temperature"][rows], logits.shape[1]
     probs = torch.softmax(logits.double() / torch.where(t > 0, t, 1.0)[:, None], dim=-1)  # (rows, V)
     if s["need_filter"]:
-        candidates = FILTER_CANDIDATES if probs.device.type == "cpu" else V
-        probs = filter_probs(probs, s["top_k"][rows], s["top_p"][rows], s["min_p"][rows], candidates)
+        probs = (filter or filter_probs)(probs, s["top_k"][rows], s["top_p"][rows], s["min_p"][rows])
     noise = sampling_noise(s["seed"][rows], s["out_pos"][rows], V)                     # (rows, V)
     return (probs / noise).argmax(-1)
 
 
-FILTER_CANDIDATES = 1024  # on a CPU, the most likely tokens a filter sorts before it sorts a whole row
+def filter_probs(probs, top_k, top_p, min_p) -> torch.Tensor:
+    """probs (rows, V) where the filters keep them, else 0 (sorting every row whole)."""
+    p, idx = probs.sort(dim=-1, descending=True, stable=True)                             # (rows, V)
+    return torch.zeros_like(probs).scatter_(1, idx, p * kept(p, top_k, top_p, min_p, probs.shape[1]))
 
 
-def filter_probs(probs, top_k, top_p, min_p, candidates: int) -> torch.Tensor:
-    """probs (rows, V) where the filters keep them, else 0. In the stable descending order a token is kept
-    if its rank is below top_k, the mass before it below top_p and p >= min_p * max p; the first always is.
-    Sorting whole rows of 49,152 cost 2 ms a row here, so a CPU sorts the `candidates` most likely (ties in
-    token order, as a stable sort has them) and redoes a row whole only if its filter keeps a token of the
-    least probability among them: tokens past them could be kept too."""
-    V = probs.shape[1]
-    if candidates < V:
-        idx = probs.topk(candidates, dim=-1, sorted=False).indices.sort(dim=-1).values  # in token order
-        p, order = probs.gather(1, idx).sort(dim=-1, descending=True, stable=True)
-        idx = idx.gather(1, order)
-    else:
-        p, idx = probs.sort(dim=-1, descending=True, stable=True)                         # (rows, V)
+def kept(p, top_k, top_p, min_p, V: int) -> torch.Tensor:
+    """Of probabilities p (rows, n) in stable descending order, those a filter keeps: rank below top_k,
+    the mass before it below top_p, and p >= min_p * max p; the first always."""
     keep = torch.arange(p.shape[1], device=p.device)[None] < torch.where(top_k > 0, top_k, V)[:, None]
     keep &= (p.cumsum(-1) - p) < top_p[:, None]
     keep &= p >= min_p[:, None] * p[:, :1]
     keep[:, 0] = True
-    out = torch.zeros_like(probs).scatter_(1, idx, p * keep)
-    redo = (keep & (p == p[:, -1:])).any(-1) if candidates < V else None  # on a CPU: no device sync
-    if redo is not None and redo.any():
-        out[redo] = filter_probs(probs[redo], top_k[redo], top_p[redo], min_p[redo], V)
-    return out
+    return keep
 
 
 def adjust_logits(logits: torch.Tensor, s: dict, counts: Optional[TokenCounts]) -> torch.Tensor:
@@ -1801,15 +1785,10 @@ class ForwardMetadata:
     extend_lens_cpu: list
 
 
-DECODE_GATHER_BYTES = 4 << 20  # torch decode attention reads the pool in groups of about this many bytes
-
-
 class TorchAttnBackend:
-    """Plain-torch paged attention: decode runs SDPA over length-sorted groups; extend runs per request.
-
-    The pool is read with `index_select` on flat slot lists: on a CPU that is several times faster than
-    indexing the buffer with a 2-D slot table.
-    """
+    """Plain-torch paged attention: decode runs SDPA over padded groups of requests, extend per request.
+    The pool is read with `index_select` on flat slot lists (on a CPU several times faster than indexing
+    the buffer with a 2-D slot table)."""
 
     def __init__(self, kv_pool: TokenToKVPool, req_to_token_pool: ReqToTokenPool):
         self.kv, self.meta = kv_pool, None
@@ -1818,7 +1797,7 @@ class TorchAttnBackend:
     def init_forward_metadata(self, meta: ForwardMetadata):
         self.meta = meta
         if meta.forward_mode.is_decode():
-            groups = self._group_by_length(meta.seq_lens_cpu)
+            groups = self.group_by_length(meta.seq_lens_cpu)
             self.decode_groups = [self._decode_group(meta, g) for g in groups]
         else:  # per request, once per step (not once per layer): its rows of the batch, its slots, its mask
             self.extend_reqs, start = [], 0
@@ -1827,21 +1806,10 @@ class TorchAttnBackend:
                 self.extend_reqs.append((start, ext, slots, prefix_causal_mask(pre, ext, slots.device)))
                 start += ext
 
-    def _group_by_length(self, seq_lens: list) -> list:
-        """Batch indices in groups of similar length whose padded K+V gather stays near DECODE_GATHER_BYTES.
-
-        Small groups waste little on padding, and each group's gathered K/V is still in cache when SDPA
-        reads it: at batch 64 this halves decode attention time on a CPU against one padded gather.
-        """
-        kb = self.kv.k_buffer[0]
-        budget = max(1, DECODE_GATHER_BYTES // (2 * kb[0].numel() * kb.element_size()))  # padded tokens
-        groups, cur = [], []
-        for i in sorted(range(len(seq_lens)), key=seq_lens.__getitem__):  # ascending: i sets the padding
-            if cur and (len(cur) + 1) * seq_lens[i] > budget:
-                groups.append(cur)
-                cur = []
-            cur.append(i)
-        return groups + [cur]
+    def group_by_length(self, seq_lens: list) -> list:
+        """The batch's requests in ascending length, one group padded to the longest (Part II's CPU
+        backend splits it)."""
+        return [sorted(range(len(seq_lens)), key=seq_lens.__getitem__)]
 
     def _decode_group(self, meta: ForwardMetadata, group: list) -> tuple:
         dev = meta.seq_lens.device
@@ -1944,6 +1912,7 @@ import ctypes
 import dataclasses
 import glob
 import hashlib
+import hmac
 import ipaddress
 import json
 import logging
@@ -1972,9 +1941,10 @@ __version__ = "0.4.0"  # /server_info's version
 # Engine API: arguments, sampling parameters, and the Engine that wires everything together
 
 
-def arg(default, help: str, choices: tuple = ()):
-    """A ServerArgs field: its default, the one line of help the CLI prints, and its allowed values."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+def arg(default, help: str, choices: tuple = (), secret: bool = False):
+    """A ServerArgs field: its default, the one line of help the CLI prints, and its allowed values;
+    a secret one is left out of repr() (and of /server_info)."""
+    return field(default=default, repr=not secret, metadata={"help": help, "choices": choices})
 
 
 @dataclass
@@ -2017,6 +1987,9 @@ class ServerArgs:
     random_seed: int = arg(0, "seeds the requests that give no sampling_seed")
     constrained_json_disable_any_whitespace: bool = arg(
         False, "a json_schema grammar allows no whitespace between tokens of JSON (by default any)")
+    # serving
+    api_key: Optional[str] = arg(None, "the server answers 401 to a request without `Authorization: Bearer "
+                                       "<this key>` (GET /health and /metrics stay open)", secret=True)
     # tensor parallelism: one scheduler per rank, in lockstep
     tp_size: int = arg(1, "tensor-parallel ranks; each holds 1/tp_size of the heads, MLP and vocabulary")
     nnodes: int = arg(1, "machines the ranks span, tp_size / nnodes ranks on each")
@@ -2387,7 +2360,7 @@ class Engine:
         elif compile_max_bs:
             backend = FusedGatherDecodeBackend(kv_pool, req_to_token_pool, compile_max_bs)
         else:
-            backend = TorchAttnBackend(kv_pool, req_to_token_pool)
+            backend = GroupedDecodeBackend(kv_pool, req_to_token_pool)
         if args.device == "cuda":
             stream = CudaDeviceStream()
         else:
@@ -2396,6 +2369,8 @@ class Engine:
         self.future_map = FutureMap(args.max_running_requests, args.device, args.debug_future_map)
         model = CompiledDecode(self.model, compile_max_bs) if compile_max_bs else self.model
         worker = ModelWorker(model, req_to_token_pool, self.future_map, backend, stream, args.device)
+        if args.device == "cpu":
+            worker.race_rows = race_in_blocks
         self.scheduler = Scheduler(args, self.tokenizer, worker, req_to_token_pool, kv_pool)
         self.scheduler.model_vocab_size = cfg.vocab_size  # the width of a grammar's bitmask
         self._grammars: Optional[GrammarBackend] = None  # made for the first grammar (xgrammar)
@@ -3059,7 +3034,8 @@ TP_JOIN_SECONDS = 30  # after a shutdown, how long the ranks get to end before t
 # ServerArgs that may differ between machines: where each one is, where its checkpoint is and how long
 # it waits; its memory (the ranks plan with the smallest pool: Engine._build); checks local to a rank
 TP_PER_NODE_ARGS = frozenset({"node_rank", "dist_init_addr", "model_path", "dist_timeout", "max_total_tokens",
-                              "mem_fraction_static", "debug_future_map", "debug_ledger", "worker_jitter_ms"})
+                              "mem_fraction_static", "debug_future_map", "debug_ledger", "worker_jitter_ms",
+                              "api_key"})  # only node 0 serves
 
 
 def tp_setup(args: ServerArgs, cfg: ModelConfig) -> dict:
@@ -3481,7 +3457,28 @@ class CompiledDecode:
             return self.many(input_ids, positions, attn, logit_rows)
 
 
-class FusedGatherDecodeBackend(TorchAttnBackend):
+DECODE_GATHER_BYTES = 4 << 20  # GroupedDecodeBackend reads the pool in groups of about this many bytes
+
+
+class GroupedDecodeBackend(TorchAttnBackend):
+    """The torch backend with decode in length-sorted groups of similar length whose padded K+V gather
+    stays near DECODE_GATHER_BYTES: small groups waste little on padding, and each group's gathered K/V is
+    still in cache when SDPA reads it. At batch 64 this halves decode attention time on a CPU against one
+    padded gather."""
+
+    def group_by_length(self, seq_lens: list) -> list:
+        kb = self.kv.k_buffer[0]
+        budget = max(1, DECODE_GATHER_BYTES // (2 * kb[0].numel() * kb.element_size()))  # padded tokens
+        groups, cur = [], []
+        for i in sorted(range(len(seq_lens)), key=seq_lens.__getitem__):  # ascending: i sets the padding
+            if cur and (len(cur) + 1) * seq_lens[i] > budget:
+                groups.append(cur)
+                cur = []
+            cur.append(i)
+        return groups + [cur]
+
+
+class FusedGatherDecodeBackend(GroupedDecodeBackend):
     """The torch backend beside CompiledDecode. The decode batches it compiles read each request's K and
     V straight from the pool through a (B, L) slot table, L the batch's longest context: written as a
     product and a sum, not a matmul over a gathered copy, Inductor fuses the gather into the two
@@ -4138,6 +4135,38 @@ def write_random_checkpoint(path: str, seed: int = 0, vocab: int = 258, hidden: 
 # CPU tuning
 
 
+# Sampling on a CPU (the worker's race_rows): the batch races in blocks of rows, and a filter sorts only
+# each row's most likely tokens. Bit for bit what race and filter_probs give (tests check both).
+SAMPLE_BLOCK = 1 << 19  # logits raced at a time: 4 MB float64 temporaries, 10 rows of 49,152
+FILTER_CANDIDATES = 1024  # the most likely tokens a filter sorts before it sorts a whole row
+
+
+def race_in_blocks(logits: torch.Tensor, s: dict) -> torch.Tensor:
+    """race() over blocks of rows, filtered by filter_candidates: batch 256 in one piece took 5x as long
+    here, its temporaries out of cache."""
+    n = max(1, SAMPLE_BLOCK // logits.shape[1])
+    return torch.cat([race(logits[i:i + n], s, slice(i, i + n), filter_candidates)
+                      for i in range(0, len(logits), n)])
+
+
+def filter_candidates(probs, top_k, top_p, min_p) -> torch.Tensor:
+    """filter_probs, sorting the FILTER_CANDIDATES most likely of a row (ties in token order, as a stable
+    sort has them; a whole row of 49,152 cost 2 ms here) and redoing a row whole only if its filter keeps
+    a token of the least probability among them: tokens past them could be kept too."""
+    V = probs.shape[1]
+    if FILTER_CANDIDATES >= V:
+        return filter_probs(probs, top_k, top_p, min_p)
+    idx = probs.topk(FILTER_CANDIDATES, dim=-1, sorted=False).indices.sort(dim=-1).values  # token order
+    p, order = probs.gather(1, idx).sort(dim=-1, descending=True, stable=True)
+    idx = idx.gather(1, order)
+    keep = kept(p, top_k, top_p, min_p, V)
+    out = torch.zeros_like(probs).scatter_(1, idx, p * keep)
+    redo = (keep & (p == p[:, -1:])).any(-1)
+    if redo.any():  # a CPU tensor: no device sync
+        out[redo] = filter_probs(probs[redo], top_k[redo], top_p[redo], min_p[redo])
+    return out
+
+
 @functools.cache
 def keep_freed_memory_in_process() -> bool:
     """On glibc, stops the allocator from handing big freed blocks back to the OS (process-wide, once).
@@ -4275,6 +4304,7 @@ CLI_GROUPS = {
                               "enable_mixed_chunk",
                               "schedule_policy", "schedule_conservativeness", "mem_fraction_static"),
     "sampling": ("random_seed", "constrained_json_disable_any_whitespace"),
+    "serving": ("api_key",),
     "tensor parallelism": ("tp_size", "nnodes", "node_rank", "dist_init_addr", "dist_timeout"),
     "debugging": ("debug_future_map", "debug_ledger", "worker_jitter_ms", "debug_tp_plan"),
 }
@@ -4314,7 +4344,7 @@ def cli_parser() -> argparse.ArgumentParser:
                                                            "none: an interactive chat")
     prompts.add_argument("--raw", action="store_true", help="send prompts as they are, without the "
                                                             "chat template")
-    serving = p.add_argument_group("serving")
+    serving = groups["serving"]
     serving.add_argument("--serve", action="store_true", help="run the HTTP server (OpenAI-compatible)")
     serving.add_argument("--host", default="127.0.0.1", help="address to bind")
     serving.add_argument("--port", type=int, default=30000, help="port to bind; 0: any free port")
@@ -4459,6 +4489,9 @@ def chat(engine: Engine, sp: dict, raw: bool):
 # scheduler thread is the only caller of the Engine; it blocks on its inbox when there is no work.
 
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused
+# open with an api_key too (SGLang's choice): a load balancer's health checks and a Prometheus scraper
+# carry no key, and neither path holds a prompt or changes anything
+OPEN_PATHS = ("/health", "/metrics")
 READ_TIMEOUT = 30.0  # seconds a client has to send a request's head, and again its body
 
 
@@ -4821,9 +4854,11 @@ def response_format_grammar(fmt: Optional[dict]) -> dict:
     return {"json_schema": json.dumps(spec["schema"])}
 
 
-def build_app(scheduler: SchedulerThread, read_timeout: float = READ_TIMEOUT):
+def build_app(scheduler: SchedulerThread, read_timeout: float = READ_TIMEOUT, api_key: Optional[str] = None):
     """The FastAPI app: SGLang's /generate and OpenAI's /v1/completions and /v1/chat/completions.
-    read_timeout: seconds a request's body may take to arrive (a 408 after that)."""
+    read_timeout: seconds a request's body may take to arrive (a 408 after that); api_key: the bearer key
+    every endpoint but OPEN_PATHS asks for (None: none)."""
+    key_bytes = (api_key or "").encode()
     import asyncio
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -4841,20 +4876,37 @@ def build_app(scheduler: SchedulerThread, read_timeout: float = READ_TIMEOUT):
     app = FastAPI(title="overlap_engine", lifespan=lifespan)
 
     def route(path: str, method: str = "POST"):
-        """A plain Starlette route: the handler gets the request and returns a dict, a list or a Response."""
+        """A plain Starlette route: the handler gets the request and returns a dict, a list or a Response.
+        With an api_key, the key is checked first: a stranger's body is never read."""
         def register(handler):
             async def endpoint(request):
+                if api_key is not None and path not in OPEN_PATHS:
+                    check_api_key(request)
                 out = await handler(request)
                 return out if isinstance(out, Response) else JSONResponse(out)
             app.add_route(path, endpoint, methods=[method])
             return handler
         return register
 
+    def check_api_key(request):
+        """`Authorization: Bearer <api_key>`, compared in constant time (as bytes: a header may hold any)."""
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("latin-1"), key_bytes)
+        if not ok:  # the body is not read: the connection cannot carry another request
+            headers = request.headers
+            with_body = headers.get("content-length", "0") != "0" or "transfer-encoding" in headers
+            raise HTTPError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
+                            close=with_body)
+
     @app.exception_handler(HTTPError)
     async def http_error(request, e: HTTPError):
-        kind = "invalid_request_error" if e.status in (400, 408) else "server_error"
-        return JSONResponse({"error": {"message": str(e), "type": kind, "code": e.status}}, e.status,
-                            headers={"Connection": "close"} if e.close else None)
+        kind = "invalid_request_error" if e.status in (400, 401, 408) else "server_error"
+        code = "invalid_api_key" if e.status == 401 else e.status
+        headers = {"Connection": "close"} if e.close else {}
+        if e.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse({"error": {"message": str(e), "type": kind, "param": None, "code": code}},
+                            e.status, headers=headers or None)
 
     async def read_body(request) -> bytes:
         """The body, as it arrives: refused once it passes MAX_BODY_BYTES (by its Content-Length before a
@@ -5006,7 +5058,8 @@ def build_app(scheduler: SchedulerThread, read_timeout: float = READ_TIMEOUT):
     @route("/server_info", "GET")
     @route("/get_server_info", "GET")
     async def server_info(request):
-        return {**dataclasses.asdict(engine.server_args), **info, "status": "ready",
+        args = {f.name: getattr(engine.server_args, f.name) for f in dataclasses.fields(ServerArgs) if f.repr}
+        return {**args, **info, "status": "ready",
                 "max_total_num_tokens": engine.max_total_tokens, "max_total_tokens": engine.max_total_tokens,
                 "max_req_input_len": engine.context_len - 1, "context_length": engine.context_len}
 
@@ -5338,15 +5391,22 @@ def head_timeout_protocol(seconds: float):
 class Server:
     """The scheduler thread and the HTTP app on uvicorn; `start()` serves from a background thread
     (tests, bench), `run()` in the foreground (the CLI), where SIGINT and SIGTERM stop it gracefully.
-    read_timeout: seconds a client has to send a request's head, and again its body."""
+    read_timeout: seconds a client has to send a request's head, and again its body. The engine's
+    api_key, if set, is the key every client must send."""
 
     def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 30000,
                  read_timeout: float = READ_TIMEOUT):
         import uvicorn
         if not (_is_real(read_timeout) and read_timeout > 0):
             raise ValueError(f"read_timeout must be a positive number of seconds, got {read_timeout!r}")
+        api_key = engine.server_args.api_key
+        if api_key is not None and not api_key:
+            raise ValueError("api_key must be a non-empty string or None")
+        if api_key is None and not is_loopback(host):
+            print(f"overlap_engine: warning: serving on {host} without --api-key: whoever reaches the port "
+                  "may generate, flush the cache and abort requests", file=sys.stderr, flush=True)
         self.scheduler = SchedulerThread(engine)
-        config = uvicorn.Config(build_app(self.scheduler, read_timeout), host=host, port=port,
+        config = uvicorn.Config(build_app(self.scheduler, read_timeout, api_key), host=host, port=port,
                                 log_level="warning", timeout_graceful_shutdown=5,
                                 http=head_timeout_protocol(read_timeout))
         self.uvicorn = uvicorn.Server(config)
@@ -5387,6 +5447,14 @@ class Server:
         while not stop.wait(0.2) and self.thread.is_alive():
             pass
         self.stop()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding host serves this machine alone (127.0.0.0/8, ::1, localhost)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
 
 
 def serve(engine: Engine, host: str, port: int, read_timeout: float = READ_TIMEOUT):

@@ -1131,24 +1131,27 @@ def test_sampling_noise_is_its_formula_bit_for_bit(monkeypatch):
          "seed": seed[:B], "out_pos": pos[:B], "all_greedy": False, "need_filter": True}
     alone = torch.cat([oe.sample(logits[i:i + 1], {k: v[i:i + 1] if torch.is_tensor(v) else v
                                                    for k, v in s.items()}) for i in range(B)])
-    one_block = oe.sample(logits, s)
+    one_block = oe.sample(logits, s, race_rows=oe.race_in_blocks)
+    assert torch.equal(oe.sample(logits, s), one_block)  # Part I's plain race, all rows at once
     monkeypatch.setattr(oe, "SAMPLE_BLOCK", 5 * V)
-    assert torch.equal(oe.sample(logits, s), one_block)
+    assert torch.equal(oe.sample(logits, s, race_rows=oe.race_in_blocks), one_block)
     assert torch.equal(one_block, alone) and torch.equal(alone[t == 0], logits[t == 0].argmax(-1))
     assert (alone != logits.argmax(-1)).sum() > 5  # sampled rows do not all fall on the top token
 
 
 def test_filter_sorting_only_candidates_keeps_what_sorting_whole_rows_keeps(monkeypatch):
-    """filter_probs over the 64 most likely tokens of each row, a row done again whole where the filter
-    may reach past them, gives bit for bit what sorting the whole rows gives: flat and peaked rows, many
-    ties (rounded logits), masked vocabularies, top_k below, at and above the candidates."""
+    """filter_candidates (a CPU's filter) over the 64 most likely tokens of each row, a row done again whole
+    where the filter may reach past them, gives bit for bit what sorting the whole rows (filter_probs)
+    gives: flat and peaked rows, many ties (rounded logits), masked vocabularies, top_k below, at and above
+    the candidates."""
     gen = torch.Generator().manual_seed(12)
     V, n, redone, fast = 3000, 64, 0, 0
     real = oe.filter_probs
+    monkeypatch.setattr(oe, "FILTER_CANDIDATES", n)
 
     def counting(probs, *a):
         nonlocal redone
-        redone += (a[-1] == V) * len(probs)
+        redone += len(probs)
         return real(probs, *a)
     top_k = torch.tensor([-1, 1, 5, 63, 64, 65, 500, -1, -1, 40, -1, 8])
     top_p = torch.tensor([0.95, 1, 0.9, 0.5, 1, 1, 0.99, 0.3, 1, 0.8, 0.97, 0.6], dtype=torch.float64)
@@ -1161,8 +1164,8 @@ def test_filter_sorting_only_candidates_keeps_what_sorting_whole_rows_keeps(monk
         if trial % 4 == 0:
             logits[:, 20:2900] = -float("inf")
         probs = torch.softmax(logits, -1)
-        whole = real(probs, top_k, top_p, min_p, V)
-        assert torch.equal(oe.filter_probs(probs, top_k, top_p, min_p, n), whole), trial
+        whole = real(probs, top_k, top_p, min_p)
+        assert torch.equal(oe.filter_candidates(probs, top_k, top_p, min_p), whole), trial
         assert ((whole > 0).sum(-1) <= torch.where(top_k > 0, top_k, V)).all()
         fast += 12
     assert 30 < redone < fast - 30  # both ways were taken, many times
@@ -1806,7 +1809,7 @@ def test_decode_in_small_length_groups_gives_same_tokens(ckpt, mixed_workload, l
         monkeypatch.setattr(oe, "DECODE_GATHER_BYTES",
                             100 * 2 * kb[0].numel() * kb.element_size())  # 100 tokens
         sizes = []
-        group_by_length = e.scheduler.worker.attn._group_by_length
+        group_by_length = e.scheduler.worker.attn.group_by_length
 
         def spy(seq_lens):
             groups = group_by_length(seq_lens)
@@ -1814,7 +1817,7 @@ def test_decode_in_small_length_groups_gives_same_tokens(ckpt, mixed_workload, l
             assert all(len(g) == 1 or len(g) * max(seq_lens[i] for i in g) <= 100 for g in groups)
             sizes.append([len(g) for g in groups])
             return groups
-        monkeypatch.setattr(e.scheduler.worker.attn, "_group_by_length", spy)
+        monkeypatch.setattr(e.scheduler.worker.attn, "group_by_length", spy)
         outs = run_workload(e, wl)
         e.check_invariants()
     assert [o["output_ids"] for o in outs] == expected
@@ -2977,7 +2980,8 @@ def test_json_whitespace_is_allowed_unless_disabled(chat_ckpt):
         g = oe.Grammar(engine.grammars().xgr, engine.grammars().compiled("json_schema", SMALL_SCHEMA))
         g.ready(timeout=30)
         return all(g.accept(t) for t in engine.tokenizer.encode(text))
-    spaced, tight = '{\n  "name" : "ab",\n  "n": 1, "ok": true }', json.dumps({"name": "ab", "n": 1, "ok": True})
+    tight = json.dumps({"name": "ab", "n": 1, "ok": True})  # xgrammar's separators without whitespace
+    spaced = '{\n  "name" : "ab",\n  "n": 1, "ok": true }'
     with make_engine(chat_ckpt, "overlap", constrained_json_disable_any_whitespace=False) as e:
         assert accepts(e, spaced) and accepts(e, tight)
     with make_engine(chat_ckpt, "overlap", constrained_json_disable_any_whitespace=True) as e:
@@ -4930,14 +4934,13 @@ def test_server_info_load_metrics_and_models_endpoints(served):
         "max_new_tokens": 4, "ignore_eos": True}})
     http_call(server, "POST", "/generate", {"input_ids": [5, 6], "log_metrics": False})  # not counted
     after = scrape()
-    assert after["sglang:num_requests_total"] - before["sglang:num_requests_total"] == 1
-    assert after["sglang:prompt_tokens_total"] - before["sglang:prompt_tokens_total"] == 3
-    assert after["sglang:generation_tokens_total"] - before["sglang:generation_tokens_total"] == 4
-    assert after["sglang:time_to_first_token_seconds_count"] - before["sglang:time_to_first_token_seconds_count"] == 1
-    assert after["sglang:inter_token_latency_seconds_count"] - before["sglang:inter_token_latency_seconds_count"] == 3
+    grew = {k.removeprefix("sglang:"): after[k] - before[k] for k in after}
+    assert grew["num_requests_total"] == 1 and grew["prompt_tokens_total"] == 3
+    assert grew["generation_tokens_total"] == 4 and grew["e2e_request_latency_seconds_count"] == 1
+    assert grew["time_to_first_token_seconds_count"] == 1 and grew["inter_token_latency_seconds_count"] == 3
     assert after["sglang:num_running_reqs"] == 0 and after["sglang:num_queue_reqs"] == 0
-    assert http_call(server, "GET", "/get_load") == (200, [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0,
-                                                            "num_tokens": 0}])
+    assert http_call(server, "GET", "/get_load") == (200, [{"dp_rank": 0, "num_reqs": 0,
+                                                            "num_waiting_reqs": 0, "num_tokens": 0}])
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=60, max_retries=0)
     card = client.models.retrieve(name)
     assert card.id == name and card.model_extra["max_model_len"] == offline.context_len
@@ -5009,6 +5012,96 @@ def test_server_cli_sigterm_stops_cleanly(tmp_path):
             p.wait()
 
 
+API_KEY = "s3cret-key"
+KEYED_ENDPOINTS = [("POST", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}}),
+                   ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                   ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 2}),
+                   ("GET", "/v1/models", None), ("GET", "/v1/models/x", None), ("GET", "/server_info", None),
+                   ("GET", "/get_server_info", None), ("GET", "/model_info", None),
+                   ("GET", "/get_model_info", None), ("GET", "/get_load", None), ("POST", "/flush_cache", {}),
+                   ("POST", "/abort_request", {"abort_all": True})]
+
+
+def keyed_call(server, method, path, body=None, authorization=None, timeout=30) -> tuple:
+    """(status, parsed JSON or text, headers) with an Authorization header of one's choice (None: none)."""
+    import http.client
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        headers = {"Content-Type": "application/json"}
+        if authorization is not None:
+            headers["Authorization"] = authorization
+        conn.request(method, path, body=None if body is None else json.dumps(body).encode(), headers=headers)
+        resp = conn.getresponse()
+        raw = resp.read().decode()
+        try:
+            return resp.status, json.loads(raw or "null"), dict(resp.getheaders())
+        except ValueError:
+            return resp.status, raw, dict(resp.getheaders())
+    finally:
+        conn.close()
+
+
+def test_server_api_key_guards_every_endpoint_but_health_and_metrics(chat_ckpt, capfd):
+    """With api_key (SGLang's --api-key) every endpoint answers 401 with OpenAI's error body to no key, a
+    wrong key, a prefix or an extension of the key, or another scheme; the right key (any case of
+    "Bearer") is served; /health and /metrics stay open. A stranger's body is never read (a half-sent one
+    gets its 401 at once) and nothing is queued; the key is in no repr and not in /server_info; the
+    openai client's api_key works; the server serves exactly afterwards."""
+    import openai
+    pytest.importorskip("fastapi")
+    server = oe.Server(make_engine(chat_ckpt, "overlap", api_key=API_KEY), port=0).start()
+    try:
+        wrong = [None, "Bearer nope", f"Bearer {API_KEY[:-1]}", f"Bearer {API_KEY}x", f"Basic {API_KEY}",
+                 f"Bearer {API_KEY} x", API_KEY, "Bearer s3cret-kéy"]
+        for method, path, body in KEYED_ENDPOINTS:
+            for auth in wrong:
+                status, err, headers = keyed_call(server, method, path, body, auth)
+                assert status == 401 and err["error"]["code"] == "invalid_api_key", (path, auth, err)
+                assert err["error"]["type"] == "invalid_request_error" and API_KEY not in json.dumps(err)
+                assert headers.get("www-authenticate") == "Bearer"
+            for auth in (f"Bearer {API_KEY}", f"bearer {API_KEY}"):
+                status, _, _ = keyed_call(server, method, path, body, auth)
+                assert status == (404 if path == "/v1/models/x" else 200), (path, auth, status)
+        for path in ("/health", "/metrics"):
+            assert keyed_call(server, "GET", path)[0] == 200
+        status, info, _ = keyed_call(server, "GET", "/server_info", authorization=f"Bearer {API_KEY}")
+        assert "api_key" not in info and API_KEY not in json.dumps(info) and API_KEY not in repr(
+            server.scheduler.engine.server_args)
+        # a stranger's half-sent body: the 401 comes at once, the connection closes, nothing is queued
+        conn = raw_connection(server)
+        conn.sendall(POST_HEAD + b"Content-Length: 1000\r\n\r\n" + b'{"text": "a')
+        conn.settimeout(5)
+        answer = conn.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 401") and b"connection: close" in answer.lower()
+        conn.close()
+        status, raw = http_call_text(server, "/metrics")
+        assert "sglang:num_queue_reqs" in raw
+        assert server.scheduler.call(lambda e: (len(e.scheduler.waiting), len(server.scheduler.live))).result(
+            10) == (0, 0)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).completions.create(
+                model="tiny", prompt="hi", max_tokens=2)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=60, max_retries=0)
+        with make_engine(chat_ckpt, "serial") as offline:
+            want = offline.generate(prompt="hello", sampling_params={"max_new_tokens": 5, "temperature": 0})
+        r = client.completions.create(model="tiny", prompt="hello", max_tokens=5, temperature=0)
+        assert r.choices[0].text == want["text"]
+        server.scheduler.call(lambda e: e.check_invariants()).result(30)
+    finally:
+        server.stop()
+    capfd.readouterr()
+    # serving beyond this machine without a key warns once, at start (not bound here: start() binds)
+    with make_engine(chat_ckpt, "overlap") as e:
+        oe.Server(e, host="0.0.0.0", port=0)
+        oe.Server(e, host="127.0.0.1", port=0)
+    with make_engine(chat_ckpt, "overlap", api_key=API_KEY) as e:
+        oe.Server(e, host="0.0.0.0", port=0)
+    err = capfd.readouterr().err.splitlines()
+    assert len(err) == 1 and "0.0.0.0 without --api-key" in err[0], err
+
+
 def start_server_process(ckpt: str, *flags) -> tuple:
     """`python overlap_engine.py --serve --port 0` on ckpt in float64: (the process, its URL), once ready."""
     import threading
@@ -5042,9 +5135,10 @@ def test_two_servers_behind_sglang_router(chat_ckpt):
         router = subprocess.Popen(
             [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--policy",
              "cache_aware", "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-             "--prometheus-port", str(metrics_port), "--disable-circuit-breaker", "--health-check-interval-secs",
-             "1", "--health-failure-threshold", "2", "--retry-max-retries", "6", "--retry-initial-backoff-ms",
-             "500", "--retry-backoff-multiplier", "2", "--log-level", "error"],
+             "--prometheus-port", str(metrics_port), "--disable-circuit-breaker",
+             "--health-check-interval-secs", "1", "--health-failure-threshold", "2", "--retry-max-retries",
+             "6", "--retry-initial-backoff-ms", "500", "--retry-backoff-multiplier", "2", "--log-level",
+             "error"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         front = type("Remote", (), {"url": f"http://127.0.0.1:{port}"})()
         deadline = time.monotonic() + 60
@@ -5059,7 +5153,8 @@ def test_two_servers_behind_sglang_router(chat_ckpt):
             time.sleep(0.2)
         with Engine(model_path=chat_ckpt, dtype="float64", max_total_tokens=2048) as offline:
             rng = random.Random(3)  # no shared prefixes: the cache-aware policy balances by tree size
-            prompts = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(40)) for _ in range(16)]
+            prompts = ["".join(rng.choice("abcdefghijkl mnopqrstuvwxyz") for _ in range(40))
+                       for _ in range(16)]
             sp = {"max_new_tokens": 6, "temperature": 0}
             want = [o["text"] for o in offline.generate(prompt=prompts, sampling_params=sp)]
 
