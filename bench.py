@@ -8,6 +8,7 @@ Benchmarks for overlap_engine. One subcommand per benchmark:
   python bench.py single             # one request alone: TTFT and decode tok/s per setup (llama.cpp beside)
   python bench.py profile            # where one decode step's time goes, op by op
   python bench.py serve              # load on the HTTP server: req/s, tok/s, TTFT, ITL, both loops
+  python bench.py queue              # 2,000-16,000 prompts in one request, offline, and aborted: linear?
   python bench.py gpu --out DIR      # on a GPU: CUDA tests, kernels, overlap vs serial, timeline -> DIR
   python bench.py kernels            # decode attention: achieved HBM GB/s vs torch SDPA (needs CUDA)
   python bench.py all --quick        # a small version of everything (a test runs this)
@@ -16,6 +17,7 @@ Without CUDA `kernels` says so and runs one tiny shape under the Triton interpre
 """
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -1216,6 +1218,90 @@ class Tee:
             s.flush()
 
 
+# ----------------------------------------------------------------------------------------------
+# a long queue: admission, offline generate and aborts, linear in what they touch
+
+QUEUE_SIZES = "2000,8000,16000"  # prompts in one /generate (and in one Engine.generate list)
+QUEUE_DISTINCT = 512  # distinct 4-token prompts the lists repeat (each one's tokens checked)
+QUEUE_OUT = 2  # max_new_tokens of each
+
+
+def post_json(url, path, body, timeout=600):
+    import http.client
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        conn.request("POST", path, body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def cmd_queue(args):
+    """One /generate of N 4-token prompts to a server process, the same list through Engine.generate
+    offline, and aborting N waiting requests (newest first), for each N and both loops: seconds, and the
+    largest N's time over the smallest's (linear: the ratio of the N). Every output is checked against
+    its prompt's reference tokens (that prompt alone, serial loop, no radix cache)."""
+    import random
+    sizes = [int(x) for x in args.sizes.split(",")]
+    ckpt, rng = tiny_checkpoint(), random.Random(args.seed)
+    distinct = [[rng.randrange(256) for _ in range(4)] for _ in range(args.distinct)]
+    sp = {"max_new_tokens": QUEUE_OUT, "temperature": 0, "ignore_eos": True}
+    kw = {"model_path": ckpt, "dtype": "float32"}
+    with oe.Engine(**kw, disable_overlap_schedule=True, disable_radix_cache=True) as ref:
+        want = [ref.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in distinct]
+    prompts = [distinct[i % len(distinct)] for i in range(max(sizes))]
+    expected = [want[i % len(distinct)] for i in range(max(sizes))]
+    res = {}
+    for loop in ("overlap", "serial"):
+        row = res[loop] = {}
+        flags = ["--dtype", "float32"] + (["--disable-overlap-schedule"] if loop == "serial" else [])
+        proc, url = start_server_process(ckpt, flags)
+        try:
+            for n in sizes:
+                gc.collect()
+                t0 = time.perf_counter()
+                status, outs = post_json(url, "/generate", {"input_ids": prompts[:n], "sampling_params": sp})
+                row[f"server {n}"] = time.perf_counter() - t0
+                assert status == 200 and [o["output_ids"] for o in outs] == expected[:n], f"{loop} server {n}"
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        with oe.Engine(**kw, disable_overlap_schedule=loop == "serial") as e:
+            for n in sizes:
+                gc.collect()  # each run starts without the garbage of the last (its collections cost more)
+                t0 = time.perf_counter()
+                outs = e.generate(input_ids=prompts[:n], sampling_params=sp)
+                row[f"offline {n}"] = time.perf_counter() - t0
+                assert [o["output_ids"] for o in outs] == expected[:n], f"{loop} offline {n}"
+                del outs
+            for n in sizes:
+                rids = e.add_requests(prompts[:n], [sp] * n)
+                gc.collect()
+                t0 = time.perf_counter()
+                for rid in reversed(rids):  # the newest first, as when a crowd of clients gives up
+                    e.abort(rid)
+                row[f"abort {n}"] = time.perf_counter() - t0
+                while not e.scheduler.is_idle() or e.scheduler.finished_outputs:
+                    e.step()
+            e.check_invariants()
+        print(f"{loop}: done", flush=True)
+    lo, hi = min(sizes), max(sizes)
+    print(f"\nThe tiny random model, fp32, {QUEUE_OUT} tokens each, {args.distinct} distinct 4-token prompts "
+          f"repeated; seconds (one run); tokens equal to the reference's")
+    print(f"{'':>14}" + "".join(f"{n:>10,}" for n in sizes) + f"{f'{hi:,} / {lo:,}':>16}")
+    for loop, row in res.items():
+        for what in ("server", "offline", "abort"):
+            times = [row[f"{what} {n}"] for n in sizes]
+            print(f"{loop + ' ' + what:>14}" + "".join(f"{t:>10.3f}" for t in times)
+                  + f"{times[-1] / times[0]:>15.1f}x")
+            row[f"{what} ratio"] = times[-1] / times[0]
+    print(f"linear: {hi / lo:.1f}x; target at most {args.target}x for the server and offline")
+    return res
+
+
 def cmd_gpu(args):
     import contextlib
     import sys
@@ -1475,6 +1561,14 @@ def main():
     s.add_argument("--quick", action="store_true")
     s.add_argument("--json", default=None, help="also write the results as JSON here")
     s.set_defaults(fn=cmd_serve)
+
+    q = sub.add_parser("queue", help="a long queue: N prompts in one /generate, offline, and N aborts")
+    q.add_argument("--sizes", default=QUEUE_SIZES, help="comma-separated N")
+    q.add_argument("--distinct", type=int, default=QUEUE_DISTINCT, help="distinct prompts the lists repeat")
+    q.add_argument("--target", type=float, default=9.0, help="largest/smallest time ratio to meet")
+    q.add_argument("--seed", type=int, default=TP_SEED)
+    q.add_argument("--json", default=None, help="also write the results as JSON here")
+    q.set_defaults(fn=cmd_queue)
 
     g = sub.add_parser("gpu", help="everything the GPU issue measures, written to --out (dummy weights)")
     g.add_argument("--out", required=True, help="folder for the result files")

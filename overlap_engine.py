@@ -72,7 +72,7 @@ import random
 import re
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -515,6 +515,32 @@ class ScheduleBatch:
             prefix_lens=ext.prefix_lens + dec.positions.tolist(), extend_lens=extend_lens,
             out_cache_loc=torch.cat((ext.out_cache_loc, dec.out_cache_loc)), req_to_token_writes=writes,
             logit_rows=torch.tensor(extend_lens).cumsum(0) - 1)
+
+
+class WaitingQueue:
+    """The waiting requests in queue order (arrival; a retracted one goes back to the front). A request
+    leaves or joins either end in O(1), so aborting k of n waiting costs O(k), and a plan costs what it
+    reaches and admits, not the queue's length."""
+
+    def __init__(self):
+        self.reqs: OrderedDict[int, Req] = OrderedDict()  # id(Req) -> Req
+
+    def push(self, r: Req, front: bool = False):
+        self.reqs[id(r)] = r
+        if front:
+            self.reqs.move_to_end(id(r), last=False)
+
+    def discard(self, r: Req):
+        self.reqs.pop(id(r), None)
+
+    def sort(self, key: Callable):  # stable: the queue's order among equals
+        self.reqs = OrderedDict(sorted(self.reqs.items(), key=lambda item: key(item[1])))
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def __iter__(self) -> Iterator[Req]:
+        return iter(self.reqs.values())
 
 
 class PrefillAdder:
@@ -1080,7 +1106,7 @@ class Scheduler:
         self.enable_overlap = not args.disable_overlap_schedule
         # without a cache no prefix can be shared: longest-prefix-first is first-come (as in SGLang)
         self.schedule_policy = "fcfs" if args.disable_radix_cache else args.schedule_policy
-        self.waiting: list[Req] = []
+        self.waiting = WaitingQueue()
         self.running_batch = ScheduleBatch([], ForwardMode.DECODE, self)
         self.chunked_req: Optional[Req] = None  # a prompt in the middle of its chunked prefill
         self.last_batch: Optional[ScheduleBatch] = None  # the batch launched in the previous iteration
@@ -1322,10 +1348,10 @@ class Scheduler:
         if lpm:
             for r in self.waiting:
                 r.prefix_indices, r.last_node = self.tree_cache.match_prefix(r.prefix_key())
-            self.waiting.sort(key=lambda r: -len(r.prefix_indices))  # stable: FCFS among equals
+            self.waiting.sort(key=lambda r: -len(r.prefix_indices))
         pending = self.prompts_being_prefilled(adder.can_run_list) if lpm else None
-        admitted, reached = [], len(self.waiting)  # reached: the requests this plan looked at
-        for i, r in enumerate(self.waiting):
+        admitted = []
+        for r in self.waiting:
             if r.waits_for_sibling() and not self.tree_cache.disable:
                 continue  # n > 1: it will find the prompt its first sibling is prefilling in the cache
             if r.grammar is not None and not r.grammar.ready():
@@ -1336,14 +1362,13 @@ class Scheduler:
                   and len(pending.match_prefix(r.fill_ids)[0]) >= IN_BATCH_PREFIX_MIN):
                 continue  # waits a round: it will hit the cache rather than compute the same prefix again
             if not adder.add_one_req(r):
-                reached = i + 1
                 break
             r.cached_tokens = len(r.prefix_indices)
             admitted.append(r)
             if pending is not None:
                 pending.insert(r.fill_ids, torch.empty(len(r.fill_ids), dtype=torch.int64))
-        taken = set(map(id, admitted))  # the rest keep their places; those not reached, untouched
-        self.waiting = [r for r in self.waiting[:reached] if id(r) not in taken] + self.waiting[reached:]
+        for r in admitted:  # the rest keep their places
+            self.waiting.discard(r)
         if not adder.can_run_list:
             return None
         self.chunked_req = adder.new_chunked_req
@@ -1416,7 +1441,7 @@ class Scheduler:
             return None
         batch = self.get_new_batch_prefill()  # planning may just have freed memory (a retraction)
         if batch is None:
-            stuck = self.chunked_req or self.waiting[0]
+            stuck = self.chunked_req or next(iter(self.waiting))
             self.abort_req(stuck, "the KV pool is too small to make progress on this request")
         return batch
 
@@ -1448,7 +1473,7 @@ class Scheduler:
         r.kv_allocated_len, r.kv_committed_len = 0, 0
         if not r.input_logprobs_done:  # the recomputed prefill scores the prompt again
             r.input_token_logprobs, r.input_top_logprobs = [], []
-        self.waiting.insert(0, r)
+        self.waiting.push(r, front=True)
         self.stats["retractions"] += 1
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
 
@@ -1457,8 +1482,7 @@ class Scheduler:
         any in-flight step that reads it safe) and its in-flight results are skipped at commit."""
         if r.finished():
             return
-        if r in self.waiting:
-            self.waiting.remove(r)
+        self.waiting.discard(r)
         if self.chunked_req is r:
             self.chunked_req = None
         r.finished_reason = {"type": "abort", "message": message}
@@ -1469,38 +1493,12 @@ class Scheduler:
             self.release_kv_cache(r, insert=False)
         r.last_node = None  # a waiting request's matched prefix was never locked
 
-    # -- checks: the tests and the debug flags read these; the loops do not ----------------------------
-
     def is_idle(self) -> bool:
+        """Nothing waits, runs or is in flight (the Engine's checks and the server read it; Part II's
+        check_ledger audits the books)."""
         batches = [self.running_batch] + ([self.last_batch] if self.last_batch is not None else [])
         unfinished = any(not r.finished() for batch in batches for r in batch.reqs)
         return not (self.waiting or self.chunked_req or self.result_queue or self.deferred or unfinished)
-
-    def check_ledger(self):
-        """Every KV slot is exactly one of: free, owned by the radix tree, or private to a live request
-        (its positions len(prefix_indices)..kv_allocated_len); rows likewise; lock refs match holders."""
-        req_to_token, tree = self.req_to_token_pool.req_to_token_host, self.tree_cache
-        private = [req_to_token[row, len(r.prefix_indices):r.kv_allocated_len]
-                   for row, r in self.row_owner.items()]
-        slots = torch.cat([self.kv_pool.free_slots, tree.all_slots()] + private).sort().values
-        assert torch.equal(slots, torch.arange(1, self.kv_pool.size + 1)), \
-            f"KV ledger: {len(slots)} slots accounted of {self.kv_pool.size} (leak or double owner)"
-        free_rows = self.req_to_token_pool.free_slots
-        assert len(free_rows) + len(self.row_owner) == self.req_to_token_pool.size, "row ledger: a row leaked"
-        assert not set(free_rows) & set(self.row_owner), "row ledger: a row is both free and owned"
-        holders: dict[int, int] = {}
-        for r in self.row_owner.values():
-            node = r.last_node
-            while node is not None and node is not tree.root:
-                holders[id(node)] = holders.get(id(node), 0) + 1
-                node = node.parent
-        for node in tree._nodes():
-            assert node.lock_ref == holders.get(id(node), 0), "lock_ref does not match its holders"
-        assert tree.protected_size() == sum(len(n.key) for n in tree._nodes() if n.lock_ref > 0), "protected"
-        assert tree.evictable_size() == tree.total_size() - tree.protected_size(), "evictable size"
-        in_heap = {id(n) for _, _, n in tree.leaf_heap}
-        leaves = [n for n in tree._nodes() if tree.is_evictable_leaf(n)]
-        assert all(id(n) in in_heap for n in leaves), "an evictable leaf has no entry in the LRU heap"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2223,6 +2221,35 @@ def partial_match_start(patterns: list, text: str, pos: int) -> int:
     return min((m.start() for m in found if m is not None), default=len(text))
 
 
+def check_ledger(scheduler: Scheduler):
+    """The scheduler's books (Engine.check_invariants and debug_ledger): every KV slot is exactly one of
+    free, owned by the radix tree, or private to a live request (its positions len(prefix_indices) to
+    kv_allocated_len); rows likewise; lock refs match holders."""
+    req_to_token, tree = scheduler.req_to_token_pool.req_to_token_host, scheduler.tree_cache
+    private = [req_to_token[row, len(r.prefix_indices):r.kv_allocated_len]
+               for row, r in scheduler.row_owner.items()]
+    slots = torch.cat([scheduler.kv_pool.free_slots, tree.all_slots()] + private).sort().values
+    assert torch.equal(slots, torch.arange(1, scheduler.kv_pool.size + 1)), \
+        f"KV ledger: {len(slots)} slots accounted of {scheduler.kv_pool.size} (leak or double owner)"
+    free_rows = scheduler.req_to_token_pool.free_slots
+    owners = scheduler.row_owner
+    assert len(free_rows) + len(owners) == scheduler.req_to_token_pool.size, "row ledger: a row leaked"
+    assert not set(free_rows) & set(scheduler.row_owner), "row ledger: a row is both free and owned"
+    holders: dict[int, int] = {}
+    for r in scheduler.row_owner.values():
+        node = r.last_node
+        while node is not None and node is not tree.root:
+            holders[id(node)] = holders.get(id(node), 0) + 1
+            node = node.parent
+    for node in tree._nodes():
+        assert node.lock_ref == holders.get(id(node), 0), "lock_ref does not match its holders"
+    assert tree.protected_size() == sum(len(n.key) for n in tree._nodes() if n.lock_ref > 0), "protected"
+    assert tree.evictable_size() == tree.total_size() - tree.protected_size(), "evictable size"
+    in_heap = {id(n) for _, _, n in tree.leaf_heap}
+    leaves = [n for n in tree._nodes() if tree.is_evictable_leaf(n)]
+    assert all(id(n) in in_heap for n in leaves), "an evictable leaf has no entry in the LRU heap"
+
+
 class CtrlCHeld:
     """Holds a Ctrl-C (SIGINT) that arrives during a scheduler iteration until the iteration ends, so it
     never lands half-way through a plan or a commit; then the handler that was there runs as usual
@@ -2524,7 +2551,7 @@ class Engine:
             r.finished_reason = {"type": "length", "length": 0}  # nothing to run: it never reaches the device
             self.scheduler.finished_outputs.append(r.output())
         else:
-            self.scheduler.waiting.append(r)
+            self.scheduler.waiting.push(r)
         return r.rid
 
     def grammars(self) -> GrammarBackend:
@@ -2626,7 +2653,7 @@ class Engine:
         """The debug checks after each iteration: the books (debug_ledger) and, with tensor parallelism,
         that every rank planned the same step (debug_tp_plan)."""
         if self.server_args.debug_ledger:
-            self.scheduler.check_ledger()
+            check_ledger(self.scheduler)
         if self.tp is not None and self.server_args.debug_tp_plan:
             check_plan_agrees(self.tp, self.scheduler)
 
@@ -2820,7 +2847,7 @@ class Engine:
     def _check_invariants_here(self):
         scheduler = self._settle_idle("check_invariants()")
         scheduler.worker.stream.synchronize()
-        scheduler.check_ledger()  # with no request holding anything: every slot free or in the tree
+        check_ledger(scheduler)  # with no request holding anything: every slot free or in the tree
         assert not scheduler.row_owner and scheduler.tree_cache.protected_size() == 0, \
             "a request still holds a row or a lock"
         assert bool((self.future_map.output_tokens_buf == -1).all()), "FutureMap holds unread tokens"
@@ -4591,6 +4618,7 @@ class SchedulerThread(threading.Thread):
         super().__init__(name="overlap-engine-scheduler", daemon=True)
         self.engine, self.inbox = engine, queue.Queue()
         self.live: dict[str, tuple] = {}  # rid -> (Req, channel, index in its HTTP request)
+        self.by_channel: dict[RequestChannel, list] = {}  # channel -> [its rids, how many still live]
         self.error: Optional[Exception] = None  # a step failed: the engine cannot continue
         self.stopping = False
         self.metrics = ServerMetrics(served_model_name(engine))
@@ -4644,9 +4672,9 @@ class SchedulerThread(threading.Thread):
     def handle(self, kind, *args):
         if kind == "add":
             self.add(*args)
-        elif kind == "cancel":
-            for rid, (_, channel, _) in self.live.items():
-                if channel is args[0]:
+        elif kind == "cancel":  # O(its requests): a crowd of clients leaving costs no scan of the rest
+            for rid in self.by_channel.pop(args[0], [()])[0]:
+                if rid in self.live:
                     self.engine.abort(rid)
         elif kind == "call":
             fn, future = args
@@ -4667,6 +4695,7 @@ class SchedulerThread(threading.Thread):
         except ValueError as e:
             return channel.put(("error", 400, str(e)))
         channel.put(("queued", len(rids)))  # n > 1: more requests than prompts
+        self.by_channel[channel] = [rids, len(rids)]
         for i, rid in enumerate(rids):
             self.live[rid] = (self.engine.request(rid), channel, i)
             if log:
@@ -4680,6 +4709,7 @@ class SchedulerThread(threading.Thread):
             for _, channel, _ in self.live.values():
                 channel.put(("error", 500, f"a step failed: {type(e).__name__}: {e}"))
             self.live.clear()
+            self.by_channel.clear()
             return
         # news come only from requests that hold a KV row (they run) or just finished: a long queue of
         # waiting requests is not looked at every step
@@ -4694,6 +4724,11 @@ class SchedulerThread(threading.Thread):
                 channel.put(("chunk", i, chunk))
             if req.finished():
                 del self.live[rid]
+                entry = self.by_channel.get(channel)
+                if entry is not None:
+                    entry[1] -= 1
+                    if not entry[1]:
+                        del self.by_channel[channel]
 
 
     # -- run on this thread, for the endpoints that read the engine --

@@ -991,21 +991,29 @@ def test_without_a_radix_cache_nothing_waits_for_a_shared_prefix(ckpt, loop):
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_long_queue_plans_first_come_and_a_plan_costs_what_it_admits(ckpt, loop, monkeypatch):
     """Above LPM_MAX_WAITING waiting requests lpm plans as fcfs (SGLang's rule): a plan matches the
-    prefixes of the requests it admits and of the first that does not fit, however long the queue (1200
-    down to 129 here); at or below the limit lpm matches every waiting request. Tokens: the reference's."""
-    plans, matches = [], [0]  # plans: (waiting, matches in the cache's tree, admitted) of each plan
+    prefixes of the requests it admits and of the first that does not fit, and walks the queue no
+    further, however long it is (1200 down to 129 here); at or below the limit lpm matches every waiting
+    request. Tokens: the reference's."""
+    plans, matches, visits = [], [0], [0]  # plans: (waiting, matches, admitted, queue visits) of each plan
     real_match, real_plan = oe.RadixCache.match_prefix, oe.Scheduler.get_new_batch_prefill
+    real_iter = oe.WaitingQueue.__iter__
 
     def match(self, key):
         matches[0] += self.kv_pool is not None  # the cache's tree, not a plan's scratch tree
         return real_match(self, key)
 
+    def walk(self):
+        for r in real_iter(self):
+            visits[0] += 1
+            yield r
+
     def plan(self):
-        waiting, matches[0] = len(self.waiting), 0
+        waiting, matches[0], visits[0] = len(self.waiting), 0, 0
         batch = real_plan(self)
-        plans.append((waiting, matches[0], waiting - len(self.waiting)))
+        plans.append((waiting, matches[0], waiting - len(self.waiting), visits[0]))
         return batch
     monkeypatch.setattr(oe.RadixCache, "match_prefix", match)
+    monkeypatch.setattr(oe.WaitingQueue, "__iter__", walk)
     monkeypatch.setattr(oe.Scheduler, "get_new_batch_prefill", plan)
     wl = greedy_workload(random_prompts(6, seed=192, lo=2, hi=5), [2] * 6)
     with make_engine(ckpt, loop, max_running_requests=16) as e:
@@ -1014,11 +1022,49 @@ def test_a_long_queue_plans_first_come_and_a_plan_costs_what_it_admits(ckpt, loo
         e.check_invariants()
     assert [done[r]["output_ids"] for r in rids[:6]] == expected_greedy(ckpt, wl)
     assert all(done[r]["output_ids"] == done[rids[i % 6]]["output_ids"] for i, r in enumerate(rids))
-    assert plans[0] == (1200, 17, 16)  # 16 rows: 16 admitted, the 17th matched and not admitted
+    assert plans[0] == (1200, 17, 16, 17)  # 16 rows: 16 admitted, the 17th matched and not admitted
     long = [p for p in plans if p[0] > oe.LPM_MAX_WAITING]
-    assert len(long) > 50 and all(matched <= admitted + 1 for _, matched, admitted in long)
+    assert len(long) > 50 and all(matched <= admitted + 1 and visited <= admitted + 1
+                                  for _, matched, admitted, visited in long)
     short = [p for p in plans if 0 < p[0] <= oe.LPM_MAX_WAITING]
-    assert short and all(matched == waiting for waiting, matched, _ in short)
+    assert short and all(matched == waiting for waiting, matched, _, _ in short)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_aborting_waiting_requests_costs_what_it_aborts(ckpt, loop, monkeypatch):
+    """Aborting k of n waiting requests touches those k alone, counted: no other request is compared
+    with it and the queue is not walked (a list's remove compared with every request before it); the
+    queue keeps its order, a retracted request goes back to its front, and the rest run to the
+    reference's tokens."""
+    compared, walks = [0], [0]
+    real_iter = oe.WaitingQueue.__iter__
+
+    def eq(a, b):
+        compared[0] += 1
+        return a is b
+
+    def walk(self):
+        walks[0] += 1
+        return real_iter(self)
+    wl = greedy_workload(random_prompts(6, seed=193, lo=2, hi=5), [2] * 6)
+    with make_engine(ckpt, loop, max_running_requests=16) as e:
+        rids = [e.add_request(input_ids=wl[i % 6][0], sampling_params=wl[i % 6][1]) for i in range(3000)]
+        doomed = set(rids[5::29])
+        monkeypatch.setattr(oe.Req, "__eq__", eq, raising=False)
+        monkeypatch.setattr(oe.WaitingQueue, "__iter__", walk)
+        for rid in doomed:
+            e.abort(rid)
+        assert compared[0] == 0 and walks[0] == 0 and len(doomed) == 104
+        monkeypatch.undo()
+        assert [r.rid for r in e.scheduler.waiting] == [rid for rid in rids if rid not in doomed]
+        first = e.scheduler.waiting.reqs.popitem(last=False)[1]
+        e.scheduler.waiting.push(first, front=True)
+        assert next(iter(e.scheduler.waiting)) is first and len(e.scheduler.waiting) == 3000 - 104
+        done = steps_until_done(e, rids, limit=2000)
+        e.check_invariants()
+    want = expected_greedy(ckpt, wl)
+    assert all(done[r]["meta_info"]["finish_reason"]["type"] == "abort" for r in doomed)
+    assert all(done[r]["output_ids"] == want[i % 6] for i, r in enumerate(rids) if r not in doomed)
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -5207,6 +5253,17 @@ def test_bench_serve_quick_runs(tmp_path):
     res = json.loads(out.read_text())
     assert set(res) == {"overlap", "serial"} and all(x["out_tok_s"] > 0 for x in res.values())
     assert "TTFT p50" in r.stdout and "ITL p99" in r.stdout
+
+
+def test_bench_queue_quick_runs(tmp_path):
+    """bench.py queue with small N: one /generate of N prompts per loop (a server process each),
+    offline, and aborts; every output checked against the reference inside the bench."""
+    pytest.importorskip("fastapi")
+    out = tmp_path / "queue.json"
+    r = run_bench("queue", "--sizes", "60,120", "--distinct", "8", "--json", str(out))
+    res = json.loads(out.read_text())
+    assert set(res) == {"overlap", "serial"} and "120 / 60" in r.stdout
+    assert all(row[f"{what} 120"] > 0 for row in res.values() for what in ("server", "offline", "abort"))
 
 
 def test_bench_single_and_profile_quick_run(tmp_path):
