@@ -7,8 +7,8 @@ one step late, and snapshots (ScheduleBatch.copy), overshoot handling and stream
 memory keep the tokens exactly those of the plain serial loop.
 
 It is a reference to read, not a production server: Llama-family models, one device per process
-(tensor parallelism runs one process, and one scheduler, per rank), no speculative decoding, no CUDA
-graphs. Every value has four moments, and a fifth where a grammar constrains the step:
+(tensor parallelism runs one process, and one scheduler, per rank), no CUDA graphs. Every value has
+four moments, and a fifth where a grammar constrains the step:
 
     planned       slots and metadata for the next step are allocated on the host; nothing launched
     in flight     the step is queued on the device stream; the host cannot read its results
@@ -17,7 +17,10 @@ graphs. Every value has four moments, and a fifth where a grammar constrains the
     materialized  the sampled token sits in the FutureMap; the next step can already consume it
     committed     the host has read it, appended it to Req.output_ids, checked stop conditions
 
-Most of the code is about not mixing them up.
+Most of the code is about not mixing them up. Speculative decoding makes it harder: one verify step
+commits 1 to k + 1 tokens, a count only the device knows when the next step is planned, so that step is
+planned from the upper bound (slots reserved for it) and reads where each request stands from the
+FutureMap; the commit settles the true lengths and gives back the unused slots.
 
 References: SGLang v0.4 "zero-overhead batch scheduler" (event_loop_overlap, FutureMap),
 NanoFlow (intra-device pipelining of host and device work).
@@ -34,7 +37,7 @@ outside.
     KV memory, radix cache    ReqToTokenPool, TokenToKVPool, RadixCache
     FutureMap, device streams FutureMap, StepHandle, CpuDeviceStream, CudaDeviceStream, ModelWorker
     Scheduler, the two loops  the loops first, then one batch from its plan to its commit
-    Model and attention       a plain Llama (math only), sampling, the torch and triton backends
+    Model and attention       a plain Llama (math only), sampling, NGRAM drafts, the torch and triton backends
     Part II
     Engine API                ServerArgs, SamplingParams, Engine (builds and drives the scheduler)
     Tensor parallelism        apply_tp shards the built model; a process and a scheduler per rank
@@ -52,8 +55,9 @@ One decode step in the overlap loop, function by function, with the moment each 
     4     ScheduleBatch.prepare_for_decode planned    a KV slot each; input ids left to the FutureMap
     5 run_batch -> ModelWorker.launch      in flight  queued on the device stream; returns at once
     6   ModelWorker.forward_step           in flight  on the device: FutureMap.resolve reads step n's tokens
-                                                      (materialized), then forward, sample, FutureMap.publish
-    7 process_batch_result (step n)        committed  waits for step n's copy_done, appends its tokens
+                                                      (materialized), then forward, sample, FutureMap.publish;
+                                                      speculating, speculate drafts and accept verifies
+    7 process_batch_result (step n)        committed  waits for step n's copy_done, appends its token(s)
     8   Req.update_finish_state            committed  advances its grammar; length, EOS, stop ids, strings
     9   release_kv_cache                   committed  a finished request's KV and row, by allocated length
     10 launch_deferred_sample (step n+1)   (logits)   with a grammar, 5 queued the forward only; now the
@@ -88,13 +92,15 @@ import torch.nn.functional as F
 class ForwardMode(enum.Enum):
     """What a step computes. EXTEND feeds prompt tokens (a prefill chunk, after any cached prefix);
     DECODE feeds each request its last sampled token; MIXED does both in one forward, prefill rows first
-    (enable_mixed_chunk). Attention treats MIXED as EXTEND: a decode row is an extend of one token."""
+    (enable_mixed_chunk). Attention treats MIXED as EXTEND: a decode row is an extend of one token.
+    TARGET_VERIFY (speculative decoding) feeds each request its last token and k drafts after it."""
     EXTEND = "extend"
     DECODE = "decode"
     MIXED = "mixed"
+    TARGET_VERIFY = "target_verify"
 
     def is_extend(self) -> bool:
-        return self is not ForwardMode.DECODE
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
 
     def is_decode(self) -> bool:
         return self is ForwardMode.DECODE
@@ -117,18 +123,29 @@ class Req:
                           prefix hit meta_info reports
     extend_input_len      tokens the next prefill chunk feeds       planned: PrefillAdder
     kv_allocated_len      positions with a KV slot, an in-flight    planned: = len(prefix_indices) when
-                          step's included                           the first chunk gets a row
-                                                                    (assign_row), then += chunk
-                                                                    (prepare_for_extend) or += 1
-                                                                    (prepare_for_decode)
+                          step's included (speculating: those of    the first chunk gets a row
+                          the most it can accept, reserved)         (assign_row), then += chunk
+                                                                    (prepare_for_extend) or up to
+                                                                    base + width (prepare_for_decode);
+                                                                    committed: the reserve not needed
+                                                                    goes back (settle_reserved_kv)
     kv_committed_len      positions whose KV committed steps wrote  planned: = len(prefix_indices) in
                           (a cached prefix counts as written)       assign_row; committed: = the
                                                                     seq_len of each committed step
-    planned_outputs()     outputs of the steps planned so far       with kv_allocated_len (derived)
+    planned_steps         per planned, uncommitted sampling step:   planned: appended (prepare_for_*);
+                          (advance, width): the most it moves the   committed: popped
+                          last token's position (1; 1 + k if it
+                          drafts; None: a prompt's last chunk) and
+                          the positions it writes
+    base_bound()          the last token's position once they       with planned_steps (derived)
+                          commit: exact, or speculating its bound
+    planned_outputs()     outputs of the steps planned so far, at   with planned_steps (derived)
+                          least (a verify may commit 1 + k)
     epoch                 retractions so far                        planned: += 1 in retract
 
     While a request holds a row: len(prefix_indices) <= kv_committed_len <= kv_allocated_len, and
-    kv_allocated_len <= len(fill_ids) + 1 (in overlap mode one planned token is not committed yet).
+    kv_allocated_len <= base_bound() + 1 (speculating: + 1 + k; in overlap mode a planned token is not
+    committed yet).
     After a prompt's last chunk and at every decode commit, kv_committed_len == len(fill_ids) - 1: the
     newest token's KV is written by the step that feeds it; in the middle of a prompt it counts the
     chunks committed so far (what cache_unfinished_req may share). Retraction resets both KV counters
@@ -163,6 +180,9 @@ class Req:
         self.input_token_ids_logprobs: list = []
         self.input_logprobs_done = False
         self.shares_prefill_of: Optional[Req] = None  # n > 1: the sibling whose prompt KV it waits for
+        self.planned_steps: deque = deque()  # (advance, width) of each planned, uncommitted sampling step
+        # speculative decoding: verify steps, drafts fed and accepted, and the recent share accepted
+        self.spec_verify_ct, self.spec_drafted, self.spec_accepted, self.spec_recent = 0, 0, 0, 1.0
         self.grammar = None  # json_schema / regex / ebnf: Part II's matcher (ready, accept, fill_mask)
 
     @property
@@ -187,8 +207,22 @@ class Req:
         return s is not None and not s.finished() and s.kv_committed_len < len(s.origin_input_ids) - 1
 
     def planned_outputs(self) -> int:
-        """Outputs sampled by steps planned so far (valid once the final prefill chunk is planned)."""
-        return self.kv_allocated_len - len(self.origin_input_ids) + 1
+        """Outputs sampled by the steps planned so far, at least (each samples one; a verify, 1 + k)."""
+        return len(self.output_ids) + len(self.planned_steps)
+
+    def base_bound(self) -> int:
+        """The position of the last token once the planned steps commit (the next step feeds it there):
+        exact, except past a step that drafts, where it is the most that step can accept."""
+        prompt_pending = self.planned_steps and self.planned_steps[0][0] is None
+        base = len(self.fill_ids) if prompt_pending else self.kv_committed_len
+        return base + sum(advance for advance, _ in self.planned_steps if advance)
+
+    def may_draft(self) -> bool:
+        """Speculative decoding drafts for it: no grammar, penalties or min_new_tokens window (their
+        logits need the exact position, which a draft in flight hides), and recent drafts accepted."""
+        sp = self.sampling_params
+        return (self.grammar is None and not sp.has_penalties() and len(self.output_ids) >= sp.min_new_tokens
+                and (self.spec_recent >= SPEC_MIN_ACCEPT or self.spec_verify_ct % SPEC_PROBE_EVERY == 0))
 
     def finished(self) -> bool:
         return self.finished_reason is not None
@@ -265,6 +299,16 @@ class Req:
         self.output_top_logprobs.append(top_logprobs(out, "", j, self.top_logprobs_num))
         self.output_token_ids_logprobs.append(self.given_ids_logprobs(out, "", j))
 
+    def note_verify(self, step: tuple, accepted: int):
+        """Speculation's books (meta_info's spec_*): one verify, and of a step that drafted, its drafts
+        and how many of them the target accepted."""
+        advance, width = step
+        self.spec_verify_ct += 1
+        if advance > 1:
+            self.spec_drafted += width - 1
+            self.spec_accepted += accepted
+            self.spec_recent = (self.spec_recent + accepted / (width - 1)) / 2
+
     def given_ids_logprobs(self, out: dict, kind: str, j: int) -> Optional[list]:
         """Row j's (logprob, token id, None) of each id in token_ids_logprob (the row is padded past them)."""
         ids = self.token_ids_logprob
@@ -282,6 +326,10 @@ class Req:
             if self.token_ids_logprob is not None:
                 meta.update(output_token_ids_logprobs=list(self.output_token_ids_logprobs),
                             input_token_ids_logprobs=list(self.input_token_ids_logprobs))
+        if self.spec_verify_ct:  # SGLang's: output tokens per verify, and the share of drafts accepted
+            meta.update(spec_verify_ct=self.spec_verify_ct,
+                        spec_accept_length=len(self.output_ids) / self.spec_verify_ct,
+                        spec_accept_rate=self.spec_accepted / self.spec_drafted if self.spec_drafted else 0.0)
         return meta
 
     def output(self) -> dict:
@@ -318,6 +366,8 @@ class ForwardBatch:
     publish_idx: torch.Tensor          # (P,) batch positions whose sampled token goes to the FutureMap
     sampling: dict                     # per-request tensors: temperature, ..., penalties, logprobs asked
     deferred: bool                     # a grammar constrains a row: the sample waits for its masks
+    verify_width: int = 0              # speculating decode: tokens a request feeds, its last and drafts
+    may_draft: Optional[torch.Tensor] = None  # (B,) its drafts count (else they are -1: never accepted)
 
 
 @dataclass
@@ -331,6 +381,7 @@ class BatchSnapshot:
     n_prefill: int            # reqs[:n_prefill] are prefill rows, the rest decode rows
     logprob_slots: list       # each request's row in the step's output logprobs, or -1
     input_spans: list         # each request's (start, count, first token) in its prompt logprobs, or None
+    verify_width: int         # speculating decode: rows i * width.. are request i's, 0 otherwise
 
 
 class ScheduleBatch:
@@ -346,6 +397,7 @@ class ScheduleBatch:
         self.n_prefill = 0  # reqs[:n_prefill] feed prompt chunks, the others decode
         self.logprob_slots: list = []
         self.input_spans: list = []
+        self.verify_width = 0  # speculating decode: tokens each request feeds (its last and the drafts)
 
     def is_empty(self) -> bool:
         return not self.reqs
@@ -359,86 +411,118 @@ class ScheduleBatch:
     def copy(self) -> BatchSnapshot:
         return BatchSnapshot(self.forward_mode, list(self.reqs), [r.epoch for r in self.reqs],
                              list(self.seq_lens), list(self.is_last_chunk), self.n_prefill,
-                             self.logprob_slots, self.input_spans)
+                             self.logprob_slots, self.input_spans, self.verify_width)
 
     def prepare_for_decode(self, use_future_map: bool):
-        """One new slot per request. In overlap mode the input token is still in flight: input_ids stays
-        empty and future_input_rows tells the step to gather the tokens from the FutureMap."""
-        req_to_token = self.scheduler.req_to_token_pool.req_to_token_host  # (rows, ctx)
-        B = len(self.reqs)
-        rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)     # (B,)
-        pos = torch.tensor([r.kv_allocated_len for r in self.reqs], dtype=torch.int64)  # (B,)
-        loc = self.scheduler.alloc_token_slots(B)                                         # (B,)
-        req_to_token[rows, pos] = loc
-        for r in self.reqs:
-            r.kv_allocated_len += 1
-        self.seq_lens = (pos + 1).tolist()
-        self.is_last_chunk, self.new_rows = [True] * B, [False] * B
-        self.n_prefill = 0
+        """Each request feeds its last token at position base = base_bound() and, speculating in a batch
+        that drafts, k drafts after it: slots up to base + width each. While a verify is in flight the
+        host knows base only as a bound (the accept count is on the device), so the slots are those of
+        the most it can accept (SGLang's over-allocation), and the step reads the true base with the token
+        from the FutureMap. In overlap mode input_ids stays empty: the tokens are still in flight."""
+        sched, B, k = self.scheduler, len(self.reqs), self.scheduler.draft_tokens
+        drafting = [k > 0 and r.may_draft() for r in self.reqs]
+        E = 1 + k if any(drafting) and sched.kv_available() >= self.decode_slots(1 + k) else 1
+        base = [r.base_bound() for r in self.reqs]
+        rows = int64([r.req_pool_idx for r in self.reqs])                                   # (B,)
+        new = [b + E - r.kv_allocated_len for r, b in zip(self.reqs, base)]  # slots each one takes
+        loc = sched.alloc_token_slots(sum(new))
+        write_rows = rows.repeat_interleave(int64(new))
+        cols = torch.cat([torch.arange(r.kv_allocated_len, b + E) for r, b in zip(self.reqs, base)])
+        sched.req_to_token_pool.req_to_token_host[write_rows, cols] = loc
+        for r, b, d in zip(self.reqs, base, drafting):
+            r.kv_allocated_len = b + E
+            r.planned_steps.append((E if d and E > 1 else 1, E))
+        self.seq_lens = [b + E for b in base]  # speculating: bounds (the device has the true lengths)
+        self.is_last_chunk, self.new_rows, self.n_prefill = [True] * B, [False] * B, 0
+        self.verify_width = E if k else 0
         if use_future_map:
             ids, future_rows = torch.empty(0, dtype=torch.int64), rows
         else:
-            ids, future_rows = torch.tensor([r.output_ids[-1] for r in self.reqs], dtype=torch.int64), None
+            ids, future_rows = int64([r.output_ids[-1] for r in self.reqs]), None
         self.forward_batch = self.build_forward_batch(
-            input_ids=ids, future_input_rows=future_rows, positions=pos, req_pool_indices=rows,
-            prefix_lens=[], extend_lens=[1] * B, out_cache_loc=loc,
-            req_to_token_writes=(rows, pos, loc), logit_rows=torch.arange(B))
+            input_ids=ids, future_input_rows=future_rows, positions=int64(base), req_pool_indices=rows,
+            prefix_lens=[], extend_lens=[E] * B, out_cache_loc=loc, logit_rows=torch.arange(B * E),
+            req_to_token_writes=(write_rows, cols, loc), verify_width=self.verify_width,
+            may_draft=torch.tensor(drafting) if k else None,
+            forward_mode=ForwardMode.TARGET_VERIFY if E > 1 else ForwardMode.DECODE)
+
+    def decode_slots(self, width: int) -> int:
+        """KV slots the next decode step takes if each request feeds `width` tokens (1: one each)."""
+        return sum(max(0, r.base_bound() + width - r.kv_allocated_len) for r in self.reqs)
 
     def build_forward_batch(self, **fields) -> ForwardBatch:
-        """The step's plan: the fields above plus per-request sampling tensors, the logprobs asked for,
-        and what to publish."""
-        sampling = self.sampling_inputs()
+        """The step's plan: the fields above plus sampling tensors (one set per logits row: a verify has
+        E = 1 + k rows a request, row i * E + j sampling its output j of the step), the logprobs asked
+        for, and what to publish."""
+        E = self.verify_width or 1
+        sampling = self.sampling_inputs(E)
         # output logprobs: for the rows that really sample (not a chunk in the middle of a prompt)
         wanted = [i for i, r in enumerate(self.reqs) if r.return_logprob and self.is_last_chunk[i]]
         self.logprob_slots = [-1] * len(self.reqs)
         for j, i in enumerate(wanted):
-            self.logprob_slots[i] = j
+            self.logprob_slots[i] = j  # its rows j * E.. of the output logprobs
         rows, ids = self.plan_prompt_logprobs(fields["prefix_lens"], fields["extend_lens"])
         if wanted or rows:
-            sampling["logprob_idx"] = int64(wanted)
+            sampling["logprob_idx"] = int64([i * E + j for i in wanted for j in range(E)])
             sampling["top_logprobs_num"] = max(r.top_logprobs_num for r in self.reqs if r.return_logprob)
         K = max((len(r.token_ids_logprob) for r in self.reqs if r.token_ids_logprob), default=0)
         if K:  # token_ids_logprob: each row's ids, padded with 0 to (rows, K)
             pad = [((r.token_ids_logprob or []) + [0] * K)[:K] for r in self.reqs]
-            sampling["ids_logprob"] = int64([pad[i] for i in wanted]).view(-1, K)
+            sampling["ids_logprob"] = int64([pad[i] for i in wanted for _ in range(E)]).view(-1, K)
             sampling["input_ids_logprob"] = int64([pad[i] for i in self.prompt_row_reqs]).view(-1, K)
+        last = [i for i, is_last in enumerate(self.is_last_chunk) if is_last]  # the rows that really sample
+        if self.scheduler.draft_tokens and not self.verify_width:  # their tokens join the history drafts
+            sampling["history_idx"] = int64(last)                 # come from (decode steps: on the device)
+            sampling["history_pos"] = int64([self.seq_lens[i] for i in last])
         # overlap mode publishes each sampled token (not a mid-prompt chunk's) for the next step to gather
-        publish = [i for i, last in enumerate(self.is_last_chunk) if last and self.scheduler.enable_overlap]
+        publish = last if self.scheduler.enable_overlap else []
         deferred = any(r.grammar is not None and last for r, last in zip(self.reqs, self.is_last_chunk))
-        return ForwardBatch(forward_mode=self.forward_mode, seq_lens=self.seq_lens, sampling=sampling,
+        mode = fields.pop("forward_mode", self.forward_mode)
+        return ForwardBatch(forward_mode=mode, seq_lens=self.seq_lens, sampling=sampling,
                             prompt_logit_rows=int64(rows), prompt_logit_ids=int64(ids),
                             publish_idx=int64(publish), deferred=deferred, **fields)
 
-    def sampling_inputs(self) -> dict:
-        """Per-request sampling tensors, made on the host. Penalties, logit_bias and min_new_tokens add
-        theirs only when a request of the batch uses them: the others pay no (B, vocab) work."""
+    def sampling_inputs(self, E: int = 1) -> dict:
+        """Sampling tensors, made on the host, E rows a request (a verify's positions). Penalties,
+        logit_bias and min_new_tokens add theirs only when a request of the batch uses them: the others
+        pay no (B, vocab) work; they touch a verify's first row only (the rest: its requests do not draft)
+        but for logit_bias."""
         reqs, params = self.reqs, [r.sampling_params for r in self.reqs]
         out_pos = [n - len(r.origin_input_ids) for n, r in zip(self.seq_lens, reqs)]  # the output it samples
+        each = lambda xs: [x for x in xs for _ in range(E)]  # noqa: E731  (a verify: one a row)
         f64 = functools.partial(torch.tensor, dtype=torch.float64)
-        s = {"temperature": f64([p.temperature for p in params]), "top_p": f64([p.top_p for p in params]),
-             "top_k": int64([p.top_k for p in params]), "min_p": f64([p.min_p for p in params]),
-             "seed": int64([r.seed for r in reqs]),
-             "out_pos": int64(out_pos),  # the noise is a function of (seed, out_pos) only
+        s = {"temperature": f64(each(p.temperature for p in params)),
+             "top_p": f64(each(p.top_p for p in params)), "min_p": f64(each(p.min_p for p in params)),
+             "top_k": int64(each(p.top_k for p in params)),
+             "seed": int64(each(r.seed for r in reqs)),
+             # the noise is a function of (seed, out_pos) only; a verify's true ones are on the device
+             "out_pos": int64([n - E + j + 1 for n in out_pos for j in range(E)] if E > 1 else out_pos),
              "all_greedy": all(p.temperature == 0 for p in params),
              "need_filter": any(p.top_k != -1 or p.top_p < 1 or p.min_p > 0 for p in params)}
-        # penalties: their state lives on the device (TokenCounts), rebuilt where a request gets its row
-        new = [r for r, p, first in zip(reqs, params, self.new_rows) if first and p.has_penalties()]
+        if self.verify_width:
+            s["prompt_len"] = int64(each(len(r.origin_input_ids) for r in reqs))
+        # penalties: their state lives on the device (TokenCounts), rebuilt where a request gets its row;
+        # speculating, TokenCounts' tokens are also the history that drafts come from
+        new = [r for r, p, first in zip(reqs, params, self.new_rows)
+               if first and (p.has_penalties() or self.scheduler.draft_tokens)]
         if new:
             s["reset_rows"] = int64([r.req_pool_idx for r in new])
             s["reset_tokens"] = int64([[r.req_pool_idx, i, t] for r in new for i, t in enumerate(r.fill_ids)])
             s["reset_counts"] = int64([[r.req_pool_idx, t] for r in new for t in r.output_ids]).view(-1, 2)
         pen = [i for i, p in enumerate(params) if p.has_penalties() and self.is_last_chunk[i]]  # sampling
         if pen:
-            s["penalized"], s["penalty_rows"] = int64(pen), int64([reqs[i].req_pool_idx for i in pen])
+            s["penalized"] = int64([i * E for i in pen])
+            s["penalty_rows"] = int64([reqs[i].req_pool_idx for i in pen])
             s["penalty_lens"] = int64([self.seq_lens[i] for i in pen])  # tokens held: the new one's position
             s["penalty_len"] = max(self.seq_lens[i] for i in pen)
             for key in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
                 s[key] = f64([getattr(params[i], key) for i in pen])
-        bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
+        bias = [(i * E + j, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()
+                for j in range(E)]
         if bias:
             s["bias_at"], s["bias"] = int64([b[:2] for b in bias]), f64([b[2] for b in bias])
         # min_new_tokens: the tokens that would finish a request cannot be sampled while it is short
-        banned = [(i, t) for i, r in enumerate(reqs) if out_pos[i] < params[i].min_new_tokens
+        banned = [(i * E, t) for i, r in enumerate(reqs) if out_pos[i] - E + 1 < params[i].min_new_tokens
                   and r.grammar is None for t in r.stop_ids]  # a grammar decides when it may stop
         if banned:
             s["banned"] = int64(banned)
@@ -487,6 +571,9 @@ class ScheduleBatch:
             extend_lens.append(ext)
         self.seq_lens = [r.kv_allocated_len for r in self.reqs]
         self.is_last_chunk = [r.kv_allocated_len == len(r.fill_ids) for r in self.reqs]
+        for r, last in zip(self.reqs, self.is_last_chunk):
+            if last:
+                r.planned_steps.append((None, 0))  # its sample: the first output (or the next, recomputed)
         self.n_prefill = len(self.reqs)
         self.forward_batch = self.build_forward_batch(
             input_ids=torch.tensor(ids, dtype=torch.int64), future_input_rows=None,
@@ -619,13 +706,10 @@ class PrefillAdder:
 
 
 class ReqToTokenPool:
-    """One row per running request: position -> KV slot.
-
-    `req_to_token` lives on the device and is written only by steps on the device stream, so a row
-    freed at commit time can be handed to a new request at once: any step that still reads the old
-    contents was launched earlier and runs first (stream order). The host keeps its own mirror,
-    `req_to_token_host`, which it reads and writes while planning.
-    """
+    """One row per running request: position -> KV slot. `req_to_token` lives on the device and is
+    written only by steps on the device stream, so a row freed at commit time can be handed to a new
+    request at once: any step that still reads the old contents was launched earlier and runs first
+    (stream order). The host plans with its own mirror, `req_to_token_host`."""
 
     def __init__(self, size: int, max_context_len: int, device: str):
         self.size = size
@@ -689,14 +773,11 @@ def common_prefix_len(a, b) -> int:
 
 class RadixCache:
     """Maps token prefixes to the KV slots that hold them, so requests that share a prefix share KV.
-
     A node locked by a running request (lock_ref > 0, counted up to the root) is protected; unlocked
     leaves are evictable, least recently used first. Slots in the tree belong to the tree, not to a request.
-
     The LRU order is a heap kept across evictions: a node is pushed when it becomes an unlocked leaf, and
-    stale entries are skipped or pushed again when popped. Heaping the leaves afresh at each eviction, as
-    SGLang does, costs the cache's size at every step once a pool full of cached prompts evicts each step.
-    """
+    stale entries are skipped or pushed again when popped (heaping the leaves afresh at each eviction, as
+    SGLang does, costs the cache's size at every step once a pool full of cached prompts evicts each step)."""
 
     def __init__(self, kv_pool: TokenToKVPool, disable: bool = False):
         self.kv_pool, self.disable = kv_pool, disable
@@ -832,17 +913,21 @@ class FutureMap:
 
     A row is stable for a request's life, unlike its position in a batch that is filtered and merged.
     With debug on, a gather asserts every value was published and a publish asserts the row was empty.
+    Beside each token sits its position: speculating, one verify commits 1 + accepted tokens, a count
+    only the device knows when the next step starts, so the next step reads where its input sits too.
     """
 
     def __init__(self, num_rows: int, device: str, debug: bool = False):
         self.output_tokens_buf = torch.full((num_rows,), -1, dtype=torch.int64, device=device)  # (rows,)
+        self.positions_buf = torch.zeros((num_rows,), dtype=torch.int64, device=device)       # (rows,)
         self.debug = debug
 
-    def publish(self, rows: torch.Tensor, tokens: torch.Tensor):
+    def publish(self, rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
         if self.debug:  # sync point (debug only)
             assert bool((self.output_tokens_buf[rows] == -1).all()), \
                 f"FutureMap: publish over an unread token, rows {rows.tolist()}"
         self.output_tokens_buf[rows] = tokens
+        self.positions_buf[rows] = positions
 
     def resolve(self, rows: torch.Tensor) -> torch.Tensor:
         ids = self.output_tokens_buf[rows]  # (B,)
@@ -857,10 +942,8 @@ class FutureMap:
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor onto the device without waiting. On CUDA a blocking copy would first wait for every
-    step already queued on the stream, and the host could no longer run ahead of the device; from pinned
-    memory the copy is a DMA queued on the stream (from pageable memory the driver may stage it and
-    wait)."""
+    """A host tensor onto the device without waiting (a blocking copy would wait for every step queued on
+    the stream): from pinned memory the copy is a DMA queued on the stream."""
     if t.device.type == "cpu" and torch.device(device).type == "cuda":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
@@ -990,6 +1073,8 @@ class ModelWorker:
         self.token_counts: Optional[TokenCounts] = None  # the penalties' per-row state, on the device
         self.race_rows: Optional[Callable] = None  # how sample() races rows (None: race)
         self.kept_logits: Optional[torch.Tensor] = None  # a deferred step's, until its sample runs
+        self.drafter: Optional[Callable] = None  # speculating: (worker, batch, rows, base, k) -> drafts
+        self.verify_state: Optional[tuple] = None  # a verify's (drafts, base, positions), for its sample
 
     def launch(self, batch: ForwardBatch) -> Optional[StepHandle]:
         """Queues the step; of a deferred step (a grammar's) only its forward, launch_sample follows."""
@@ -1009,47 +1094,97 @@ class ModelWorker:
         return self.sample_step(batch, self.forward_logits(batch))
 
     def forward_logits(self, batch: ForwardBatch, keep: bool = False) -> torch.Tensor:
-        """Resolves the inputs, writes req_to_token, runs the model: logits (B + M, vocab), where M rows
-        score prompt tokens (prompt logprobs). keep: a deferred sample reads them later."""
+        """Writes req_to_token, resolves the inputs, runs the model: logits (R + M, vocab), R a row per
+        request (a verify: 1 + k) and M rows that score prompt tokens (prompt logprobs). keep: a deferred
+        sample reads them later."""
         to = functools.partial(to_device, device=self.device)
         rows = to(batch.req_pool_indices)
-        input_ids = to(batch.input_ids)  # (N,) or a mixed batch's prefill part; empty for overlap decode
-        if batch.future_input_rows is not None:
-            # the decode inputs of overlap mode: the previous step's tokens, materialized in the FutureMap
-            tails = self.future_map.resolve(to(batch.future_input_rows))
-            input_ids = torch.cat((input_ids, tails)) if len(batch.input_ids) else tails
         write_rows, write_cols, write_slots = batch.req_to_token_writes
         self.req_to_token_pool.req_to_token[to(write_rows), to(write_cols)] = to(write_slots).to(torch.int32)
+        if batch.verify_width:  # speculating: where each request stands is the device's to know
+            input_ids, positions, loc = self.speculate(batch, rows)
+            seq_lens = positions.view(len(rows), -1)[:, -1] + 1
+        else:
+            input_ids = to(batch.input_ids)  # (N,) or a mixed batch's prefill part; empty for overlap decode
+            if batch.future_input_rows is not None:
+                # the decode inputs of overlap mode: the previous step's tokens, materialized in the FutureMap
+                tails = self.future_map.resolve(to(batch.future_input_rows))
+                input_ids = torch.cat((input_ids, tails)) if len(batch.input_ids) else tails
+            positions, loc = to(batch.positions), to(batch.out_cache_loc)
+            seq_lens = to(torch.tensor(batch.seq_lens))
         self.attn.init_forward_metadata(ForwardMetadata(
-            forward_mode=batch.forward_mode, req_pool_indices=rows, out_cache_loc=to(batch.out_cache_loc),
-            seq_lens=to(torch.tensor(batch.seq_lens)), req_pool_indices_cpu=batch.req_pool_indices.tolist(),
-            seq_lens_cpu=batch.seq_lens, prefix_lens_cpu=batch.prefix_lens,
-            extend_lens_cpu=batch.extend_lens))
+            forward_mode=batch.forward_mode, req_pool_indices=rows, out_cache_loc=loc, seq_lens=seq_lens,
+            req_pool_indices_cpu=batch.req_pool_indices.tolist(), seq_lens_cpu=batch.seq_lens,
+            prefix_lens_cpu=batch.prefix_lens, extend_lens_cpu=batch.extend_lens))
         logit_rows = batch.logit_rows
         if len(batch.prompt_logit_rows):  # prompt logprobs: more rows through the LM head, for who asks
             logit_rows = torch.cat((logit_rows, batch.prompt_logit_rows))
-        logits = self.model(input_ids, to(batch.positions), self.attn, to(logit_rows))  # (B + M, vocab)
+        logits = self.model(input_ids, positions, self.attn, to(logit_rows))  # (R + M, vocab)
         self.kept_logits = logits if keep else None
         return logits
 
+    def speculate(self, batch: ForwardBatch, rows: torch.Tensor) -> tuple:
+        """A speculating decode step's inputs, on the device: each request's last token at its position
+        base (in overlap mode both from the FutureMap: the host does not know step n's accept count yet),
+        then E - 1 drafts after it (the drafter's; -1, never accepted, where it has none or the request
+        does not draft); their positions and slots. A verify of E = 1 is a decode."""
+        E, to = batch.verify_width, functools.partial(to_device, device=self.device)
+        if batch.future_input_rows is not None:
+            last, base = self.future_map.resolve(rows), self.future_map.positions_buf[rows]
+        else:
+            last, base = to(batch.input_ids), to(batch.positions)
+        drafts = torch.full((len(rows), E - 1), -1, dtype=torch.int64, device=rows.device)   # (B, E - 1)
+        if E > 1:
+            mine = self.drafter(self, batch, rows, base, E - 1)
+            drafts = torch.where(to(batch.may_draft)[:, None], mine, drafts)
+        positions = (base[:, None] + torch.arange(E, device=rows.device)).flatten()           # (B * E,)
+        loc = self.req_to_token_pool.req_to_token[rows.repeat_interleave(E), positions].long()
+        self.verify_state = (drafts, base, positions)
+        return torch.cat((last[:, None], drafts.clamp(min=0)), 1).flatten(), positions, loc
+
     def sample_step(self, batch: ForwardBatch, logits: torch.Tensor, bitmask=None,
                     publish_idx=None) -> dict:
-        """Samples the step's tokens (a grammar's bitmask applied), adds the logprobs asked for, and
-        publishes the tokens to the FutureMap."""
+        """Samples the step's tokens (a grammar's bitmask applied), adds the logprobs asked for, verifies
+        the drafts, and publishes each request's next input (and its position) to the FutureMap."""
         publish_idx = batch.publish_idx if publish_idx is None else publish_idx
         to = functools.partial(to_device, device=self.device)
-        B, self.kept_logits = len(batch.seq_lens), None
+        R, rows, self.kept_logits = len(batch.logit_rows), to(batch.req_pool_indices), None
         sampling = {k: (to(v) if isinstance(v, torch.Tensor) else v) for k, v in batch.sampling.items()}
         if bitmask is not None:
             sampling["bitmask"] = to(bitmask)
-        out = self.sample_tokens(logits[:B], sampling)
+        if batch.verify_width:  # the outputs its rows sample, from the true positions
+            sampling["out_pos"] = self.verify_state[2] + 1 - sampling["prompt_len"]
+        out = self.sample_tokens(logits[:R], sampling)
         if len(batch.prompt_logit_rows):
-            out |= logprobs(logits[B:], to(batch.prompt_logit_ids), sampling["top_logprobs_num"], "input_",
+            out |= logprobs(logits[R:], to(batch.prompt_logit_ids), sampling["top_logprobs_num"], "input_",
                             sampling.get("input_ids_logprob"))
+        if batch.verify_width:
+            out |= self.accept(rows, out["next_ids"], batch.verify_width)
+            tokens, at = out["bonus"], out["next_base"]
+        else:
+            tokens, at = out["next_ids"], to(torch.tensor(batch.seq_lens))
+            if "history_idx" in sampling:  # speculating: a prompt's first token joins its history
+                idx = sampling["history_idx"]
+                self.token_counts.tokens[rows[idx], sampling["history_pos"]] = tokens[idx]
         if len(publish_idx):  # host-known: no sync (a device boolean mask would sync)
             sel = to(publish_idx)
-            self.future_map.publish(to(batch.req_pool_indices)[sel], out["next_ids"][sel])
+            self.future_map.publish(rows[sel], tokens[sel], at[sel])
         return out
+
+    def accept(self, rows: torch.Tensor, next_ids: torch.Tensor, E: int) -> dict:
+        """Verify: a request's drafts are accepted while each equals the token the target sampled at its
+        position (with that position's own noise and filters: what plain decoding samples there), and
+        the token sampled after the last accepted one (the bonus) comes with them: accept_len + 1 tokens.
+        Every sampled token goes into the request's history (past the accepted ones, to be overwritten);
+        the bonus, at position base + accept_len + 1, is the next step's input."""
+        drafts, base, _ = self.verify_state
+        sampled = next_ids.view(-1, E)                                          # (B, E)
+        accept_len = (sampled[:, :-1] == drafts).cumprod(1).sum(1)              # (B,)
+        history = self.token_counts.tokens                                      # (rows, ctx)
+        at = (base[:, None] + 1 + torch.arange(E, device=base.device)).clamp(max=history.shape[1] - 1)
+        history[rows[:, None], at] = sampled  # (the last column is past the context: a scratch)
+        return {"accept_len": accept_len, "bonus": sampled.gather(1, accept_len[:, None]).squeeze(1),
+                "next_base": base + accept_len + 1}
 
     def sample_tokens(self, logits: torch.Tensor, s: dict) -> dict:
         """Each row's next token, and its logprobs where asked. With penalties, the rows requests just got
@@ -1090,6 +1225,10 @@ IN_BATCH_PREFIX_MIN = 32  # shared tokens that make a waiting request wait for a
 # lpm matches and sorts every waiting request at every plan: above this many it plans as fcfs, which
 # matches only the requests it reaches (SGLang's literal 128 in SchedulePolicy._determine_active_policy)
 LPM_MAX_WAITING = 128
+# speculative decoding: a request whose recent drafts were mostly rejected stops drafting (a verify of
+# 1 + k tokens costs more than a decode), and tries again every SPEC_PROBE_EVERY steps
+SPEC_MIN_ACCEPT = 0.25  # the recent share of its drafts accepted, below which it stops
+SPEC_PROBE_EVERY = 8
 
 
 class Scheduler:
@@ -1104,6 +1243,7 @@ class Scheduler:
         self.req_to_token_pool, self.kv_pool = req_to_token_pool, kv_pool
         self.tree_cache = RadixCache(kv_pool, disable=args.disable_radix_cache)
         self.enable_overlap = not args.disable_overlap_schedule
+        self.draft_tokens = args.speculative_num_draft_tokens if args.speculative_algorithm else 0  # k
         # without a cache no prefix can be shared: longest-prefix-first is first-come (as in SGLang)
         self.schedule_policy = "fcfs" if args.disable_radix_cache else args.schedule_policy
         self.waiting = WaitingQueue()
@@ -1196,7 +1336,7 @@ class Scheduler:
         running.filter(Req.needs_decode)
         if running.is_empty():
             return None
-        if self.kv_available() < len(running.reqs) and not (may_retract and self.retract_decode()):
+        if self.kv_available() < running.decode_slots(1) and not (may_retract and self.retract_decode()):
             return None
         running.prepare_for_decode(use_future_map=self.enable_overlap)
         return running
@@ -1234,11 +1374,11 @@ class Scheduler:
         if self.deferred is None:
             return
         (batch, snapshot), self.deferred = self.deferred, None
-        words = -(-self.model_vocab_size // 32)
-        bitmask = torch.full((len(snapshot.reqs), words), -1, dtype=torch.int32)  # all allowed
-        for i, r in enumerate(snapshot.reqs):
+        words, E = -(-self.model_vocab_size // 32), snapshot.verify_width or 1
+        bitmask = torch.full((len(snapshot.reqs) * E, words), -1, dtype=torch.int32)  # all allowed
+        for i, r in enumerate(snapshot.reqs):  # in a verify, its first row (a constrained one never drafts)
             if r.grammar is not None and snapshot.is_last_chunk[i] and not r.finished():
-                r.grammar.fill_mask(bitmask, i)
+                r.grammar.fill_mask(bitmask, i * E)
         # subtle: a request the commit just finished gave back its FutureMap row, already poisoned on the
         # stream: its (overshoot) token must not land there after the poison
         publish = int64([i for i in batch.forward_batch.publish_idx.tolist()
@@ -1270,11 +1410,24 @@ class Scheduler:
             if not batch.is_last_chunk[i]:
                 self.cache_unfinished_req(r)  # a chunk in the middle of a prompt: share it already
                 continue                      # (its sample is meaningless)
-            if r.sampling_params.max_new_tokens:  # 0: a prefill for its prompt logprobs alone (echo)
-                r.output_ids.append(out["next_ids"][i])
-                if batch.logprob_slots[i] >= 0:
-                    r.add_output_logprob(out, batch.logprob_slots[i])
-            r.update_finish_state(self.tokenizer)
+            step, E, slot = r.planned_steps.popleft(), batch.verify_width or 1, batch.logprob_slots[i]
+            # a verify commits its accepted drafts and the bonus, up to the token that finishes it;
+            # max_new_tokens 0: a prefill for its prompt logprobs alone (echo), no token
+            n = out["accept_len"][i] + 1 if batch.verify_width else int(r.sampling_params.max_new_tokens > 0)
+            for j in range(n):
+                r.output_ids.append(out["next_ids"][i * E + j])
+                if slot >= 0:
+                    r.add_output_logprob(out, slot * E + j)
+                r.update_finish_state(self.tokenizer)
+                if r.finished():
+                    break
+            if not n:
+                r.update_finish_state(self.tokenizer)
+            if batch.verify_width:
+                r.kv_committed_len = len(r.fill_ids) - 1  # what the device knew: the bound was not needed
+                r.note_verify(step, out["accept_len"][i])
+                if not r.finished():
+                    self.settle_reserved_kv(r)
             if r.finished():
                 self.release_kv_cache(r, insert=True)
                 self.finished_outputs.append(r.output())
@@ -1285,6 +1438,19 @@ class Scheduler:
         """The one place the host blocks on the device (sync point): the step's tokens and logprobs once
         they are on the host (copy_done). Part II's StepTimer wraps it to time each step and each wait."""
         return {k: v.tolist() for k, v in result.wait().items()}
+
+    def settle_reserved_kv(self, r: Req):
+        """Speculating, at a verify's commit: the slots reserved past what the steps still planned can
+        write go back to the pool. Stream order keeps it safe: the step in flight writes below `keep`,
+        and what it reads past it is masked out."""
+        keep = r.kv_committed_len
+        if r.planned_steps:  # the step in flight writes from its base (at most the bound before it) on
+            advance, width = r.planned_steps[-1]
+            keep = r.base_bound() - (advance or 0) + width
+        if keep < r.kv_allocated_len:
+            row = self.req_to_token_pool.req_to_token_host[r.req_pool_idx]
+            self.kv_pool.free(row[keep:r.kv_allocated_len].clone())
+            r.kv_allocated_len = keep
 
     def release_kv_cache(self, r: Req, insert: bool):
         """Gives back a request's KV by allocated length (overshoot and tail included) and its row.
@@ -1418,7 +1584,7 @@ class Scheduler:
             r, self.chunked_req = self.chunked_req, None
             self.retract(r)
         running.reqs.sort(key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
-        while self.kv_available() < len(running.reqs):
+        while self.kv_available() < running.decode_slots(1):
             if len(running.reqs) > 1:
                 self.retract(running.reqs.pop())
             elif self.result_queue:
@@ -1471,6 +1637,7 @@ class Scheduler:
         self.release_kv_cache(r, insert=False)
         r.epoch += 1
         r.kv_allocated_len, r.kv_committed_len = 0, 0
+        r.planned_steps.clear()
         if not r.input_logprobs_done:  # the recomputed prefill scores the prompt again
             r.input_token_logprobs, r.input_top_logprobs = [], []
         self.waiting.push(r, front=True)
@@ -1730,11 +1897,10 @@ def adjust_logits(logits: torch.Tensor, s: dict, counts: Optional[TokenCounts]) 
 
 class TokenCounts:
     """The penalties' state, per request-pool row, on the device: the request's tokens by position
-    (prompt and output: what repetition_penalty sees) and how often each token was sampled (frequency,
-    presence). The step that samples a token writes it on the device stream, so step n+1 sees step n's
-    token while the host has not committed it yet: no lag and no sync. The step that gives a request its
-    row rebuilds the row from the host's tokens: a reused row starts clean, a retracted request gets its
-    committed output back."""
+    (prompt and output: what repetition_penalty sees, and the history NGRAM drafts from) and how often
+    each token was sampled (frequency, presence). The step that samples a token writes it on the device
+    stream, so step n+1 sees step n's token while the host has not committed it yet: no lag, no sync.
+    The step that gives a request its row rebuilds the row from the host's tokens."""
 
     def __init__(self, num_rows: int, context_len: int, vocab: int, device):
         self.tokens = torch.zeros((num_rows, context_len), dtype=torch.int64, device=device)  # (rows, ctx)
@@ -1767,6 +1933,29 @@ def logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int, kind: str = "",
     return out
 
 
+# -- speculative decoding's drafts (NGRAM): searched on the device, in the request's own tokens --
+
+
+def ngram_drafts(history: torch.Tensor, base: torch.Tensor, k: int, lo: int, hi: int) -> torch.Tensor:
+    """For each row of history (B, L), tokens by position with the last one at base (B,): the k tokens
+    that followed the latest earlier occurrence of its last n tokens, n from hi down to lo (the longest
+    match wins); -1 where there is none or the history ends. No host sync: a token of the step in flight
+    counts as soon as that step has run."""
+    B, L = history.shape
+    j = torch.arange(L, device=history.device)[None]                          # (1, L): where a match ends
+    match, found = j < base[:, None], torch.full_like(base, -1)               # (B, L), (B,)
+    for n in range(1, hi + 1):  # match[b, q]: history[b, q - i] == history[b, base - i] for i < n
+        tail = history.gather(1, (base - n + 1).clamp(min=0)[:, None])        # (B, 1)
+        prev = torch.cat((history.new_full((B, n - 1), -1), history[:, :L - n + 1]), 1)  # shifted by n - 1
+        match &= (prev == tail) & (base[:, None] >= n - 1)
+        if n >= lo:
+            latest = torch.where(match, j, -1).amax(1)                        # (B,)
+            found = torch.where(latest >= 0, latest, found)
+    at = found[:, None] + 1 + torch.arange(k, device=history.device)          # (B, k)
+    ok = (found[:, None] >= 0) & (at <= base[:, None])
+    return torch.where(ok, history.gather(1, at.clamp(max=L - 1)), -1)
+
+
 # -- attention backends: read and write the paged KV pool through req_to_token rows --
 
 
@@ -1794,7 +1983,7 @@ class TorchAttnBackend:
 
     def init_forward_metadata(self, meta: ForwardMetadata):
         self.meta = meta
-        if meta.forward_mode.is_decode():
+        if not meta.forward_mode.is_extend():  # decode, or a verify: E queries a request
             groups = self.group_by_length(meta.seq_lens_cpu)
             self.decode_groups = [self._decode_group(meta, g) for g in groups]
         else:  # per request, once per step (not once per layer): its rows of the batch, its slots, its mask
@@ -1810,36 +1999,41 @@ class TorchAttnBackend:
         return [sorted(range(len(seq_lens)), key=seq_lens.__getitem__)]
 
     def _decode_group(self, meta: ForwardMetadata, group: list) -> tuple:
-        dev = meta.seq_lens.device
+        """A group's slots (padded to its longest host length: speculating, a bound) and its mask from the
+        true lengths on the device. A verify's query e of a request sees the keys up to its base + e."""
+        dev, E = meta.seq_lens.device, meta.extend_lens_cpu[0]
         idx = to_device(torch.tensor(group), dev)                                # (n,) positions in the batch
         L = meta.seq_lens_cpu[group[-1]]
         slots = self.req_to_token[meta.req_pool_indices[idx], :L].reshape(-1).long()  # (n * L,)
-        visible = torch.arange(L, device=dev)[None] < meta.seq_lens[idx][:, None]      # (n, L)
+        ends = meta.seq_lens[idx][:, None] - E + 1 + torch.arange(E, device=dev)       # (n, E)
+        visible = torch.arange(L, device=dev)[None, None] < ends[:, :, None]           # (n, E, L)
         mask = torch.zeros(visible.shape, dtype=self.kv.k_buffer[0].dtype, device=dev)
         mask.masked_fill_(~visible, -math.inf)
-        return idx, slots, mask[:, None, None, :]  # (n, 1, 1, L): added to the scores, hides the padding
+        return idx, slots, mask  # (n, E, L): added to the scores, hides the padding and the future
 
     def forward(self, q, k, v, layer_id: int) -> torch.Tensor:
         m = self.meta
         self.kv.k_buffer[layer_id].index_copy_(0, m.out_cache_loc, k)
         self.kv.v_buffer[layer_id].index_copy_(0, m.out_cache_loc, v)
-        if m.forward_mode.is_decode():
-            return self._decode(q, layer_id)
-        return self._extend(q, layer_id)
+        if m.forward_mode.is_extend():
+            return self._extend(q, layer_id)
+        return self._decode(q, layer_id)
 
     def _decode(self, q, layer_id):
-        B, H, D = q.shape
+        N, H, D = q.shape
         kb, vb, out = self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id], torch.empty_like(q)
-        Hkv = kb.shape[1]
+        Hkv, E = kb.shape[1], self.meta.extend_lens_cpu[0]
+        G, qs, outs = H // Hkv, q.view(-1, E, H, D), out.view(-1, E, H, D)  # (B, E, H, D): a request each
         for idx, slots, mask in self.decode_groups:
             n, L = mask.shape[0], mask.shape[-1]
             kc = kb.index_select(0, slots).view(n, L, Hkv, D).transpose(1, 2)  # (n, Hkv, L, D)
             vc = vb.index_select(0, slots).view(n, L, Hkv, D).transpose(1, 2)  # (n, Hkv, L, D)
-            # one query token per request, so the H // Hkv query heads that share a KV head can stand in
-            # for that many query rows of one head: no GQA expansion of K and V
-            qg = q.index_select(0, idx).view(n, Hkv, H // Hkv, D)
-            o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask)  # (n, Hkv, H // Hkv, D)
-            out.index_copy_(0, idx, o.reshape(n, H, D))
+            # the E queries of a request times the G query heads that share a KV head stand in for E * G
+            # query rows of one head: no GQA expansion of K and V
+            qg = qs.index_select(0, idx).view(n, E, Hkv, G, D).transpose(1, 2).reshape(n, Hkv, E * G, D)
+            rows_mask = mask.repeat_interleave(G, dim=1)[:, None]                 # (n, 1, E * G, L)
+            o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=rows_mask)  # (n, Hkv, E * G, D)
+            outs.index_copy_(0, idx, o.view(n, Hkv, E, G, D).transpose(1, 2).reshape(n, E, H, D))
         return out
 
     def _extend(self, q, layer_id):
@@ -1878,10 +2072,14 @@ class TritonAttnBackend:
 
     def init_forward_metadata(self, meta: ForwardMetadata):
         self.meta = meta
+        dev = meta.seq_lens.device
         if meta.forward_mode.is_extend():
-            dev = meta.seq_lens.device
             self.prefix_lens = to_device(torch.tensor(meta.prefix_lens_cpu, dtype=torch.int32), dev)  # (B,)
             self.extend_lens = to_device(torch.tensor(meta.extend_lens_cpu, dtype=torch.int32), dev)  # (B,)
+        elif meta.forward_mode is ForwardMode.TARGET_VERIFY:  # an extend of E whose prefix the device knows
+            E = meta.extend_lens_cpu[0]
+            self.prefix_lens = (meta.seq_lens - E).to(torch.int32)
+            self.extend_lens = torch.full_like(self.prefix_lens, E)
 
     def forward(self, q, k, v, layer_id: int) -> torch.Tensor:
         m, kb, vb = self.meta, self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id]
@@ -1985,6 +2183,15 @@ class ServerArgs:
     random_seed: int = arg(0, "seeds the requests that give no sampling_seed")
     constrained_json_disable_any_whitespace: bool = arg(
         False, "a json_schema grammar allows no whitespace between tokens of JSON (by default any)")
+    # speculative decoding
+    speculative_algorithm: Optional[str] = arg(
+        None, "NGRAM: drafts looked up in the request's own tokens; STANDALONE: a draft model's; none: none",
+        (None, "NGRAM", "STANDALONE"))
+    speculative_num_draft_tokens: int = arg(4, "drafts a verify step checks (k); it commits 1 to k+1 tokens")
+    speculative_ngram_min_match_window_size: int = arg(1, "NGRAM: the shortest tail of tokens looked up")
+    speculative_ngram_max_match_window_size: int = arg(12, "NGRAM: the longest (the longest match wins)")
+    speculative_draft_model_path: Optional[str] = arg(
+        None, "STANDALONE: the draft model (an HF directory or .gguf with the target's vocabulary)")
     # serving
     api_key: Optional[str] = arg(None, "the server answers 401 to a request without `Authorization: Bearer "
                                        "<this key>` (GET /health and /metrics stay open)", secret=True)
@@ -2032,8 +2239,27 @@ class ServerArgs:
             if not lo <= v <= hi:
                 raise ValueError(f"{key} must be a number in [{lo}, {hi}], got {v!r}")
         self.check_parallelism()
+        self.check_speculative()
         if os.environ.get("OVERLAP_ENGINE_DEBUG", "") not in ("", "0"):
             self.debug_future_map = self.debug_ledger = self.debug_tp_plan = True
+
+    def check_speculative(self):
+        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if self.speculative_num_draft_tokens < 1:
+            raise ValueError(f"speculative_num_draft_tokens must be >= 1, got "
+                             f"{self.speculative_num_draft_tokens}")
+        if not 1 <= lo <= hi:
+            raise ValueError(f"speculative_ngram_min_match_window_size={lo} and _max_match_window_size={hi} "
+                             "must satisfy 1 <= min <= max")
+        if (self.speculative_algorithm == "STANDALONE") != (self.speculative_draft_model_path is not None):
+            raise ValueError("speculative_draft_model_path is needed by, and only by, speculative_algorithm="
+                             "'STANDALONE'")
+        if self.speculative_algorithm and self.enable_mixed_chunk:  # its decode rows need host positions
+            raise ValueError("enable_mixed_chunk does not work with speculative_algorithm: a mixed batch "
+                             "attends its decode rows at host-known positions, and a verify in flight hides "
+                             "them")
+        if self.speculative_algorithm == "STANDALONE" and self.tp_size > 1:
+            raise ValueError("speculative_algorithm='STANDALONE' works with tp_size=1 only (NGRAM with any)")
 
     def check_parallelism(self):
         for key in ("tp_size", "nnodes", "dist_timeout"):
@@ -2398,6 +2624,12 @@ class Engine:
         worker = ModelWorker(model, req_to_token_pool, self.future_map, backend, stream, args.device)
         if args.device == "cpu":
             worker.race_rows = race_in_blocks
+        if args.speculative_algorithm == "NGRAM":
+            worker.drafter = functools.partial(ngram_drafter, lo=args.speculative_ngram_min_match_window_size,
+                                               hi=args.speculative_ngram_max_match_window_size)
+        elif args.speculative_algorithm == "STANDALONE":
+            worker.drafter = StandaloneDrafter(args, cfg, dtype, kv_pool, req_to_token_pool)
+            worker.model = DraftsAlongside(worker.model, worker.drafter)
         self.scheduler = Scheduler(args, self.tokenizer, worker, req_to_token_pool, kv_pool)
         self.scheduler.model_vocab_size = cfg.vocab_size  # the width of a grammar's bitmask
         self._grammars: Optional[GrammarBackend] = None  # made for the first grammar (xgrammar)
@@ -3625,6 +3857,68 @@ def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str,
     return model.eval()
 
 
+# -- speculative decoding's drafters, plugged into Part I's worker from outside: NGRAM's lookup (Part I's
+# ngram_drafts) and a draft model (STANDALONE) --
+
+
+def ngram_drafter(worker: ModelWorker, batch: ForwardBatch, rows, base, k: int, lo: int, hi: int):
+    """The drafter of speculative_algorithm NGRAM: Part I's prompt lookup in each request's history."""
+    L = max(batch.seq_lens)  # past every request's last token: the host's bound
+    return ngram_drafts(worker.token_counts.tokens[rows, :L], base, k, lo, hi)
+
+
+class StandaloneDrafter:
+    """speculative_algorithm STANDALONE: a draft model proposes k tokens, greedily, on a KV pool of its
+    own that shares the target's slots (the same req_to_token rows): a prefix the radix cache holds is
+    the draft's too. At a verify step it is fed the request's last two tokens (the one before the last
+    may be an accepted draft it never fed), then each of its drafts in turn; DraftsAlongside feeds it the
+    prompts. Drafts only steer which tokens are tried: the output is the target's whatever they are."""
+
+    def __init__(self, args: ServerArgs, target: ModelConfig, dtype, target_pool: TokenToKVPool,
+                 req_to_token_pool: ReqToTokenPool):
+        cfg, state, _ = load_checkpoint(args.speculative_draft_model_path)
+        if cfg.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative_draft_model_path={args.speculative_draft_model_path!r}: its "
+                             f"vocabulary has {cfg.vocab_size} tokens, the target's {target.vocab_size}")
+        self.model = build_model(cfg, state, dtype, args.device)
+        pool = TokenToKVPool(target_pool.size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                             dtype, args.device)
+        backend = TritonAttnBackend if args.attention_backend == "triton" else GroupedDecodeBackend
+        self.attn = backend(pool, req_to_token_pool)
+
+    def __call__(self, worker: ModelWorker, batch: ForwardBatch, rows, base, k: int) -> torch.Tensor:
+        req_to_token, history = worker.req_to_token_pool.req_to_token, worker.token_counts.tokens
+        B, width, drafts = len(rows), 2, []
+        pos = base[:, None] + torch.arange(-1, 1, device=base.device)                      # (B, 2)
+        ids = history[rows[:, None], pos]
+        for _ in range(k):
+            loc = req_to_token[rows.repeat_interleave(width), pos.flatten()].long()
+            mode = ForwardMode.TARGET_VERIFY if width > 1 else ForwardMode.DECODE
+            self.attn.init_forward_metadata(ForwardMetadata(
+                forward_mode=mode, req_pool_indices=rows, out_cache_loc=loc, seq_lens=pos[:, -1] + 1,
+                req_pool_indices_cpu=batch.req_pool_indices.tolist(), seq_lens_cpu=batch.seq_lens,
+                prefix_lens_cpu=[], extend_lens_cpu=[width] * B))
+            last = torch.arange(B, device=base.device) * width + width - 1
+            drafts.append(self.model(ids.flatten(), pos.flatten(), self.attn, last).argmax(-1))  # (B,)
+            ids, pos, width = drafts[-1][:, None], pos[:, -1:] + 1, 1
+        return torch.stack(drafts, 1)                                                      # (B, k)
+
+
+class DraftsAlongside:
+    """The target model callable with the draft model beside it: every prefill step also runs the draft
+    model over the same tokens, writing its KV at the same slots (a verify's drafts it feeds itself)."""
+
+    def __init__(self, model: Callable, drafter: StandaloneDrafter):
+        self.model, self.drafter = model, drafter
+
+    def __call__(self, input_ids, positions, attn, logit_rows) -> torch.Tensor:
+        logits = self.model(input_ids, positions, attn, logit_rows)
+        if attn.meta.forward_mode.is_extend():
+            self.drafter.attn.init_forward_metadata(attn.meta)
+            self.drafter.model(input_ids, positions, self.drafter.attn, logit_rows[:1])
+        return logits
+
+
 # ----------------------------------------------------------------------------------------------------
 # Checkpoint loading: HF directories, GGUF files (weights, tokenizer, chat template), the default model
 
@@ -4331,6 +4625,9 @@ CLI_GROUPS = {
                               "enable_mixed_chunk",
                               "schedule_policy", "schedule_conservativeness", "mem_fraction_static"),
     "sampling": ("random_seed", "constrained_json_disable_any_whitespace"),
+    "speculative decoding": ("speculative_algorithm", "speculative_num_draft_tokens",
+                             "speculative_ngram_min_match_window_size",
+                             "speculative_ngram_max_match_window_size", "speculative_draft_model_path"),
     "serving": ("api_key",),
     "tensor parallelism": ("tp_size", "nnodes", "node_rank", "dist_init_addr", "dist_timeout"),
     "debugging": ("debug_future_map", "debug_ledger", "worker_jitter_ms", "debug_tp_plan"),
