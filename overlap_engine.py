@@ -424,13 +424,14 @@ class ScheduleBatch:
         E = 1 + k if any(drafting) and sched.kv_available() >= self.decode_slots(1 + k) else 1
         base = [r.base_bound() for r in self.reqs]
         rows = int64([r.req_pool_idx for r in self.reqs])                                   # (B,)
-        new = [b + E - r.kv_allocated_len for r, b in zip(self.reqs, base)]  # slots each one takes
+        new = [max(0, b + E - r.kv_allocated_len) for r, b in zip(self.reqs, base)]  # slots each takes
         loc = sched.alloc_token_slots(sum(new))
         write_rows = rows.repeat_interleave(int64(new))
-        cols = torch.cat([torch.arange(r.kv_allocated_len, b + E) for r, b in zip(self.reqs, base)])
+        cols = torch.cat([torch.arange(r.kv_allocated_len, r.kv_allocated_len + n)
+                          for r, n in zip(self.reqs, new)])
         sched.req_to_token_pool.req_to_token_host[write_rows, cols] = loc
         for r, b, d in zip(self.reqs, base, drafting):
-            r.kv_allocated_len = b + E
+            r.kv_allocated_len = max(r.kv_allocated_len, b + E)
             r.planned_steps.append((E if d and E > 1 else 1, E))
         self.seq_lens = [b + E for b in base]  # speculating: bounds (the device has the true lengths)
         self.is_last_chunk, self.new_rows, self.n_prefill = [True] * B, [False] * B, 0
@@ -1944,7 +1945,7 @@ def ngram_drafts(history: torch.Tensor, base: torch.Tensor, k: int, lo: int, hi:
     B, L = history.shape
     j = torch.arange(L, device=history.device)[None]                          # (1, L): where a match ends
     match, found = j < base[:, None], torch.full_like(base, -1)               # (B, L), (B,)
-    for n in range(1, hi + 1):  # match[b, q]: history[b, q - i] == history[b, base - i] for i < n
+    for n in range(1, min(hi, L) + 1):  # match[b, q]: history[b, q - i] == history[b, base - i], i < n
         tail = history.gather(1, (base - n + 1).clamp(min=0)[:, None])        # (B, 1)
         prev = torch.cat((history.new_full((B, n - 1), -1), history[:, :L - n + 1]), 1)  # shifted by n - 1
         match &= (prev == tail) & (base[:, None] >= n - 1)
@@ -2607,6 +2608,8 @@ class Engine:
         req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.context_len + 1, args.device)
         kv_pool = TokenToKVPool(self.max_total_tokens, cfg.num_hidden_layers, self.kv_heads, cfg.head_dim,
                                 dtype, args.device)
+        if args.speculative_algorithm == "STANDALONE":  # loaded (and checked) before any thread starts
+            drafter = StandaloneDrafter(args, cfg, dtype, kv_pool, req_to_token_pool)
         compile_max_bs = args.torch_compile_max_bs if args.enable_torch_compile else 0
         if args.attention_backend == "triton":
             backend = TritonAttnBackend(kv_pool, req_to_token_pool)
@@ -2628,8 +2631,7 @@ class Engine:
             worker.drafter = functools.partial(ngram_drafter, lo=args.speculative_ngram_min_match_window_size,
                                                hi=args.speculative_ngram_max_match_window_size)
         elif args.speculative_algorithm == "STANDALONE":
-            worker.drafter = StandaloneDrafter(args, cfg, dtype, kv_pool, req_to_token_pool)
-            worker.model = DraftsAlongside(worker.model, worker.drafter)
+            worker.drafter, worker.model = drafter, DraftsAlongside(worker.model, drafter, worker)
         self.scheduler = Scheduler(args, self.tokenizer, worker, req_to_token_pool, kv_pool)
         self.scheduler.model_vocab_size = cfg.vocab_size  # the width of a grammar's bitmask
         self._grammars: Optional[GrammarBackend] = None  # made for the first grammar (xgrammar)
@@ -3887,35 +3889,48 @@ class StandaloneDrafter:
         self.attn = backend(pool, req_to_token_pool)
 
     def __call__(self, worker: ModelWorker, batch: ForwardBatch, rows, base, k: int) -> torch.Tensor:
-        req_to_token, history = worker.req_to_token_pool.req_to_token, worker.token_counts.tokens
-        B, width, drafts = len(rows), 2, []
-        pos = base[:, None] + torch.arange(-1, 1, device=base.device)                      # (B, 2)
-        ids = history[rows[:, None], pos]
-        for _ in range(k):
-            loc = req_to_token[rows.repeat_interleave(width), pos.flatten()].long()
-            mode = ForwardMode.TARGET_VERIFY if width > 1 else ForwardMode.DECODE
-            self.attn.init_forward_metadata(ForwardMetadata(
-                forward_mode=mode, req_pool_indices=rows, out_cache_loc=loc, seq_lens=pos[:, -1] + 1,
-                req_pool_indices_cpu=batch.req_pool_indices.tolist(), seq_lens_cpu=batch.seq_lens,
-                prefix_lens_cpu=[], extend_lens_cpu=[width] * B))
-            last = torch.arange(B, device=base.device) * width + width - 1
-            drafts.append(self.model(ids.flatten(), pos.flatten(), self.attn, last).argmax(-1))  # (B,)
-            ids, pos, width = drafts[-1][:, None], pos[:, -1:] + 1, 1
+        host = (batch.req_pool_indices.tolist(), batch.seq_lens)
+        drafts = [self.catch_up(worker, rows, base, host)]
+        for j in range(1, k):
+            drafts.append(self.greedy(worker, rows, drafts[-1][:, None], base[:, None] + j, host))
         return torch.stack(drafts, 1)                                                      # (B, k)
+
+    def catch_up(self, worker: ModelWorker, rows, base, host: tuple) -> torch.Tensor:
+        """Feeds the request's last two tokens (the one before the last may be an accepted draft the draft
+        model never fed) at base - 1 and base; its greedy token after them."""
+        pos = base[:, None] + torch.arange(-1, 1, device=base.device)                      # (B, 2)
+        return self.greedy(worker, rows, worker.token_counts.tokens[rows[:, None], pos], pos, host)
+
+    def greedy(self, worker: ModelWorker, rows, ids, pos, host: tuple) -> torch.Tensor:
+        """ids (B, width) at positions pos through the draft model: each request's greedy next token.
+        host: the step's request rows and length bounds (the attention pads to them)."""
+        B, width = pos.shape
+        loc = worker.req_to_token_pool.req_to_token[rows.repeat_interleave(width), pos.flatten()].long()
+        mode = ForwardMode.TARGET_VERIFY if width > 1 else ForwardMode.DECODE
+        self.attn.init_forward_metadata(ForwardMetadata(
+            forward_mode=mode, req_pool_indices=rows, out_cache_loc=loc, seq_lens=pos[:, -1] + 1, req_pool_indices_cpu=host[0], seq_lens_cpu=host[1],
+            prefix_lens_cpu=[], extend_lens_cpu=[width] * B))
+        last = torch.arange(B, device=pos.device) * width + width - 1
+        return self.model(ids.flatten(), pos.flatten(), self.attn, last).argmax(-1)        # (B,)
 
 
 class DraftsAlongside:
-    """The target model callable with the draft model beside it: every prefill step also runs the draft
-    model over the same tokens, writing its KV at the same slots (a verify's drafts it feeds itself)."""
+    """The target model callable with the draft model beside it, so that the draft's KV keeps up with
+    the request: every prefill step also runs it over the same tokens (its KV at the same slots), and a
+    decode step that does not draft (E = 1) has it catch up on the last two tokens (a verify's drafts it
+    feeds itself)."""
 
-    def __init__(self, model: Callable, drafter: StandaloneDrafter):
-        self.model, self.drafter = model, drafter
+    def __init__(self, model: Callable, drafter: StandaloneDrafter, worker: ModelWorker):
+        self.model, self.drafter, self.worker = model, drafter, worker
 
     def __call__(self, input_ids, positions, attn, logit_rows) -> torch.Tensor:
-        logits = self.model(input_ids, positions, attn, logit_rows)
-        if attn.meta.forward_mode.is_extend():
-            self.drafter.attn.init_forward_metadata(attn.meta)
+        logits, meta = self.model(input_ids, positions, attn, logit_rows), attn.meta
+        if meta.forward_mode.is_extend():
+            self.drafter.attn.init_forward_metadata(meta)
             self.drafter.model(input_ids, positions, self.drafter.attn, logit_rows[:1])
+        elif meta.forward_mode.is_decode():
+            self.drafter.catch_up(self.worker, meta.req_pool_indices, positions,
+                                  (meta.req_pool_indices_cpu, meta.seq_lens_cpu))
         return logits
 
 

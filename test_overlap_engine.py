@@ -700,18 +700,25 @@ def workloads(draw):
         "schedule_policy": draw(st.sampled_from(["lpm", "fcfs"])),
         "schedule_conservativeness": draw(st.sampled_from([0.0, 1.0])),
         "worker_jitter_ms": draw(st.sampled_from([0.0, 0.0, 1.0])),
+        # speculative decoding: NGRAM, or the model as its own draft (every greedy draft accepted)
+        "speculative_algorithm": draw(st.sampled_from([None, None, "NGRAM", "STANDALONE"])),
+        "speculative_num_draft_tokens": draw(st.sampled_from([1, 3, 5])),
     }
+    if config["speculative_algorithm"]:
+        config["enable_mixed_chunk"] = False  # refused with speculation (ValueError)
     return reqs, config
 
 
 @given(workloads())
 def test_random_workloads_match_an_unconstrained_serial_run(ckpt, wl):
     """Arrivals over time, aborts at random moments (queued, mid-chunk, in flight, just finished), tight
-    pools, both loops, penalties, biases, min_new_tokens, n, logprobs and grammars: every request that was not
-    aborted gets exactly the tokens and logprobs of an unconstrained serial run, an aborted one a prefix
-    of them; the ledger holds after every iteration."""
+    pools, both loops, penalties, biases, min_new_tokens, n, logprobs, grammars and speculative decoding:
+    every request that was not aborted gets exactly the tokens and logprobs of an unconstrained serial
+    run without speculation, an aborted one a prefix of them; the ledger holds after every iteration."""
     reqs, config = wl
     loop = "serial" if config.pop("disable_overlap_schedule") else "overlap"
+    if config["speculative_algorithm"] == "STANDALONE":
+        config["speculative_draft_model_path"] = ckpt
     with make_engine(ckpt, "serial", max_total_tokens=4096, max_running_requests=16) as ref_engine:
         expected = [[ref_engine.request(rid) for rid in ref_engine.add_requests([p], [sp], *lp)]
                     for p, sp, _, _, lp in reqs]
@@ -3370,6 +3377,189 @@ def test_prompt_longer_than_context(tmp_path):
                          sampling_params={"max_new_tokens": 10, "temperature": 0, "ignore_eos": True})
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 2}  # capped to the context
         e.check_invariants()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Speculative decoding under overlap: a verify commits 1 to k + 1 tokens, and the tokens are plain
+# decoding's
+
+
+def test_ngram_drafts_textbook_cases():
+    """ngram_drafts on hand-made histories (the last token at base):
+    [5 6 7 8 5 6 7 9 5 6 | ...], base 9: the tail "5 6" last occurred ending at 5 ("9 5 6" never
+    before), so the drafts are what followed it: 7 9 5. [1 2 3 1 2 3 1 2], base 7: "2 3 1 2" ends at 4,
+    followed by 3 1 2. A tail that never occurred: no drafts (-1). With lo = 3 a two-token match is not
+    enough. Drafts stop at the history's end: [4 4], base 1: "4" ends at 0, followed by 4 (at base), then
+    nothing."""
+    h = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 9, 5, 6, 0, 0], [1, 2, 3, 1, 2, 3, 1, 2, 0, 0, 0, 0],
+                      [1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 0, 0], [4, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]])
+    base = torch.tensor([9, 7, 8, 1])
+    assert oe.ngram_drafts(h, base, 3, 1, 4).tolist() == [[7, 9, 5], [3, 1, 2], [-1, -1, -1], [4, -1, -1]]
+    assert oe.ngram_drafts(h, base, 3, 3, 4).tolist() == [[-1] * 3, [3, 1, 2], [-1] * 3, [-1] * 3]
+
+
+CYCLE = 6  # the cycling model's successor of t is the next token of its block of 6: t -> CYCLE_NEXT[t]
+CYCLE_NEXT = [(t // CYCLE) * CYCLE + (t % CYCLE + 1) % CYCLE for t in range(258)]
+
+
+@pytest.fixture(scope="module")
+def cycling_ckpt(tmp_path_factory):
+    """A tiny Llama that mostly continues t with CYCLE_NEXT[t] (greedy: almost always; at temperature
+    0.9: often), so that NGRAM drafts are often right and runs of every length are accepted: the random
+    checkpoint with long embeddings of unit direction, an LM head that maps each embedding to its
+    successor's row, and the attention and MLP outputs scaled down (they still move every logit, so a
+    wrong attention shows in the logprobs, and now and then in a token)."""
+    from safetensors.torch import load_file, save_file
+    path = oe.write_random_checkpoint(str(tmp_path_factory.mktemp("cycling")), seed=3)
+    f = os.path.join(path, "model.safetensors")
+    st = load_file(f)
+    unit = st["model.embed_tokens.weight"].double()
+    unit = unit / unit.norm(dim=1, keepdim=True)
+    head = torch.zeros_like(unit)
+    head[CYCLE_NEXT] = unit * 3
+    st["model.embed_tokens.weight"], st["lm_head.weight"] = (unit * 10).float(), head.float()
+    for k in st:
+        if "o_proj" in k or "down_proj" in k:
+            st[k] = st[k] * 0.2
+    save_file(st, f)
+    return path
+
+
+def cycling_prompt(rng, lo=0, hi=8) -> list:
+    """Random tokens, then 8 of a cycle: the model's continuation is in its history from the start."""
+    cycle = [rng.randrange(252)]
+    for _ in range(7):
+        cycle.append(CYCLE_NEXT[cycle[-1]])
+    return [rng.randrange(256) for _ in range(rng.randint(lo, hi))] + cycle
+
+
+def spec_workload(seed: int) -> list:
+    """(prompt, sampling params, logprob args) of a speculative engine's workload: greedy and sampled
+    (temperature with top_k, top_p, min_p, seeds), max_new_tokens of 1 to 40 (landing inside accepted
+    runs), penalties and min_new_tokens (they do not draft), logit_bias, logprobs with top ones, n = 2,
+    stop ids and strings, EOS (a cycle that holds it), a grammar, and prompts that share a prefix."""
+    rng = random.Random(seed)
+    shared = cycling_prompt(rng, 12, 12)
+    g = {"temperature": 0, "ignore_eos": True}
+    t = {"temperature": 0.9, "sampling_seed": 7, "ignore_eos": True}
+    cases = [({**g, "max_new_tokens": 40}, (False, 0, -1)), ({**g, "max_new_tokens": 7}, (True, 2, -1)),
+             ({**g, "max_new_tokens": 1}, (False, 0, -1)),
+             ({**t, "max_new_tokens": 30, "top_k": 8}, (True, 3, 0)),
+             ({**t, "max_new_tokens": 23, "top_p": 0.8}, (False, 0, -1)),
+             ({**t, "max_new_tokens": 19, "min_p": 0.05, "n": 2}, (True, 0, -1)),
+             ({**g, "max_new_tokens": 20, "frequency_penalty": 0.5, "repetition_penalty": 1.2}, (True, 1, -1)),
+             ({**g, "max_new_tokens": 25, "logit_bias": {"11": 2.0}}, (False, 0, -1)),
+             ({"temperature": 0, "max_new_tokens": 30, "min_new_tokens": 9}, (False, 0, -1)),  # EOS after 9
+             ({**g, "max_new_tokens": 30, "stop": ["a"]}, (False, 0, -1)),
+             ({**g, "max_new_tokens": 25, "regex": "[a-z]{3,30}"}, (False, 0, -1))]
+    wl = []
+    for i, (sp, lp) in enumerate(cases):
+        prompt = cycling_prompt(rng) if i % 3 else shared + cycling_prompt(rng)
+        if i == 8:
+            prompt = [rng.randrange(10), 252, 253, 254, 255, 256]  # its cycle holds EOS (257)
+        wl.append((prompt, sp, lp))
+    stop = wl[0][0][-1]  # a stop id the cycle reaches within 6 tokens
+    wl.append((cycling_prompt(rng), {**g, "ignore_eos": False, "max_new_tokens": 30,
+                                      "stop_token_ids": [CYCLE_NEXT[CYCLE_NEXT[stop]]]}, (False, 0, -1)))
+    return wl
+
+
+def run_spec_workload(engine, wl) -> list:
+    groups = [engine.add_requests([p], [sp], *lp) for p, sp, lp in wl]
+    done = steps_until_done(engine, [rid for g in groups for rid in g], limit=3000)
+    engine.check_invariants()
+    return [[done[rid] for rid in g] for g in groups]
+
+
+SPEC_CONFIGS = {"default": {}, "chunked, small pool": {"chunked_prefill_size": 5, "max_total_tokens": 160,
+                                                       "max_running_requests": 6, "schedule_conservativeness": 0.0}}
+
+
+@pytest.mark.parametrize("config", SPEC_CONFIGS)
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+@pytest.mark.parametrize("loop", LOOPS)
+def test_speculative_decoding_gives_plain_decodings_tokens(cycling_ckpt, loop, algorithm, config):
+    """Speculative == plain decoding, token for token and logprob for logprob, in both loops: greedy and
+    seeded sampling with top_k/top_p/min_p, penalties, logit_bias, logprobs, n, stops, EOS, a grammar,
+    radix hits; chunked prefill with a pool small enough to retract; max_new_tokens inside accepted runs.
+    Drafts are really accepted (runs of 1 to k), and STANDALONE with the model as its own draft accepts
+    every greedy draft."""
+    wl = spec_workload(seed=11)
+    with make_engine(cycling_ckpt, "serial") as plain:
+        want = run_spec_workload(plain, wl)
+    kw = {"speculative_draft_model_path": cycling_ckpt} if algorithm == "STANDALONE" else {}
+    with make_engine(cycling_ckpt, loop, speculative_algorithm=algorithm, **kw,
+                     **SPEC_CONFIGS[config]) as e:
+        got = run_spec_workload(e, wl)
+        retractions = e.stats()["retractions"]
+    for (p, sp, lp), outs, refs in zip(wl, got, want):
+        for out, ref in zip(outs, refs):
+            assert out["output_ids"] == ref["output_ids"], sp
+            assert out["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
+            if lp[0]:
+                assert_same_logprobs(out["meta_info"], ref["meta_info"], len(ref["output_ids"]), False)
+    metas = [o["meta_info"] for outs in got for o in outs]
+    assert all(m.get("spec_verify_ct", 0) >= 1 for m in metas if m["completion_tokens"] > 1)
+    assert sum(m.get("spec_accept_rate", 0) > 0.5 for m in metas) >= 4
+    assert max(m.get("spec_accept_length", 0) for m in metas) > 3
+    drafting = [m for (_, sp, _), outs in zip(wl, got) for m in (o["meta_info"] for o in outs)
+                if not {"frequency_penalty", "regex", "min_new_tokens"} & set(sp)]
+    no_drafts = [m for (_, sp, _), outs in zip(wl, got) for m in (o["meta_info"] for o in outs)
+                 if {"frequency_penalty", "regex"} & set(sp)]
+    assert all(m.get("spec_accept_rate", 0) == 0 for m in no_drafts) and drafting
+    if algorithm == "STANDALONE":  # its own draft: every greedy draft is the target's own token
+        greedy = [o["meta_info"] for (_, sp, _), outs in zip(wl, got) for o in outs
+                  if sp["temperature"] == 0 and set(sp) <= {"temperature", "ignore_eos", "max_new_tokens"}
+                  and sp["max_new_tokens"] > 1]
+        assert greedy and all(m["spec_accept_rate"] == 1.0 for m in greedy), greedy
+    if config != "default":
+        assert retractions > 0
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_speculative_aborts_at_random_moments_leave_nothing_behind(cycling_ckpt, loop):
+    """Aborts at random iterations (queued, prefilling, with a verify in flight and its slots reserved):
+    the others get plain decoding's tokens, the aborted a prefix of theirs, and the ledger holds."""
+    rng = random.Random(5)
+    wl = [(cycling_prompt(rng), {"max_new_tokens": rng.randint(5, 40), "temperature": rng.choice([0, 0.9]),
+                                 "sampling_seed": i, "ignore_eos": True}) for i in range(12)]
+    with make_engine(cycling_ckpt, "serial") as plain:
+        want = [o["output_ids"] for o in plain.generate(input_ids=[p for p, _ in wl],
+                                                        sampling_params=[sp for _, sp in wl])]
+    with make_engine(cycling_ckpt, loop, speculative_algorithm="NGRAM", max_running_requests=5,
+                     max_total_tokens=400) as e:
+        rids = [e.add_request(input_ids=p, sampling_params=sp) for p, sp in wl]
+        doomed, done, it = {rids[i]: rng.randint(0, 12) for i in (1, 4, 6, 9)}, {}, 0
+        while len(done) < len(wl):
+            for rid, when in doomed.items():
+                if when == it:
+                    e.abort(rid)
+            done.update({o["meta_info"]["id"]: o for o in e.step()})
+            it += 1
+            assert it < 2000
+        e.check_invariants()
+    for rid, w in zip(rids, want):
+        out = done[rid]["output_ids"]
+        assert out == (w[:len(out)] if rid in doomed else w)
+    assert sum(done[r]["meta_info"]["finish_reason"]["type"] == "abort" for r in doomed) >= 2
+
+
+def test_speculative_arguments_are_checked(ckpt, tmp_path):
+    """Bad speculative arguments are ValueErrors naming them; a draft model of another vocabulary too."""
+    cases = [({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 0},
+              "speculative_num_draft_tokens"),
+             ({"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 5,
+               "speculative_ngram_max_match_window_size": 3}, "min_match_window_size"),
+             ({"speculative_algorithm": "STANDALONE"}, "speculative_draft_model_path"),
+             ({"speculative_draft_model_path": ckpt}, "speculative_draft_model_path"),
+             ({"speculative_algorithm": "EAGLE"}, "speculative_algorithm"),
+             ({"speculative_algorithm": "NGRAM", "enable_mixed_chunk": True}, "enable_mixed_chunk")]
+    for kw, words in cases:
+        with pytest.raises(ValueError, match=words):
+            Engine(model_path=ckpt, **kw)
+    other = oe.write_random_checkpoint(str(tmp_path / "other"), vocab=300)
+    with pytest.raises(ValueError, match="vocabulary has 300 tokens, the target's 258"):
+        Engine(model_path=ckpt, speculative_algorithm="STANDALONE", speculative_draft_model_path=other)
 
 
 # ----------------------------------------------------------------------------------------------------
