@@ -9,6 +9,7 @@ Benchmarks for overlap_engine. One subcommand per benchmark:
   python bench.py profile            # where one decode step's time goes, op by op
   python bench.py serve              # load on the HTTP server: req/s, tok/s, TTFT, ITL, both loops
   python bench.py queue              # 2,000-16,000 prompts in one request, offline, and aborted: linear?
+  python bench.py spec               # speculative decoding (NGRAM) against plain: repeating text, free chat
   python bench.py gpu --out DIR      # on a GPU: CUDA tests, kernels, overlap vs serial, timeline -> DIR
   python bench.py kernels            # decode attention: achieved HBM GB/s vs torch SDPA (needs CUDA)
   python bench.py all --quick        # a small version of everything (a test runs this)
@@ -245,7 +246,9 @@ class SimWorker(oe.ModelWorker):
         h = SimHandle()
         h.t_start, h.t_end = start, max(self.busy_until, h.t_launch)
         self.busy_until = h.t_end
-        ids = (batch.req_pool_indices * 31 + torch.tensor(batch.seq_lens) * 7) % self.vocab
+        E = batch.verify_width or 1  # a verify: E rows a request, and an accept count from 0 to E - 1
+        key = batch.req_pool_indices * 31 + torch.tensor(batch.seq_lens) * 7
+        ids = (key[:, None] + torch.arange(E)).flatten() % self.vocab
         if bitmask is not None:  # the first allowed token from ids on (a stop token only if alone)
             V = self.vocab
             allowed = ((bitmask[:, :, None] >> torch.arange(32)) & 1).view(len(ids), -1)[:, :V] > 0
@@ -253,6 +256,8 @@ class SimWorker(oe.ModelWorker):
             ahead = torch.where(allowed, (torch.arange(V)[None] - ids[:, None]) % V, V)  # (B, V)
             ids = (ids + ahead.min(1).values) % V
         h.value = {"next_ids": ids}
+        if batch.verify_width:
+            h.value["accept_len"] = key % E
         return h
 
     def write_row(self, row, slots):  # no device state to keep in a simulation
@@ -282,12 +287,15 @@ def tiny_checkpoint():
 SIM_REGEX = "[a-z]+"  # bench.py sim --grammar: what a constrained request's output must match
 
 
-def sim_run(ckpt, overlap: bool, G: float, B: int, out_len: int, grammar_share: float = 0.0) -> dict:
+def sim_run(ckpt, overlap: bool, G: float, B: int, out_len: int, grammar_share: float = 0.0,
+            spec: int = 0) -> dict:
     """One workload on the simulated device; returns per-step timings of its steady decode phase. A
-    grammar_share of the requests is constrained by SIM_REGEX (their steps sample after the commit)."""
+    grammar_share of the requests is constrained by SIM_REGEX (their steps sample after the commit).
+    spec: speculative decoding with this many drafts a verify (the simulated device accepts 0 to k)."""
+    kw = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": spec} if spec else {}
     engine = oe.Engine(model_path=ckpt, device="cpu", dtype="float32", disable_overlap_schedule=not overlap,
-                       max_running_requests=B, max_total_tokens=B * (out_len + 24),
-                       max_prefill_tokens=1 << 20, chunked_prefill_size=-1)
+                       max_running_requests=B, max_total_tokens=B * (out_len + 24 + 2 * spec),
+                       max_prefill_tokens=1 << 20, chunked_prefill_size=-1, **kw)
     engine.scheduler.worker.stream.shutdown()
     engine.scheduler.worker = SimWorker(engine.scheduler.worker, G, engine.model_config.vocab_size)
     for i in range(B):
@@ -316,10 +324,12 @@ def cmd_sim(args):
     ckpt = tiny_checkpoint()
     B, out_len = (8, 40) if args.quick else (args.batch, args.output)
     # C: everything the host does per step, measured as the serial loop's step time with a free device
-    C = statistics.median(sim_run(ckpt, False, 0.0, B, out_len)["step"] for _ in range(3))
+    spec = getattr(args, "speculative", 0)
+    C = statistics.median(sim_run(ckpt, False, 0.0, B, out_len, spec=spec)["step"] for _ in range(3))
     ratios = [float(r) for r in args.ratios.split(",")]
     print(f"## sim: the real scheduler on a virtual-clock device, B={B}; "
-          f"G set from C = {C * 1e3:.3f} ms (serial, free device)")
+          f"G set from C = {C * 1e3:.3f} ms (serial, free device)"
+          + (f"; speculative decoding, k = {spec} (0 to k drafts accepted a verify)" if spec else ""))
     print("C per run: the host's own time between two launches (blocked time excluded), "
           "median over steady decode steps;")
     print("overlap / max(G,C): median over steps of step time / max(G, C of that step)")
@@ -333,7 +343,7 @@ def cmd_sim(args):
         print("|---|---|---|---|---|---|---|---|---|")
         for r in _progress(ratios, "sim ratios"):
             G = r * C
-            ser, ovl = (sim_run(ckpt, overlap, G, B, out_len, share) for overlap in (False, True))
+            ser, ovl = (sim_run(ckpt, overlap, G, B, out_len, share, spec) for overlap in (False, True))
             rows.append({"grammar_share": share, "ratio": r, "G_ms": G * 1e3, "serial_ms": ser["step"] * 1e3,
                          "serial_C_ms": ser["C"] * 1e3, "overlap_ms": ovl["step"] * 1e3,
                          "overlap_C_ms": ovl["C"] * 1e3, "overlap_vs_ideal": ovl["vs_ideal"],
@@ -1219,6 +1229,107 @@ class Tee:
 
 
 # ----------------------------------------------------------------------------------------------
+# speculative decoding: NGRAM against the same engine without it, where drafts hit and where they do not
+
+SPEC_BATCHES = "1,8,64"  # requests at once; batch 1 runs in the chat's setup, the others in bf16 eager
+SPEC_DRAFTS = 4  # speculative_num_draft_tokens
+SPEC_OUTPUT = 256  # tokens at most (EOS ends a reply: a quoted paragraph ends where it ends)
+SPEC_PARAGRAPHS = [
+    "The overlap scheduler keeps the device busy: while the GPU runs batch n, the CPU commits the results of "
+    "batch n-1 and plans batch n+1. A FutureMap hands each sampled token to the next step on the device, "
+    "keyed by the request's row, so the host never waits for a token it has not read yet.",
+    "A radix cache maps token prefixes to the slots of the KV pool that hold them. Requests that share a "
+    "system prompt share its slots; an unlocked leaf is evicted, least recently used first, when the pool "
+    "runs out, and a locked one is protected while a running request reads it.",
+    "Lighthouses were once kept by hand. The keeper climbed the stairs at dusk, trimmed the wick, wound the "
+    "clockwork that turned the lens, and wrote the weather in the log before dawn, every night of the year.",
+    "def total_price(items, tax_rate):\n    subtotal = 0\n    for item in items:\n        subtotal += "
+    "item.price * item.quantity\n    tax = subtotal * tax_rate\n    return subtotal + tax\n",
+]
+SPEC_ASKS = {  # workload -> user message templates; {p}: a paragraph
+    "repeat": ["Repeat this text word for word, and nothing else:\n\n{p}",
+               "Copy the following exactly:\n\n{p}"],
+    "edit": ["Rewrite this text with every 'the' replaced by 'THE', changing nothing else:\n\n{p}",
+             "Return this code with the function renamed to compute_total, and nothing else:\n\n{p}"],
+    "free": ["Write a short story about a lighthouse keeper who befriends a seagull.",
+             "Explain in a few paragraphs why the sky is blue.", "Give me ten ideas for a birthday party.",
+             "Describe a day in the life of a medieval baker."],
+}
+
+
+def spec_prompts(tk, workload: str, n: int) -> list:
+    asks = SPEC_ASKS[workload]
+    msgs = [asks[i % len(asks)].format(p=SPEC_PARAGRAPHS[(i // len(asks)) % len(SPEC_PARAGRAPHS)])
+            for i in range(n)]
+    def chat(m):
+        return tk.apply_chat_template([{"role": "user", "content": m}]) if tk.chat_template else m
+    return [tk.encode(chat(f"({i}) {m}")) for i, m in enumerate(msgs)]
+
+
+def spec_run(kw, workload, B, n_out, repeat) -> dict:
+    """Plain and NGRAM, alternating `repeat` times (best of each); tok/s over the tokens produced."""
+    rows = {}
+    for name, extra in (("plain", {}), ("NGRAM", {"speculative_algorithm": "NGRAM",
+                                                  "speculative_num_draft_tokens": SPEC_DRAFTS})):
+        with oe.Engine(**kw, **extra) as e:
+            prompts = spec_prompts(e.tokenizer, workload, B)
+            sp = {"max_new_tokens": n_out, "temperature": 0}
+            e.generate(input_ids=prompts[:1], sampling_params={**sp, "max_new_tokens": 8})  # warm-up
+            best, outs = 0.0, None
+            for _ in range(repeat):
+                e.flush_cache()
+                t0 = time.perf_counter()
+                outs = e.generate(input_ids=prompts, sampling_params=sp)
+                best = max(best, sum(len(o["output_ids"]) for o in outs) / (time.perf_counter() - t0))
+            metas = [o["meta_info"] for o in outs]
+            rows[name] = {"tok_s": best, "ids": [o["output_ids"] for o in outs],
+                          "accept_length": statistics.mean(m.get("spec_accept_length", 1.0) for m in metas),
+                          "accept_rate": statistics.mean(m.get("spec_accept_rate", 0.0) for m in metas)}
+    plain, spec = rows["plain"]["ids"], rows["NGRAM"]["ids"]
+    same = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+               for a, b in zip(plain, spec)) / max(1, sum(map(len, plain)))
+    return {**rows, "ratio": rows["NGRAM"]["tok_s"] / rows["plain"]["tok_s"], "same_share": same}
+
+
+def cmd_spec(args):
+    """Speculative decoding (NGRAM, k drafts) against the same engine without it, side by side: where drafts
+    hit (repeating or editing a given paragraph or code) and where they rarely do (free chat), greedy.
+    Batch 1 runs in the chat's setup (one_request_defaults: its dtype pick and the compiled batch-1
+    step), larger batches in bf16 eager. Targets: one request on the repeating workload at least 2x, free
+    chat at least 0.95x."""
+    path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
+    batches = [int(b) for b in ("1,2" if args.quick else args.batches).split(",")]
+    n_out = 16 if args.quick else args.output
+    res = {}
+    for B in batches:
+        kw = {"model_path": path, "device": "cpu", "max_total_tokens": max(4096, B * (n_out + 400))}
+        if args.quick:
+            kw["dtype"] = "float32"
+        elif B == 1:
+            kw.update(oe.one_request_defaults({})[0])
+        else:
+            kw["dtype"] = "bfloat16"
+        for workload in _progress(list(SPEC_ASKS), f"spec, batch {B}"):
+            res[f"{B} {workload}"] = spec_run(kw, workload, B, n_out, 1 if args.quick else args.repeat)
+    print(f"## spec: NGRAM (k = {SPEC_DRAFTS}) against plain decoding, {os.path.basename(path)}, greedy, "
+          f"up to {n_out} tokens a reply, CPU ({torch.get_num_threads()} threads); best of {args.repeat}")
+    print("| batch | workload | plain tok/s | NGRAM tok/s | NGRAM / plain | accept length | accept rate "
+          "| tokens equal to plain's |")
+    print("|---|---|---|---|---|---|---|---|")
+    for key, r in res.items():
+        B, workload = key.split()
+        plain, spec = r["plain"], r["NGRAM"]
+        print(f"| {B} | {workload} | {plain['tok_s']:.1f} | {spec['tok_s']:.1f} | {r['ratio']:.2f}x "
+              f"| {spec['accept_length']:.2f} | {spec['accept_rate']:.2f} | {r['same_share']:.0%} |")
+        for row in (r["plain"], r["NGRAM"]):
+            row.pop("ids")
+    if not args.quick:
+        print(f"targets: batch 1 repeat >= 2x ({res['1 repeat']['ratio']:.2f}x), free >= 0.95x "
+              f"({res['1 free']['ratio']:.2f}x)" if "1 repeat" in res else "")
+    return res
+
+
+# ----------------------------------------------------------------------------------------------
 # a long queue: admission, offline generate and aborts, linear in what they touch
 
 QUEUE_SIZES = "2000,8000,16000"  # prompts in one /generate (and in one Engine.generate list)
@@ -1483,6 +1594,8 @@ def main():
     sm.add_argument("--quick", action="store_true")
     sm.add_argument("--grammar", type=float, default=0.0,
                     help="also run with this share of the requests constrained by a regex (0.5: half)")
+    sm.add_argument("--speculative", type=int, default=0,
+                    help="speculative decoding with this many drafts a verify (k); 0: none")
     sm.set_defaults(fn=cmd_sim)
 
     o = sub.add_parser("overhead", help="host us per running request per decode step, zero-cost device")
@@ -1561,6 +1674,15 @@ def main():
     s.add_argument("--quick", action="store_true")
     s.add_argument("--json", default=None, help="also write the results as JSON here")
     s.set_defaults(fn=cmd_serve)
+
+    sp = sub.add_parser("spec", help="speculative decoding (NGRAM) against plain, batches 1, 8 and 64")
+    sp.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    sp.add_argument("--batches", default=SPEC_BATCHES, help="comma-separated")
+    sp.add_argument("--output", type=int, default=SPEC_OUTPUT, help="tokens a reply at most")
+    sp.add_argument("--repeat", type=int, default=3, help="runs of each, alternating; the best is reported")
+    sp.add_argument("--quick", action="store_true", help="tiny model, batches 1 and 2, 16 tokens")
+    sp.add_argument("--json", default=None, help="also write the results as JSON here")
+    sp.set_defaults(fn=cmd_spec)
 
     q = sub.add_parser("queue", help="a long queue: N prompts in one /generate, offline, and N aborts")
     q.add_argument("--sizes", default=QUEUE_SIZES, help="comma-separated N")

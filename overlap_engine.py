@@ -427,8 +427,8 @@ class ScheduleBatch:
         new = [max(0, b + E - r.kv_allocated_len) for r, b in zip(self.reqs, base)]  # slots each takes
         loc = sched.alloc_token_slots(sum(new))
         write_rows = rows.repeat_interleave(int64(new))
-        cols = torch.cat([torch.arange(r.kv_allocated_len, r.kv_allocated_len + n)
-                          for r, n in zip(self.reqs, new)])
+        cols = int64([r.kv_allocated_len for r in self.reqs]) if max(new) == 1 == min(new) else torch.cat(
+            [torch.arange(r.kv_allocated_len, r.kv_allocated_len + n) for r, n in zip(self.reqs, new)])
         sched.req_to_token_pool.req_to_token_host[write_rows, cols] = loc
         for r, b, d in zip(self.reqs, base, drafting):
             r.kv_allocated_len = max(r.kv_allocated_len, b + E)
@@ -3908,8 +3908,9 @@ class StandaloneDrafter:
         loc = worker.req_to_token_pool.req_to_token[rows.repeat_interleave(width), pos.flatten()].long()
         mode = ForwardMode.TARGET_VERIFY if width > 1 else ForwardMode.DECODE
         self.attn.init_forward_metadata(ForwardMetadata(
-            forward_mode=mode, req_pool_indices=rows, out_cache_loc=loc, seq_lens=pos[:, -1] + 1, req_pool_indices_cpu=host[0], seq_lens_cpu=host[1],
-            prefix_lens_cpu=[], extend_lens_cpu=[width] * B))
+            forward_mode=mode, req_pool_indices=rows, out_cache_loc=loc, seq_lens=pos[:, -1] + 1,
+            req_pool_indices_cpu=host[0], seq_lens_cpu=host[1], prefix_lens_cpu=[],
+            extend_lens_cpu=[width] * B))
         last = torch.arange(B, device=pos.device) * width + width - 1
         return self.model(ids.flatten(), pos.flatten(), self.attn, last).argmax(-1)        # (B,)
 

@@ -3447,7 +3447,8 @@ def spec_workload(seed: int) -> list:
              ({**t, "max_new_tokens": 30, "top_k": 8}, (True, 3, 0)),
              ({**t, "max_new_tokens": 23, "top_p": 0.8}, (False, 0, -1)),
              ({**t, "max_new_tokens": 19, "min_p": 0.05, "n": 2}, (True, 0, -1)),
-             ({**g, "max_new_tokens": 20, "frequency_penalty": 0.5, "repetition_penalty": 1.2}, (True, 1, -1)),
+             ({**g, "max_new_tokens": 20, "frequency_penalty": 0.5, "repetition_penalty": 1.2},
+              (True, 1, -1)),
              ({**g, "max_new_tokens": 25, "logit_bias": {"11": 2.0}}, (False, 0, -1)),
              ({"temperature": 0, "max_new_tokens": 30, "min_new_tokens": 9}, (False, 0, -1)),  # EOS after 9
              ({**g, "max_new_tokens": 30, "stop": ["a"]}, (False, 0, -1)),
@@ -3472,7 +3473,8 @@ def run_spec_workload(engine, wl) -> list:
 
 
 SPEC_CONFIGS = {"default": {}, "chunked, small pool": {"chunked_prefill_size": 5, "max_total_tokens": 160,
-                                                       "max_running_requests": 6, "schedule_conservativeness": 0.0}}
+                                                       "max_running_requests": 6,
+                                                       "schedule_conservativeness": 0.0}}
 
 
 @pytest.mark.parametrize("config", SPEC_CONFIGS)
@@ -3688,6 +3690,21 @@ def test_tp2_gives_the_tokens_of_tp1(ckpt, loop, monkeypatch, loopback):
         assert 2 * rank["kv_cache"] == one_mem[0]["kv_cache"]
         assert 2 * rank["sharded_weights"] == one_mem[0]["sharded_weights"] + padding
         assert rank["replicated_weights"] == one_mem[0]["replicated_weights"]
+
+
+def test_tp2_speculative_decoding_gives_the_tokens_of_tp1_without_it(cycling_ckpt, loopback):
+    """Speculating with two ranks: every rank drafts from the same history and verifies the same plan
+    (plan hashes compared every iteration), and the tokens are one rank's without speculation."""
+    rng = random.Random(8)
+    wl = [(cycling_prompt(rng), {"max_new_tokens": 20, "ignore_eos": True, "temperature": 0.9 * (i % 2),
+                                 "sampling_seed": i}) for i in range(4)]
+    with make_engine(cycling_ckpt, "overlap") as e:
+        plain = e.generate(input_ids=[p for p, _ in wl], sampling_params=[sp for _, sp in wl])
+    with make_engine(cycling_ckpt, "overlap", tp_size=2, dist_timeout=60, speculative_algorithm="NGRAM") as e:
+        spec = e.generate(input_ids=[p for p, _ in wl], sampling_params=[sp for _, sp in wl])
+        e.check_invariants()
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    assert max(o["meta_info"].get("spec_accept_length", 0) for o in spec) > 2
 
 
 def test_tp2_pads_the_vocabulary_and_replicates_a_kv_head(tmp_path, loopback):
@@ -4202,6 +4219,9 @@ BAD_INVOCATIONS = [  # (arguments, what the one line must name)
     (["--max-total-tokens", "1"], "max_total_tokens"),
     (["--max-new-tokens", "-5", "--prompt", "hi"], "max_new_tokens"),
     (["--serve", "--read-timeout", "0"], "--read-timeout"),
+    (["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "0"],
+     "speculative_num_draft_tokens"),
+    (["--speculative-algorithm", "MEDUSA"], "--speculative-algorithm"),
     pytest.param(["--model-path", "{bad_gguf}", "--prompt", "hi"], "cannot be read", marks=needs_gguf),
 ]
 
@@ -5444,6 +5464,17 @@ def test_bench_serve_quick_runs(tmp_path):
     res = json.loads(out.read_text())
     assert set(res) == {"overlap", "serial"} and all(x["out_tok_s"] > 0 for x in res.values())
     assert "TTFT p50" in r.stdout and "ITL p99" in r.stdout
+
+
+def test_bench_spec_quick_runs(tmp_path):
+    """bench.py spec --quick: plain and NGRAM side by side on the tiny model, every workload, batches 1
+    and 2, with their ratios and acceptance."""
+    out = tmp_path / "spec.json"
+    r = run_bench("spec", "--quick", "--json", str(out))
+    res = json.loads(out.read_text())
+    assert set(res) == {f"{b} {w}" for b in (1, 2) for w in ("repeat", "edit", "free")}
+    assert all(row["ratio"] > 0 and row["NGRAM"]["accept_length"] >= 1 for row in res.values())
+    assert "NGRAM / plain" in r.stdout
 
 
 def test_bench_queue_quick_runs(tmp_path):
