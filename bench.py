@@ -1266,12 +1266,17 @@ def spec_prompts(tk, workload: str, n: int) -> list:
     return [tk.encode(chat(f"({i}) {m}")) for i, m in enumerate(msgs)]
 
 
-def spec_run(kw, workload, B, n_out, repeat) -> dict:
-    """Plain and NGRAM, alternating `repeat` times (best of each); tok/s over the tokens produced."""
+def spec_run(kw, workload, B, n_out, repeat, chat_setup: bool = False, k: int = SPEC_DRAFTS) -> dict:
+    """Plain and NGRAM, alternating `repeat` times (best of each); tok/s over the tokens produced. Batch
+    1 runs the chat's setup, each engine its own pick (a verify's matmul of 1 + k tokens may pick
+    another weight format than one token's)."""
     rows = {}
     for name, extra in (("plain", {}), ("NGRAM", {"speculative_algorithm": "NGRAM",
-                                                  "speculative_num_draft_tokens": SPEC_DRAFTS})):
-        with oe.Engine(**kw, **extra) as e:
+                                                  "speculative_num_draft_tokens": k})):
+        setup = {}
+        if chat_setup:
+            setup = oe.one_request_defaults({}, tokens=1 + k if extra else 1)[0]
+        with oe.Engine(**kw, **extra, **setup) as e:
             prompts = spec_prompts(e.tokenizer, workload, B)
             sp = {"max_new_tokens": n_out, "temperature": 0}
             e.generate(input_ids=prompts[:1], sampling_params={**sp, "max_new_tokens": 8})  # warm-up
@@ -1282,7 +1287,7 @@ def spec_run(kw, workload, B, n_out, repeat) -> dict:
                 outs = e.generate(input_ids=prompts, sampling_params=sp)
                 best = max(best, sum(len(o["output_ids"]) for o in outs) / (time.perf_counter() - t0))
             metas = [o["meta_info"] for o in outs]
-            rows[name] = {"tok_s": best, "ids": [o["output_ids"] for o in outs],
+            rows[name] = {"tok_s": best, "ids": [o["output_ids"] for o in outs], "setup": setup,
                           "accept_length": statistics.mean(m.get("spec_accept_length", 1.0) for m in metas),
                           "accept_rate": statistics.mean(m.get("spec_accept_rate", 0.0) for m in metas)}
     plain, spec = rows["plain"]["ids"], rows["NGRAM"]["ids"]
@@ -1294,25 +1299,25 @@ def spec_run(kw, workload, B, n_out, repeat) -> dict:
 def cmd_spec(args):
     """Speculative decoding (NGRAM, k drafts) against the same engine without it, side by side: where drafts
     hit (repeating or editing a given paragraph or code) and where they rarely do (free chat), greedy.
-    Batch 1 runs in the chat's setup (one_request_defaults: its dtype pick and the compiled batch-1
-    step), larger batches in bf16 eager. Targets: one request on the repeating workload at least 2x, free
-    chat at least 0.95x."""
+    Batch 1 runs in the chat's setup (one_request_defaults: its weight format pick, for one token or a
+    verify's 1 + k, and the compiled batch-1 step), larger batches in bf16 eager. Targets: one request
+    on the repeating workload at least 2x, free chat at least 0.95x."""
     path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
     batches = [int(b) for b in ("1,2" if args.quick else args.batches).split(",")]
     n_out = 16 if args.quick else args.output
     res = {}
     for B in batches:
         kw = {"model_path": path, "device": "cpu", "max_total_tokens": max(4096, B * (n_out + 400))}
-        if args.quick:
-            kw["dtype"] = "float32"
-        elif B == 1:
-            kw.update(oe.one_request_defaults({})[0])
-        else:
-            kw["dtype"] = "bfloat16"
+        if args.quick or B > 1:
+            kw["dtype"] = "float32" if args.quick else "bfloat16"
         for workload in _progress(list(SPEC_ASKS), f"spec, batch {B}"):
-            res[f"{B} {workload}"] = spec_run(kw, workload, B, n_out, 1 if args.quick else args.repeat)
-    print(f"## spec: NGRAM (k = {SPEC_DRAFTS}) against plain decoding, {os.path.basename(path)}, greedy, "
+            res[f"{B} {workload}"] = spec_run(kw, workload, B, n_out, 1 if args.quick else args.repeat,
+                                              chat_setup=B == 1 and not args.quick, k=args.drafts)
+    print(f"## spec: NGRAM (k = {args.drafts}) against plain decoding, {os.path.basename(path)}, greedy, "
           f"up to {n_out} tokens a reply, CPU ({torch.get_num_threads()} threads); best of {args.repeat}")
+    if "1 repeat" in res:
+        print("batch 1, the chat's setup: plain", res["1 repeat"]["plain"]["setup"], "; NGRAM",
+              res["1 repeat"]["NGRAM"]["setup"])
     print("| batch | workload | plain tok/s | NGRAM tok/s | NGRAM / plain | accept length | accept rate "
           "| tokens equal to plain's |")
     print("|---|---|---|---|---|---|---|---|")
@@ -1679,6 +1684,7 @@ def main():
     sp.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
     sp.add_argument("--batches", default=SPEC_BATCHES, help="comma-separated")
     sp.add_argument("--output", type=int, default=SPEC_OUTPUT, help="tokens a reply at most")
+    sp.add_argument("--drafts", type=int, default=SPEC_DRAFTS, help="speculative_num_draft_tokens (k)")
     sp.add_argument("--repeat", type=int, default=3, help="runs of each, alternating; the best is reported")
     sp.add_argument("--quick", action="store_true", help="tiny model, batches 1 and 2, 16 tokens")
     sp.add_argument("--json", default=None, help="also write the results as JSON here")

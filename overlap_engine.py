@@ -181,8 +181,9 @@ class Req:
         self.input_logprobs_done = False
         self.shares_prefill_of: Optional[Req] = None  # n > 1: the sibling whose prompt KV it waits for
         self.planned_steps: deque = deque()  # (advance, width) of each planned, uncommitted sampling step
-        # speculative decoding: verify steps, drafts fed and accepted, and the recent share accepted
-        self.spec_verify_ct, self.spec_drafted, self.spec_accepted, self.spec_recent = 0, 0, 0, 1.0
+        # speculative decoding: verify steps, drafts fed, accepted; the step it drafts again at, its pause
+        self.spec_verify_ct, self.spec_drafted, self.spec_accepted = 0, 0, 0
+        self.spec_resume_at, self.spec_pause = 0, 1
         self.grammar = None  # json_schema / regex / ebnf: Part II's matcher (ready, accept, fill_mask)
 
     @property
@@ -219,10 +220,10 @@ class Req:
 
     def may_draft(self) -> bool:
         """Speculative decoding drafts for it: no grammar, penalties or min_new_tokens window (their
-        logits need the exact position, which a draft in flight hides), and recent drafts accepted."""
+        logits need the exact position, which a draft in flight hides), and not pausing after a miss."""
         sp = self.sampling_params
         return (self.grammar is None and not sp.has_penalties() and len(self.output_ids) >= sp.min_new_tokens
-                and (self.spec_recent >= SPEC_MIN_ACCEPT or self.spec_verify_ct % SPEC_PROBE_EVERY == 0))
+                and self.spec_verify_ct >= self.spec_resume_at)
 
     def finished(self) -> bool:
         return self.finished_reason is not None
@@ -301,13 +302,17 @@ class Req:
 
     def note_verify(self, step: tuple, accepted: int):
         """Speculation's books (meta_info's spec_*): one verify, and of a step that drafted, its drafts
-        and how many of them the target accepted."""
+        and how many of them the target accepted. A step that drafted and kept less than half of them is a
+        miss: drafting pauses for 1, 2, 4 ... SPEC_MAX_PAUSE steps while misses go on (a verify of 1 + k
+        tokens costs more than a decode), and a hit ends the pauses."""
         advance, width = step
         self.spec_verify_ct += 1
         if advance > 1:
             self.spec_drafted += width - 1
             self.spec_accepted += accepted
-            self.spec_recent = (self.spec_recent + accepted / (width - 1)) / 2
+            hit = 2 * accepted >= width - 1
+            self.spec_resume_at = self.spec_verify_ct + (0 if hit else self.spec_pause)
+            self.spec_pause = 1 if hit else min(2 * self.spec_pause, SPEC_MAX_PAUSE)
 
     def given_ids_logprobs(self, out: dict, kind: str, j: int) -> Optional[list]:
         """Row j's (logprob, token id, None) of each id in token_ids_logprob (the row is padded past them)."""
@@ -1226,10 +1231,7 @@ IN_BATCH_PREFIX_MIN = 32  # shared tokens that make a waiting request wait for a
 # lpm matches and sorts every waiting request at every plan: above this many it plans as fcfs, which
 # matches only the requests it reaches (SGLang's literal 128 in SchedulePolicy._determine_active_policy)
 LPM_MAX_WAITING = 128
-# speculative decoding: a request whose recent drafts were mostly rejected stops drafting (a verify of
-# 1 + k tokens costs more than a decode), and tries again every SPEC_PROBE_EVERY steps
-SPEC_MIN_ACCEPT = 0.25  # the recent share of its drafts accepted, below which it stops
-SPEC_PROBE_EVERY = 8
+SPEC_MAX_PAUSE = 64  # speculative decoding: the longest a request pauses drafting after misses (steps)
 
 
 class Scheduler:
@@ -2623,7 +2625,8 @@ class Engine:
             keep_freed_memory_in_process()  # before the device thread exists: it shares the host's arena
             stream = CpuDeviceStream(args.worker_jitter_ms, args.random_seed)
         self.future_map = FutureMap(args.max_running_requests, args.device, args.debug_future_map)
-        model = CompiledDecode(self.model, compile_max_bs) if compile_max_bs else self.model
+        model = (CompiledDecode(self.model, compile_max_bs, verify=args.speculative_algorithm is not None)
+                 if compile_max_bs else self.model)
         worker = ModelWorker(model, req_to_token_pool, self.future_map, backend, stream, args.device)
         if args.device == "cpu":
             worker.race_rows = race_in_blocks
@@ -2658,6 +2661,8 @@ class Engine:
         for n in (1, 2)[:max_bs]:
             t0 = time.perf_counter()
             what = f"batch {n}" if n == max_bs or n == 1 else f"batches 2-{max_bs}"
+            if n == 1 and self.server_args.speculative_algorithm:  # its first decode steps verify drafts
+                what += " (and its verify step)"
             print(f"overlap_engine: compiling the decode step for {what} ...", end="", file=sys.stderr,
                   flush=True)
             self.generate(input_ids=[[1, 2, 3 + i] for i in range(n)], sampling_params=sp)
@@ -3691,10 +3696,13 @@ class CompiledDecode:
     Inductor prepacks them for oneDNN once, and at batch 64 in bf16 its matmuls ran ~20% faster than the
     plain ones here; the prepacked copy costs the weights' size again in memory."""
 
-    def __init__(self, model: nn.Module, max_bs: int):
+    def __init__(self, model: nn.Module, max_bs: int, verify: bool = False):
         self.eager, self.max_bs = model, max_bs
-        self.one = self._compile(model, guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe)
+        skip = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+        self.one = self._compile(model, guard_filter_fn=skip)
         self.many = self._compile(model)
+        # speculating: one request's verify step (its last token and k drafts) has a graph of its own
+        self.verify = self._compile(model, guard_filter_fn=skip) if verify else None
 
     @staticmethod
     def _compile(model: nn.Module, **options):
@@ -3707,8 +3715,10 @@ class CompiledDecode:
         return torch.compile(forward, dynamic=True, fullgraph=True, options=options)
 
     def __call__(self, input_ids, positions, attn, logit_rows) -> torch.Tensor:
-        B = len(logit_rows)  # a shape
-        if not attn.meta.forward_mode.is_decode() or B > self.max_bs:
+        B, mode = len(logit_rows), attn.meta.forward_mode  # a shape
+        if mode is ForwardMode.TARGET_VERIFY and self.verify is not None and len(attn.meta.seq_lens_cpu) == 1:
+            return self.verify(input_ids, positions, attn, logit_rows)
+        if not mode.is_decode() or B > self.max_bs:
             return self.eager(input_ids, positions, attn, logit_rows)
         if B == 1:
             return self.one(input_ids, positions, attn, logit_rows)
@@ -4555,10 +4565,12 @@ ONE_REQUEST_CANDIDATES = {"float32": ("float32", None), "bfloat16": ("bfloat16",
 
 
 @torch.no_grad()
-def one_token_matmul_ms(shape: tuple = (1536, 576), count: int = 24, passes: int = 5) -> dict:
-    """{candidate: ms} for one token through `count` weight matrices of `shape` (SmolLM2's down projection,
-    transposed; 21M weights, more than a CPU cache holds), each stored as its Linear stores it; the best
-    of `passes`."""
+def one_token_matmul_ms(shape: tuple = (1536, 576), count: int = 24, passes: int = 5,
+                        tokens: int = 1) -> dict:
+    """{candidate: ms} for one token (a verify step's tokens: 1 + k) through `count` weight matrices of
+    `shape` (SmolLM2's down projection, transposed; 21M weights, more than a CPU cache holds), each stored
+    as its Linear stores it; the best of `passes`. The weight-only int4/int8 kernels cost M times one
+    token for M tokens here, bf16's about the same for 1 and 5: a verify may pick another format."""
     w = torch.randn(shape) * 0.02
     ms = {}
     for name, (dtype, quant) in ONE_REQUEST_CANDIDATES.items():
@@ -4569,13 +4581,13 @@ def one_token_matmul_ms(shape: tuple = (1536, 576), count: int = 24, passes: int
             layers = [nn.Linear(shape[1], shape[0], bias=False).to(dt) for _ in range(count)]
             for layer in layers:
                 layer.weight.copy_(w)
-        ms[name] = one_token_ms(layers, dt, passes)
+        ms[name] = one_token_ms(layers, dt, passes, tokens)
     return ms
 
 
-def one_token_ms(layers: list, dtype: torch.dtype, passes: int) -> float:
-    """The best of `passes` times, in ms, of one token of `dtype` through each of `layers` in turn."""
-    xs = {layer.in_features: torch.randn(1, layer.in_features, dtype=dtype) for layer in layers}
+def one_token_ms(layers: list, dtype: torch.dtype, passes: int, tokens: int = 1) -> float:
+    """The best of `passes` times, in ms, of one token (or `tokens`) of `dtype` through each of `layers`."""
+    xs = {layer.in_features: torch.randn(tokens, layer.in_features, dtype=dtype) for layer in layers}
     best = math.inf
     with torch.no_grad():
         for _ in range(passes):
@@ -4586,19 +4598,21 @@ def one_token_ms(layers: list, dtype: torch.dtype, passes: int) -> float:
     return 1e3 * best
 
 
-def one_request_defaults(given: dict, chat: bool = True) -> tuple[dict, str]:
+def one_request_defaults(given: dict, chat: bool = True, tokens: int = 1) -> tuple[dict, str]:
     """For one request alone on the CPU, values of the ONE_REQUEST_ARGS that are not in `given`: the dtype and
     quantization measured fastest for one token here (unless --dtype or --quantization is given), and for
     the interactive chat torch.compile of the batch-1 decode step (one --prompt would spend longer
-    compiling than it saves). Also the line that says what was picked and why."""
+    compiling than it saves). tokens: those a step feeds (speculating: a verify's 1 + k). Also the line
+    that says what was picked and why."""
     picked, why = {}, []
     if "dtype" not in given and "quantization" not in given:
-        ms = one_token_matmul_ms()
+        ms = one_token_matmul_ms(tokens=tokens)
         best = min(ms, key=ms.get)
         picked["dtype"], picked["quantization"] = ONE_REQUEST_CANDIDATES[best]
         timings = ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(ms.items(), key=lambda kv: kv[1]))
+        what = "one-token matmul" if tokens == 1 else f"matmul of a verify's {tokens} tokens"
         why.append(f"{best} weights{' (bf16 activations)' if picked['quantization'] else ''}, the fastest "
-                   f"one-token matmul here ({timings})")
+                   f"{what} here ({timings})")
     if chat and "enable_torch_compile" not in given and cpp_compiler():
         picked["enable_torch_compile"] = True
         if "torch_compile_max_bs" not in given:
@@ -4713,7 +4727,8 @@ def main(argv=None):
         line = ""
         # one request alone, the chat's case; not with tensor parallelism, whose machines must all agree
         if on_cpu and not args.serve and len(args.prompt or [None]) == 1 and args.tp_size == 1:
-            picked, line = one_request_defaults(cli_given(argv), chat=not args.prompt)
+            tokens = 1 + args.speculative_num_draft_tokens if args.speculative_algorithm else 1
+            picked, line = one_request_defaults(cli_given(argv), chat=not args.prompt, tokens=tokens)
             engine_args.update(picked)
         engine = Engine(**engine_args)
         if line:  # once the engine stands: bad input ends in its one line alone

@@ -2093,6 +2093,24 @@ def test_compiled_decode_gives_the_reference_tokens_in_both_loops(ckpt, mixed_wo
         assert calls["fused"] == calls["many"], calls
 
 
+def test_compiled_decode_verifies_one_requests_drafts_in_a_graph_of_its_own(cycling_ckpt):
+    """Speculating with enable_torch_compile: one request's verify step (its last token and k drafts)
+    runs a compiled graph of its own, compiled at start; the tokens are plain decoding's (float64)."""
+    rng = random.Random(4)
+    prompt = cycling_prompt(rng)
+    sp = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}
+    with make_engine(cycling_ckpt, "serial") as plain:
+        want = plain.generate(input_ids=prompt, sampling_params=sp)["output_ids"]
+    with make_engine(cycling_ckpt, "overlap", enable_torch_compile=True, torch_compile_max_bs=1,
+                     speculative_algorithm="NGRAM") as e:
+        w, calls = e.scheduler.worker, collections.Counter()
+        graph = w.model.verify
+        w.model.verify = lambda *a: calls.update(["verify"]) or graph(*a)
+        out = e.generate(input_ids=prompt, sampling_params=sp)
+        e.check_invariants()
+    assert out["output_ids"] == want and calls["verify"] > 3 and out["meta_info"]["spec_accept_length"] > 3
+
+
 def test_fused_gather_decode_is_attention_over_each_requests_slots():
     """The compiled decode batches' attention, run eagerly in float64: each request's query against the
     K/V at its own slots (scattered through the pool, padding pointing at its first slot), as plain SDPA
@@ -4290,8 +4308,9 @@ def cli_engine_args(monkeypatch, argv) -> dict:
 def test_cli_picks_the_fastest_one_request_setup_for_what_is_not_given(ckpt, monkeypatch):
     ms = oe.one_token_matmul_ms(shape=(64, 64), count=2, passes=1)  # the real measurement, tiny
     assert set(ms) == set(oe.ONE_REQUEST_CANDIDATES) and all(v > 0 for v in ms.values())
-    monkeypatch.setattr(oe, "one_token_matmul_ms", lambda: {"float32": 4.0, "bfloat16": 3.0, "int8": 1.0,
-                                                            "int4": 2.0})
+    asked = []  # a verify's tokens are timed as many (here bf16 wins for them, as int4 can lose)
+    monkeypatch.setattr(oe, "one_token_matmul_ms", lambda tokens=1: asked.append(tokens) or {
+        "float32": 4.0, "bfloat16": 3.0 if tokens == 1 else 0.5, "int8": 1.0, "int4": 2.0})
     monkeypatch.setattr(oe, "cpp_compiler", lambda: "/usr/bin/c++")  # as if a compiler were there
     picked = lambda **kw: {k: kw[k] for k in oe.ONE_REQUEST_ARGS}  # noqa: E731
     base = ["--model-path", ckpt, "--device", "cpu"]
@@ -4309,6 +4328,10 @@ def test_cli_picks_the_fastest_one_request_setup_for_what_is_not_given(ckpt, mon
     no_compile = ["--no-enable-torch-compile", "--quant", "int4"]  # abbreviated: argparse allows it
     assert picked(**cli_engine_args(monkeypatch, base + no_compile)) == {
         "dtype": "auto", "quantization": "int4", "enable_torch_compile": False, "torch_compile_max_bs": 256}
+    speculative = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "6"]
+    assert picked(**cli_engine_args(monkeypatch, base + speculative)) == {
+        "dtype": "bfloat16", "quantization": None, "enable_torch_compile": True, "torch_compile_max_bs": 1}
+    assert asked[-1] == 7 and set(asked[:-1]) == {1}
     # batches (several prompts, the server) and tensor parallelism (every machine must pick the same) keep
     # the engine's defaults
     for more in (["--prompt", "a", "--prompt", "b"], ["--serve"], ["--tp-size", "2", "--prompt", "a"]):
