@@ -421,9 +421,9 @@ class ScheduleBatch:
     def prepare_for_decode(self, use_future_map: bool):
         """Each request feeds its last token at position base = base_bound() and, speculating in a batch
         that drafts, k drafts after it: slots up to base + width each. While a verify is in flight the
-        host knows base only as a bound (the accept count is on the device), so the slots are those of
-        the most it can accept (SGLang's over-allocation), and the step reads the true base with the token
-        from the FutureMap. In overlap mode input_ids stays empty: the tokens are still in flight."""
+        host knows base only as a bound (the accept count is on the device): the slots are those of the
+        most it can accept (SGLang's over-allocation), and the step reads the true base with the token
+        from the FutureMap (in overlap mode input_ids stays empty: the tokens are in flight)."""
         sched, B, k = self.scheduler, len(self.reqs), self.scheduler.draft_tokens
         drafting = [k > 0 and r.may_draft() for r in self.reqs]
         E = 1 + k if any(drafting) and sched.kv_available() >= self.decode_slots(1 + k) else 1
@@ -453,8 +453,9 @@ class ScheduleBatch:
             forward_mode=ForwardMode.TARGET_VERIFY if E > 1 else ForwardMode.DECODE)
 
     def decode_slots(self, width: int) -> int:
-        """KV slots the next decode step takes if each request feeds `width` tokens (1: one each)."""
-        return sum(max(0, r.base_bound() + width - r.kv_allocated_len) for r in self.reqs)
+        """KV slots the next decode step takes if each request feeds `width` tokens (speculating, less)."""
+        return (sum(max(0, r.base_bound() + width - r.kv_allocated_len) for r in self.reqs)
+                if self.scheduler.draft_tokens else width * len(self.reqs))
 
     def build_forward_batch(self, **fields) -> ForwardBatch:
         """The step's plan: the fields above plus sampling tensors (one set per logits row: a verify has
