@@ -745,6 +745,7 @@ PROFILE_CATEGORIES = {  # aten op -> what it is in a decode step
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)", "aten::bmm": "attention (SDPA)",
     "aten::_softmax": "attention (SDPA)", "aten::index_select": "KV gather (index_select)",
     "aten::argmax": "sampling", "aten::index_copy_": "KV write",
+    "overlap_engine::decode_attention_c": "attention (C kernel)",
     "TorchDynamo Cache Lookup": "entering the compiled graph (guards, inputs)",
     "Pregraph bytecode": "entering the compiled graph (guards, inputs)",
 }
@@ -767,7 +768,8 @@ def cmd_profile(args):
     captured = []
     with oe.Engine(model_path=path, device="cpu", dtype=args.dtype, disable_overlap_schedule=True,
                    quantization=args.quantization, max_total_tokens=args.max_total_tokens,
-                   enable_torch_compile=args.torch_compile, torch_compile_max_bs=max(B, 1)) as e:
+                   enable_torch_compile=args.torch_compile, torch_compile_max_bs=max(B, 1),
+                   attention_backend=args.attention_backend) as e:
         worker, forward_step = e.scheduler.worker, e.scheduler.worker.forward_step
         worker.forward_step = lambda batch: captured.append(batch) or forward_step(batch)
         reqs = random_requests(B, *((8, 32) if args.quick else map(int, args.input.split(","))), args.seed,
@@ -781,13 +783,16 @@ def cmd_profile(args):
         ms = 1e3 * min(timed(lambda: forward_step(batch)) for _ in range(5))
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             forward_step(batch)
+        if args.top_ops:
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top_ops))
     total = sum(ev.self_cpu_time_total for ev in prof.key_averages())
     groups = {}
     for ev in prof.key_averages():
         cat = profile_category(ev.key)
         groups[cat] = groups.get(cat, 0) + ev.self_cpu_time_total
     mean_len = sum(batch.seq_lens) / len(batch.seq_lens)
-    extras = (args.quantization, args.torch_compile and "compiled")
+    extras = (args.quantization, args.torch_compile and "compiled",
+              f"{e.server_args.attention_backend} attention")
     setup = args.dtype + "".join(f", {x}" for x in extras if x)
     print(f"## profile: one decode step, {os.path.basename(path)}, {setup}, batch {len(batch.seq_lens)}, "
           f"mean context {mean_len:.0f} tokens: {ms:.1f} ms (best of 5)")
@@ -804,7 +809,8 @@ def cmd_profile(args):
     return {"step_ms": ms, "shares": {k: v / total for k, v in groups.items()}, "attention": attn}
 
 
-ATTENTION_OPS = ("overlap_engine::fused_gather_decode", "aten::scaled_dot_product_attention")
+ATTENTION_OPS = ("overlap_engine::decode_attention_c", "overlap_engine::fused_gather_decode",
+                 "aten::scaled_dot_product_attention")
 
 
 def attention_read(engine, batch, prof) -> dict:
@@ -1028,7 +1034,8 @@ def weight_matmuls(engine) -> dict:
     GB/s that is. A decode step cannot be faster than this with these kernels."""
     model = engine.model  # the module (the worker may hold its compiled callable)
     dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype (the table stays float)
-    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, oe.QuantizedLinear))]
+    kinds = (torch.nn.Linear, oe.QuantizedLinear, oe.PackedLinear)
+    layers = [m for m in model.modules() if isinstance(m, kinds)]
     nbytes = sum(t.numel() * t.element_size() for m in layers for t in (*m.parameters(), *m.buffers()))
     ms = oe.one_token_ms(layers, dtype, passes=10)
     return {"matmul_ms": ms, "matmul_gbps": nbytes / ms / 1e6}
@@ -1675,6 +1682,9 @@ def main():
     decode_step_args(pr, 64, "output tokens before the profiled step")
     pr.add_argument("--quantization", default=None, choices=("int8", "int4"))
     pr.add_argument("--torch-compile", action="store_true", help="the step through the compiled model")
+    pr.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "c"),
+                    help="torch: the grouped SDPA (eager) or fused-gather (compiled) decode attention")
+    pr.add_argument("--top-ops", type=int, default=0, help="also print the profiler's N costliest ops")
     pr.set_defaults(fn=cmd_profile)
 
     sa = sub.add_parser("sampling", help="what logprobs and penalties cost a decode step (on and off)")

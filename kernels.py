@@ -371,3 +371,167 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix
         num_warps=4, num_stages=2,
     )
     return o
+
+
+# ----------------------------------------------------------------------------------------------
+# decode_attention on a CPU: the same op as decode_attention_ref, in C, for bf16 and fp32 pools
+#
+# A decode step reads each request's whole context once per layer, so on a CPU the op is a stream
+# through memory: every K and V row is loaded once, converted to fp32 and used by the G query heads
+# that share it. Keys go in chunks of 32: a chunk's scores, their maximum, the running sum rescaled
+# when the maximum grows (flash attention's online softmax), then the chunk's values. OpenMP splits
+# the (request, kv head) pairs over torch's threads; the .so links the libgomp that torch has loaded.
+# Compiled once per machine (head_dim and G are compile-time constants, so the inner loops are
+# vector code) with the C compiler Inductor would use, and cached under CPU_KERNEL_CACHE.
+
+CPU_DECODE_SRC = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#define D %(D)d
+#define G %(G)d
+#define HKV %(HKV)d
+#define ROW (HKV * D)
+#define CHUNK 32
+#define AHEAD 4
+
+static inline float load(const ELEM *p, int64_t i) {
+#ifdef BF16
+    uint32_t u = (uint32_t)p[i] << 16; float f; memcpy(&f, &u, 4); return f;
+#else
+    return p[i];
+#endif
+}
+
+static inline ELEM store(float f) {
+#ifdef BF16
+    uint32_t u; memcpy(&u, &f, 4); u += 0x7FFF + ((u >> 16) & 1); return (ELEM)(u >> 16);
+#else
+    return f;
+#endif
+}
+
+/* q, out: (B, HKV * G, D); kb, vb: (slots, HKV, D); the slot of position l of request b is
+   req_to_token[rows[b] * ctx + l], for l < lens[b] (lens[b] >= 1). */
+void decode_attention(const ELEM *q, const ELEM *kb, const ELEM *vb, const int32_t *req_to_token,
+                      const int64_t *rows, const int64_t *lens, int64_t B, int64_t ctx, float scale,
+                      ELEM *out, int threads) {
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t b = 0; b < B; b++) {
+        float qf[HKV][G][D], acc[HKV][G][D], s[HKV][G][CHUNK], m[HKV][G], sum[HKV][G];
+        const int32_t *slots = req_to_token + rows[b] * ctx;
+        const int64_t n_all = lens[b];
+        for (int h = 0; h < HKV; h++)
+            for (int g = 0; g < G; g++) {
+                for (int d = 0; d < D; d++) {
+                    qf[h][g][d] = load(q, (b * HKV * G + h * G + g) * D + d) * scale;
+                    acc[h][g][d] = 0.0f;
+                }
+                m[h][g] = -INFINITY;
+                sum[h][g] = 0.0f;
+            }
+        for (int64_t l0 = 0; l0 < n_all; l0 += CHUNK) {
+            int n = n_all - l0 < CHUNK ? (int)(n_all - l0) : CHUNK;
+            for (int j = 0; j < n; j++) {  /* the chunk's scores: one K row (every head) at a time */
+                if (l0 + j + AHEAD < n_all)
+                    for (int c = 0; c < ROW * (int)sizeof(ELEM); c += 64)
+                        __builtin_prefetch((const char *)(kb + (int64_t)slots[l0 + j + AHEAD] * ROW) + c);
+                const ELEM *k = kb + (int64_t)slots[l0 + j] * ROW;
+                for (int h = 0; h < HKV; h++) {
+                    float kf[D];
+                    for (int d = 0; d < D; d++) kf[d] = load(k, h * D + d);
+                    for (int g = 0; g < G; g++) {
+                        float dot = 0.0f;
+                        for (int d = 0; d < D; d++) dot += qf[h][g][d] * kf[d];
+                        s[h][g][j] = dot;
+                    }
+                }
+            }
+            for (int h = 0; h < HKV; h++)  /* online softmax: rescale what is there to the new max */
+                for (int g = 0; g < G; g++) {
+                    float mx = m[h][g], total = 0.0f;
+                    for (int j = 0; j < n; j++) mx = s[h][g][j] > mx ? s[h][g][j] : mx;
+                    float alpha = expf(m[h][g] - mx);
+                    for (int j = 0; j < n; j++) { s[h][g][j] = expf(s[h][g][j] - mx); total += s[h][g][j]; }
+                    sum[h][g] = sum[h][g] * alpha + total;
+                    m[h][g] = mx;
+                    for (int d = 0; d < D; d++) acc[h][g][d] *= alpha;
+                }
+            for (int j = 0; j < n; j++) {  /* the chunk's values */
+                if (l0 + j + AHEAD < n_all)
+                    for (int c = 0; c < ROW * (int)sizeof(ELEM); c += 64)
+                        __builtin_prefetch((const char *)(vb + (int64_t)slots[l0 + j + AHEAD] * ROW) + c);
+                const ELEM *v = vb + (int64_t)slots[l0 + j] * ROW;
+                for (int h = 0; h < HKV; h++) {
+                    float vf[D];
+                    for (int d = 0; d < D; d++) vf[d] = load(v, h * D + d);
+                    for (int g = 0; g < G; g++)
+                        for (int d = 0; d < D; d++) acc[h][g][d] += s[h][g][j] * vf[d];
+                }
+            }
+        }
+        for (int h = 0; h < HKV; h++)
+            for (int g = 0; g < G; g++)
+                for (int d = 0; d < D; d++)
+                    out[(b * HKV * G + h * G + g) * D + d] = store(acc[h][g][d] / sum[h][g]);
+    }
+}
+"""
+
+CPU_KERNEL_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+CPU_KERNEL_CACHE = os.path.join(os.environ.get("OVERLAP_ENGINE_CACHE") or os.path.expanduser(
+    "~/.cache/overlap_engine"), "kernels")
+_cpu_kernels: dict = {}
+
+
+def cpu_kernel(dtype, D: int, Hkv: int, G: int, compiler: str):
+    """The compiled decode_attention for (dtype, head_dim, kv heads, G), or None where it cannot be built."""
+    key = (dtype, D, Hkv, G)
+    if key not in _cpu_kernels:
+        import ctypes
+        import hashlib
+        import subprocess
+        elem = {torch.bfloat16: ("uint16_t", ["-DBF16"]), torch.float32: ("float", [])}[dtype]
+        src = CPU_DECODE_SRC % {"D": D, "G": G, "HKV": Hkv}
+        flags = CPU_KERNEL_FLAGS + [f"-DELEM={elem[0]}"] + elem[1]
+        tag = hashlib.sha256((src + " ".join(flags) + compiler).encode()).hexdigest()[:16]
+        so = os.path.join(CPU_KERNEL_CACHE, f"decode_attention_{tag}.so")
+        try:
+            if not os.path.exists(so):
+                os.makedirs(CPU_KERNEL_CACHE, exist_ok=True)
+                c_path = so[:-3] + f".{os.getpid()}.c"
+                with open(c_path, "w") as f:
+                    f.write(src)
+                subprocess.run([compiler, *flags, "-x", "c", c_path, "-o", so + f".{os.getpid()}", "-lm"],
+                               check=True, capture_output=True)
+                os.replace(so + f".{os.getpid()}", so)  # atomic: another process sees all of it or none
+                os.remove(c_path)
+            fn = ctypes.CDLL(so).decode_attention
+        except (OSError, AttributeError, subprocess.CalledProcessError):
+            fn = None
+        if fn is not None:
+            p, i64 = ctypes.c_void_p, ctypes.c_int64
+            fn.argtypes = [p, p, p, p, p, p, i64, i64, ctypes.c_float, p, ctypes.c_int]
+            fn.restype = None
+        _cpu_kernels[key] = fn
+    return _cpu_kernels[key]
+
+
+def decode_attention_cpu(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale,
+                         compiler: str = "cc"):
+    """decode_attention_ref in C on CPU tensors (bf16 or fp32 pools, int32 req_to_token, contiguous);
+    None where the kernel cannot be built here (the caller falls back to torch). seq_lens >= 1."""
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    _check_pool(k_cache, v_cache, D)
+    assert q.dtype == k_cache.dtype == v_cache.dtype and q.is_contiguous() and k_cache.is_contiguous()
+    assert v_cache.is_contiguous() and req_to_token.dtype == torch.int32 and req_to_token.is_contiguous()
+    fn = cpu_kernel(q.dtype, D, Hkv, Hq // Hkv, compiler)
+    if fn is None:
+        return None
+    rows = req_pool_indices.to(torch.int64).contiguous()
+    lens = seq_lens.to(torch.int64).contiguous()
+    o = torch.empty_like(q)
+    fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), req_to_token.data_ptr(), rows.data_ptr(),
+       lens.data_ptr(), B, req_to_token.shape[1], float(sm_scale), o.data_ptr(), torch.get_num_threads())
+    return o

@@ -2162,7 +2162,9 @@ class ServerArgs:
     dtype: str = arg("auto", "weights and KV cache; auto: bfloat16 on CUDA and on CPUs with native bf16 "
                              "matmul (AMX, AVX512-BF16), else float32",
                      ("auto", "float32", "bfloat16", "float16", "float64"))
-    attention_backend: str = arg("auto", "auto: triton on CUDA, torch on CPU", ("auto", "torch", "triton"))
+    attention_backend: str = arg("auto", "auto: triton on CUDA; on a CPU c (decode attention in C, bf16 "
+                                         "and float32, built with the C compiler) where a compiler is "
+                                         "found, else torch", ("auto", "torch", "triton", "c"))
     enable_torch_compile: bool = arg(False, "compile the model for decode batches up to torch_compile_max_bs "
                                             "(CPU, with a C++ compiler; the first start compiles for about a "
                                             "minute, later ones load it from disk in seconds; the Engine "
@@ -2618,6 +2620,8 @@ class Engine:
         compile_max_bs = args.torch_compile_max_bs if args.enable_torch_compile else 0
         if args.attention_backend == "triton":
             backend = TritonAttnBackend(kv_pool, req_to_token_pool)
+        elif args.attention_backend == "c":
+            backend = CDecodeBackend(kv_pool, req_to_token_pool, cfg.num_attention_heads // args.tp_size)
         elif compile_max_bs:
             backend = FusedGatherDecodeBackend(kv_pool, req_to_token_pool, compile_max_bs)
         else:
@@ -2689,7 +2693,12 @@ class Engine:
         if args.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device")
         if args.attention_backend == "auto":
-            args.attention_backend = "triton" if args.device == "cuda" else "torch"
+            c = cpp_compiler() is not None and args.dtype not in ("float64", "float16")
+            args.attention_backend = "triton" if args.device == "cuda" else "c" if c else "torch"
+        if args.attention_backend == "c" and (args.device != "cpu" or args.dtype in ("float64", "float16")
+                                              or cpp_compiler() is None):
+            raise ValueError(f"attention_backend='c' needs device='cpu', a bf16 or float32 dtype (not "
+                             f"{args.dtype!r}) and a C compiler ($CXX, g++, c++, clang++)")
         if (args.attention_backend == "triton" and args.device == "cpu" and torch.cuda.is_available()
                 and os.environ.get("TRITON_INTERPRET") != "1"):  # without a GPU, kernels.py sets it itself
             raise ValueError("attention_backend='triton' on device='cpu' needs TRITON_INTERPRET=1 set "
@@ -3859,6 +3868,53 @@ class FusedGatherDecodeBackend(GroupedDecodeBackend):
         return torch.ops.overlap_engine.fused_gather_decode(q, kb, vb, self.slots, self.visible)
 
 
+class CDecodeBackend(GroupedDecodeBackend):
+    """attention_backend c, a CPU's default: decode attention (one query a request, at every batch size,
+    eager or compiled) through kernels.decode_attention_cpu, C that reads each request's K and V once,
+    straight from the pool through req_to_token: no padding to the longest request, no gathered copy. At
+    batch 64, contexts 256-512, one layer: 0.83 ms against 2.69 for the fused-gather op (2-core Intel
+    Xeon). Prefill and a verify's queries attend as GroupedDecodeBackend does. To a compiled graph the
+    kernel is one custom op per layer, like the fused-gather one."""
+
+    def __init__(self, kv_pool: TokenToKVPool, req_to_token_pool: ReqToTokenPool, heads: int):
+        super().__init__(kv_pool, req_to_token_pool)
+        import kernels  # as in TritonAttnBackend: kernels.py imports triton
+        kb = kv_pool.k_buffer[0]
+        if kernels.cpu_kernel(kb.dtype, kb.shape[2], kb.shape[1], heads // kb.shape[1],
+                              cpp_compiler()) is None:
+            raise ValueError("attention_backend='c': the C decode kernel did not build here")
+        for buf in kv_pool.k_buffer + kv_pool.v_buffer:  # as FusedGatherDecodeBackend: sizes stay static
+            torch._dynamo.mark_static(buf)
+
+    def init_forward_metadata(self, meta: ForwardMetadata):
+        self.in_c = meta.forward_mode.is_decode()
+        if not self.in_c:
+            return super().init_forward_metadata(meta)
+        self.meta = meta  # each its own storage: a view's offset would be a guard of the compiled graph
+        self.loc, self.rows, self.lens = (t.clone() for t in (meta.out_cache_loc, meta.req_pool_indices,
+                                                               meta.seq_lens))
+
+    def forward(self, q, k, v, layer_id: int) -> torch.Tensor:
+        if not self.in_c:
+            return super().forward(q, k, v, layer_id)
+        kb, vb, loc = self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id], self.loc
+        kb[loc], vb[loc] = k, v  # index_put, as in FusedGatherDecodeBackend
+        return torch.ops.overlap_engine.decode_attention_c(q, kb, vb, self.req_to_token, self.rows, self.lens)
+
+
+@torch.library.custom_op("overlap_engine::decode_attention_c", mutates_args=())
+def decode_attention_c(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, req_to_token: torch.Tensor,
+                       rows: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    import kernels
+    return kernels.decode_attention_cpu(q.contiguous(), kb, vb, req_to_token, rows, lens, q.shape[-1] ** -0.5,
+                                        cpp_compiler())
+
+
+@decode_attention_c.register_fake
+def _(q, kb, vb, req_to_token, rows, lens):
+    return torch.empty_like(q)
+
+
 @torch.library.custom_op("overlap_engine::fused_gather_decode", mutates_args=())
 def fused_gather_decode_op(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, slots: torch.Tensor,
                            visible: torch.Tensor) -> torch.Tensor:
@@ -4776,7 +4832,8 @@ def one_request_defaults(given: dict, chat: bool = True, tokens: int = 1,
     --prompt would spend longer compiling than it saves). tokens: those a step feeds (speculating: a
     verify's 1 + k). Also the line that says what was picked and why."""
     picked, why = {}, []
-    model_path = model_path or default_model_path()
+    if "dtype" not in given and "quantization" not in given:
+        model_path = model_path or default_model_path()
     if "dtype" not in given and "quantization" not in given and os.path.exists(model_path):  # else the
         record = one_request_format(model_path, tokens)                                   # Engine says why
         best, ms = record["pick"], record["matmul_ms"]

@@ -1789,6 +1789,34 @@ def test_kernel_decode_attention_strided_q_and_odd_head_dim():
     assert_close(out, ref, torch.float32)
 
 
+@pytest.mark.skipif(oe.cpp_compiler() is None, reason="the C decode kernel needs a C compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("G,D", [(1, 32), (3, 64), (4, 24)])
+def test_kernel_decode_attention_cpu_matches_ref(G, D, dtype):
+    """The C kernel on CPU tensors: lengths 1, under one chunk of 32, 33 (a chunk and one) and 150, on
+    shuffled slots of random pool rows; a query that is a view into a fused qkv buffer."""
+    Hkv, seq_lens = 2, [1, 33, 3, 150]
+    g = torch.Generator().manual_seed(5)
+    k_cache, v_cache = (torch.randn(400, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    slots = torch.randperm(399, generator=g) + 1
+    req_to_token, rows = torch.zeros(6, 160, dtype=torch.int32), torch.tensor([4, 0, 5, 2])
+    start = 0
+    for row, n in zip(rows.tolist(), seq_lens):
+        req_to_token[row, :n] = slots[start:start + n]
+        start += n
+    qkv = torch.randn(len(seq_lens), (Hkv * G + 2 * Hkv) * D, generator=g).to(dtype)
+    q = qkv[:, :Hkv * G * D].view(len(seq_lens), Hkv * G, D)
+    lens = torch.tensor(seq_lens)
+    out = kernels.decode_attention_cpu(q.contiguous(), k_cache, v_cache, req_to_token, rows, lens, D**-0.5,
+                                       oe.cpp_compiler())
+    ref = kernels.decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), req_to_token, rows,
+                                       lens, D**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert_close(out, ref, dtype)
+    if dtype == torch.bfloat16:  # within one rounding of the float64 answer to bf16
+        assert ((out.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-6).all()
+
+
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("G", [1, 3, 4])
 def test_kernel_extend_attention_matches_ref(G, dtype):
@@ -4327,6 +4355,7 @@ def test_cli_failed_download_is_one_line_and_a_bug_keeps_its_traceback(monkeypat
     def bug(**kwargs):
         raise RuntimeError("a bug, not bad input")
     monkeypatch.setattr(oe, "Engine", bug)
+    monkeypatch.setattr(oe, "default_model_path", lambda cache_dir=None: __file__)  # a file is there now
     with pytest.raises(RuntimeError, match="a bug"):  # not turned into a one-line exit
         oe.main(["--prompt", "hi"])
 
