@@ -1,5 +1,6 @@
 """
-Triton kernels for overlap_engine: paged KV store, decode attention and extend (prefill) attention.
+Triton kernels for overlap_engine: paged KV store, decode attention and extend (prefill) attention; and
+one CPU kernel in C, decode attention (`decode_attention_cpu`, the same spec as `decode_attention_ref`).
 
 Every op comes in three parts: `<op>_ref()`, plain torch and the spec; `_<op>_kernel`, the Triton
 kernel; `<op>()`, the launcher that checks shapes, allocates the output and builds the grid.
