@@ -485,6 +485,17 @@ CPU_KERNEL_CACHE = os.path.join(os.environ.get("OVERLAP_ENGINE_CACHE") or os.pat
 _cpu_kernels: dict = {}
 
 
+def _cpu_flags() -> str:
+    """This CPU's model and flags (-march=native builds for them: a cache shared with another CPU must
+    not hand its kernel over)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "".join(line for line in f if line.startswith(("model name", "flags")))[:4096]
+    except OSError:
+        import platform
+        return platform.processor()
+
+
 def cpu_kernel(dtype, D: int, Hkv: int, G: int, compiler: str):
     """The compiled decode_attention for (dtype, head_dim, kv heads, G), or None where it cannot be built."""
     key = (dtype, D, Hkv, G)
@@ -495,7 +506,7 @@ def cpu_kernel(dtype, D: int, Hkv: int, G: int, compiler: str):
         elem = {torch.bfloat16: ("uint16_t", ["-DBF16"]), torch.float32: ("float", [])}[dtype]
         src = CPU_DECODE_SRC % {"D": D, "G": G, "HKV": Hkv}
         flags = CPU_KERNEL_FLAGS + [f"-DELEM={elem[0]}"] + elem[1]
-        tag = hashlib.sha256((src + " ".join(flags) + compiler).encode()).hexdigest()[:16]
+        tag = hashlib.sha256((src + " ".join(flags) + compiler + _cpu_flags()).encode()).hexdigest()[:16]
         so = os.path.join(CPU_KERNEL_CACHE, f"decode_attention_{tag}.so")
         try:
             if not os.path.exists(so):
