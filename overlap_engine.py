@@ -2693,7 +2693,7 @@ class Engine:
         if args.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device")
         if args.attention_backend == "auto":
-            c = cpp_compiler() is not None and args.dtype not in ("float64", "float16")
+            c = args.dtype not in ("float64", "float16") and cpp_compiler() is not None and c_kernel_builds()
             args.attention_backend = "triton" if args.device == "cuda" else "c" if c else "torch"
         if args.attention_backend == "c" and (args.device != "cpu" or args.dtype in ("float64", "float16")
                                               or cpp_compiler() is None):
@@ -3900,6 +3900,13 @@ class CDecodeBackend(GroupedDecodeBackend):
         kb, vb, loc = self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id], self.loc
         kb[loc], vb[loc] = k, v  # index_put, as in FusedGatherDecodeBackend
         return torch.ops.overlap_engine.decode_attention_c(q, kb, vb, self.req_to_token, self.rows, self.lens)
+
+
+@functools.cache
+def c_kernel_builds() -> bool:
+    """Whether the C compiler here builds kernels.py's CPU kernel (a small one, once per process)."""
+    import kernels
+    return kernels.cpu_kernel(torch.float32, 8, 1, 1, cpp_compiler()) is not None
 
 
 @torch.library.custom_op("overlap_engine::decode_attention_c", mutates_args=())

@@ -2208,6 +2208,22 @@ def test_packed_bf16_linear_gives_f_linears_bits_and_counts_its_bytes(ckpt):
             assert e.memory_usage()[0]["sharded_weights"] == weights + copies
 
 
+def test_attention_backend_c_is_the_cpus_default_where_its_kernel_builds(ckpt, monkeypatch):
+    """auto on a CPU: the C decode kernel for bf16 and float32 where it builds, the torch backends for
+    float64 or where it does not; asked for where it cannot run, a ValueError names it."""
+    for dtype, want in (("bfloat16", "c"), ("float32", "c"), ("float64", "torch")):
+        if want == "c" and not oe.c_kernel_builds():
+            want = "torch"
+        with Engine(model_path=ckpt, dtype=dtype, max_total_tokens=256) as e:
+            assert e.server_args.attention_backend == want
+            assert isinstance(e.scheduler.worker.attn, oe.CDecodeBackend) == (want == "c")
+    with pytest.raises(ValueError, match="attention_backend='c' needs device='cpu', a bf16 or float32"):
+        Engine(model_path=ckpt, dtype="float64", attention_backend="c")
+    monkeypatch.setattr(oe, "c_kernel_builds", lambda: False)  # a compiler that fails to build it
+    with Engine(model_path=ckpt, dtype="bfloat16", max_total_tokens=256) as e:
+        assert e.server_args.attention_backend == "torch"
+
+
 def test_a_compiled_bf16_engine_starts_from_inductors_cache(ckpt, mixed_workload):
     """enable_torch_compile in bf16 (packed weights): both graphs come back from Inductor's on-disk cache
     for a second engine (no bypass: a frozen graph's oneDNN tensors kept it out of the cache, and every
