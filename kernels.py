@@ -404,6 +404,13 @@ static inline float load(const ELEM *p, int64_t i) {
 #endif
 }
 
+/* the row of position l (every head) into the cache before it is read, if there is one */
+static inline void prefetch_row(const ELEM *pool, const int32_t *slots, int64_t l, int64_t n) {
+    if (l < n)
+        for (int c = 0; c < ROW * (int)sizeof(ELEM); c += 64)
+            __builtin_prefetch((const char *)(pool + (int64_t)slots[l] * ROW) + c);
+}
+
 static inline ELEM store(float f) {
 #ifdef BF16
     uint32_t u; memcpy(&u, &f, 4); u += 0x7FFF + ((u >> 16) & 1); return (ELEM)(u >> 16);
@@ -434,9 +441,7 @@ void decode_attention(const ELEM *q, const ELEM *kb, const ELEM *vb, const int32
         for (int64_t l0 = 0; l0 < n_all; l0 += CHUNK) {
             int n = n_all - l0 < CHUNK ? (int)(n_all - l0) : CHUNK;
             for (int j = 0; j < n; j++) {  /* the chunk's scores: one K row (every head) at a time */
-                if (l0 + j + AHEAD < n_all)
-                    for (int c = 0; c < ROW * (int)sizeof(ELEM); c += 64)
-                        __builtin_prefetch((const char *)(kb + (int64_t)slots[l0 + j + AHEAD] * ROW) + c);
+                prefetch_row(kb, slots, l0 + j + AHEAD, n_all);
                 const ELEM *k = kb + (int64_t)slots[l0 + j] * ROW;
                 for (int h = 0; h < HKV; h++) {
                     float kf[D];
@@ -459,9 +464,7 @@ void decode_attention(const ELEM *q, const ELEM *kb, const ELEM *vb, const int32
                     for (int d = 0; d < D; d++) acc[h][g][d] *= alpha;
                 }
             for (int j = 0; j < n; j++) {  /* the chunk's values */
-                if (l0 + j + AHEAD < n_all)
-                    for (int c = 0; c < ROW * (int)sizeof(ELEM); c += 64)
-                        __builtin_prefetch((const char *)(vb + (int64_t)slots[l0 + j + AHEAD] * ROW) + c);
+                prefetch_row(vb, slots, l0 + j + AHEAD, n_all);
                 const ELEM *v = vb + (int64_t)slots[l0 + j] * ROW;
                 for (int h = 0; h < HKV; h++) {
                     float vf[D];

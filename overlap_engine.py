@@ -2692,11 +2692,12 @@ class Engine:
             args.device = "cuda" if torch.cuda.is_available() else "cpu"
         if args.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device")
+        c_fits = (args.device == "cpu" and args.dtype not in ("float64", "float16")
+                  and cpp_compiler() is not None)
         if args.attention_backend == "auto":
-            c = args.dtype not in ("float64", "float16") and cpp_compiler() is not None and c_kernel_builds()
+            c = c_fits and c_kernel_builds()
             args.attention_backend = "triton" if args.device == "cuda" else "c" if c else "torch"
-        if args.attention_backend == "c" and (args.device != "cpu" or args.dtype in ("float64", "float16")
-                                              or cpp_compiler() is None):
+        if args.attention_backend == "c" and not c_fits:
             raise ValueError(f"attention_backend='c' needs device='cpu', a bf16 or float32 dtype (not "
                              f"{args.dtype!r}) and a C compiler ($CXX, g++, c++, clang++)")
         if (args.attention_backend == "triton" and args.device == "cpu" and torch.cuda.is_available()
@@ -3122,7 +3123,7 @@ class Engine:
     def _memory_usage_here(self) -> dict:
         kv, params = self.scheduler.kv_pool, list(self.model.parameters())  # a tied head counts once
         held = [t for m in self.model.modules() if isinstance(m, QuantizedLinear) for t in m.buffers()]
-        held += [PACKED_WEIGHTS[int(m.handle)] for m in self.model.modules() if isinstance(m, PackedLinear)]
+        held += [PACKED_WEIGHTS[m.key] for m in self.model.modules() if isinstance(m, PackedLinear)]
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         return {"kv_cache": size(kv.k_buffer + kv.v_buffer),
                 "sharded_weights": size(p for p in params if p.dim() == 2) + size(held),
@@ -3644,25 +3645,25 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.weight, self.bias = layer.weight, layer.bias
         self.in_features, self.out_features = layer.in_features, layer.out_features
-        key = next(_packed_handles)
-        PACKED_WEIGHTS[key] = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 64)
-        self.register_buffer("handle", torch.tensor(key), persistent=False)
-        weakref.finalize(self, PACKED_WEIGHTS.pop, key, None)
+        self.key = next(_packed_handles)  # eager reads it; a compiled graph reads the handle tensor
+        PACKED_WEIGHTS[self.key] = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 64)
+        self.register_buffer("handle", torch.tensor(self.key), persistent=False)
+        weakref.finalize(self, PACKED_WEIGHTS.pop, self.key, None)
 
     def forward(self, x):
         if torch.compiler.is_compiling():
             return torch.ops.overlap_engine.packed_linear(x, self.handle, self.bias, self.out_features)
-        return packed_linear_here(x, self.handle, self.bias)
+        return packed_matmul(x, self.key, self.bias)
 
 
 @torch.library.custom_op("overlap_engine::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, handle: torch.Tensor, bias: Optional[torch.Tensor], out_features: int
                   ) -> torch.Tensor:
-    return packed_linear_here(x, handle, bias)
+    return packed_matmul(x, int(handle), bias)
 
 
-def packed_linear_here(x, handle, bias):
-    return torch.ops.mkldnn._linear_pointwise(x, PACKED_WEIGHTS[int(handle)], bias, "none", [], "")
+def packed_matmul(x, key: int, bias):
+    return torch.ops.mkldnn._linear_pointwise(x, PACKED_WEIGHTS[key], bias, "none", [], "")
 
 
 @packed_linear.register_fake
@@ -3890,7 +3891,7 @@ class CDecodeBackend(GroupedDecodeBackend):
         self.in_c = meta.forward_mode.is_decode()
         if not self.in_c:
             return super().init_forward_metadata(meta)
-        self.meta = meta  # each its own storage: a view's offset would be a guard of the compiled graph
+        self.meta = meta  # the clones: each its own storage, as a view's offset would be a graph's guard
         self.loc, self.rows, self.lens = (t.clone() for t in (meta.out_cache_loc, meta.req_pool_indices,
                                                                meta.seq_lens))
 
@@ -4703,8 +4704,10 @@ def cpu_name() -> str:
         return platform.processor()
 
 
+@functools.cache
 def cpp_compiler() -> Optional[str]:
-    """The C++ compiler Inductor would use on a CPU ($CXX, else g++, c++ or clang++), or None."""
+    """The C++ compiler Inductor would use on a CPU ($CXX, else g++, c++ or clang++), or None; looked up
+    once per process (the C attention's op asks at every layer)."""
     names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
     return next((path for path in map(shutil.which, names) if path), None)
 
