@@ -18,11 +18,14 @@ Without CUDA `kernels` says so and runs one tiny shape under the Triton interpre
 """
 
 import argparse
+import functools
 import gc
 import json
 import math
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -620,6 +623,40 @@ def hf_runs(path, dtype, reqs, out_lens, batch, repeat) -> dict:
 _llama_quiet = None
 
 
+LLAMA_PROBE = """
+import sys, llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, verbose=False)
+print(list(zip(range(3), llm.generate(llm.tokenize(b"a prompt of more than one token"), temp=0.0))))
+"""
+
+
+@functools.cache
+def llama_cpp_model_params(path: str):
+    """llama_cpp's default model parameters, or, where its extra weight layouts (AMX, repacked Q4) crash
+    llama_decode on this machine (a probe in a child process: llama-cpp-python 0.3.36 on a Xeon with AMX
+    segfaults on any prompt of two tokens or more), the same without them; the bench says which."""
+    import llama_cpp as lc
+    params = lc.llama_model_default_params()
+    probe = subprocess.run([sys.executable, "-c", LLAMA_PROBE, path], capture_output=True, timeout=120)
+    if probe.returncode != 0:
+        print(f"(llama.cpp crashed here with its extra weight layouts (AMX, repacked), exit code "
+              f"{probe.returncode}: its rows run without them, use_extra_bufts=False)")
+        params.use_extra_bufts = False
+    return params
+
+
+def llama_cpp_load(path: str, **kw):
+    """llama_cpp.Llama on `path`, with llama_cpp_model_params."""
+    import llama_cpp as lc
+    import llama_cpp.llama as lcl
+    params = llama_cpp_model_params(path)
+    default, lcl.llama_cpp.llama_model_default_params = lcl.llama_cpp.llama_model_default_params, lambda: params
+    try:
+        return lc.Llama(model_path=path, verbose=False, n_threads=torch.get_num_threads(), **kw)
+    finally:
+        lcl.llama_cpp.llama_model_default_params = default
+
+
 def llama_cpp_batched(path, reqs, out_lens, threads) -> dict | None:
     """llama.cpp's batched decode (its low-level API through llama-cpp-python) on the same GGUF: every
     request a sequence of one context; prompts in batches of up to 2048 tokens,
@@ -635,7 +672,7 @@ def llama_cpp_batched(path, reqs, out_lens, threads) -> dict | None:
     _llama_quiet = lc.llama_log_callback(lambda level, text, data: None)
     lc.llama_log_set(_llama_quiet, None)
     lc.llama_backend_init()
-    model = lc.llama_model_load_from_file(path.encode(), lc.llama_model_default_params())
+    model = lc.llama_model_load_from_file(path.encode(), llama_cpp_model_params(path))
     vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
     cp = lc.llama_context_default_params()
     # a KV stream per sequence (llama-server's default for parallel slots): with one unified cache every
@@ -1058,13 +1095,12 @@ def single_run(stream, n) -> dict:
 
 def llama_cpp_single(path, ids, n_out, repeat) -> dict:
     """The same prompt ids through llama-cpp-python on the same GGUF, if it is installed."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
+    import importlib.util
+    if importlib.util.find_spec("llama_cpp") is None:
         print("(llama-cpp-python is not installed: no llama.cpp row)")
         return {}
     t0 = time.perf_counter()
-    llm = Llama(model_path=path, n_ctx=len(ids) + n_out + 8, n_threads=torch.get_num_threads(), verbose=False)
+    llm = llama_cpp_load(path, n_ctx=len(ids) + n_out + 8)
     start_s = time.perf_counter() - t0
 
     def stream(n):
@@ -1155,8 +1191,6 @@ SERVE_OUTPUT = "16,128"      # output length range
 
 def start_server_process(model_path, extra=()) -> tuple:
     """(process, url) of `overlap_engine.py --serve --port 0`, once it prints that it is ready."""
-    import subprocess
-    import sys
     import threading
     cmd = [sys.executable, "overlap_engine.py", "--serve", "--port", "0", *extra]
     if model_path:
@@ -1323,7 +1357,7 @@ def spec_run(kw, workload, B, n_out, repeat, chat_setup: bool = False, k: int = 
                                                   "speculative_num_draft_tokens": k})):
         setup = {}
         if chat_setup:
-            setup = oe.one_request_defaults({}, tokens=1 + k if extra else 1)[0]
+            setup = oe.one_request_defaults({}, steps=(1, 1 + k) if extra else (1,))[0]
         with oe.Engine(**kw, **extra, **setup) as e:
             prompts = spec_prompts(e.tokenizer, workload, B)
             sp = {"max_new_tokens": n_out, "temperature": 0}
@@ -1341,7 +1375,35 @@ def spec_run(kw, workload, B, n_out, repeat, chat_setup: bool = False, k: int = 
     plain, spec = rows["plain"]["ids"], rows["NGRAM"]["ids"]
     same = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                for a, b in zip(plain, spec)) / max(1, sum(map(len, plain)))
-    return {**rows, "ratio": rows["NGRAM"]["tok_s"] / rows["plain"]["tok_s"], "same_share": same}
+    return {**rows, "ratio": rows["NGRAM"]["tok_s"] / rows["plain"]["tok_s"], "same_share": same,
+            "prompts": prompts}
+
+
+def llama_cpp_spec(path, ids, n_out, k, repeat) -> dict:
+    """One prompt through llama-cpp-python on the same GGUF, greedy to EOS or n_out tokens: plain and
+    with its prompt-lookup decoding (LlamaPromptLookupDecoding, k tokens a lookup), alternating, best
+    tok/s of each; {} if llama_cpp is not importable."""
+    try:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        return {}
+    llms = {"llama.cpp": llama_cpp_load(path, n_ctx=len(ids) + n_out + 16),
+            "llama.cpp lookup": llama_cpp_load(path, n_ctx=len(ids) + n_out + 16,
+                                               draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k))}
+    best, outs = {}, {}
+    for _ in range(repeat):
+        for name, llm in llms.items():
+            llm.reset()
+            t0, out = time.perf_counter(), []
+            for t in llm.generate(ids, temp=0.0, reset=True):
+                if t == llm.token_eos():
+                    break
+                out.append(t)
+                if len(out) == n_out:
+                    break
+            best[name] = max(best.get(name, 0.0), len(out) / (time.perf_counter() - t0))
+            outs[name] = out
+    return {name: {"tok_s": best[name], "ids": outs[name]} for name in llms}
 
 
 def cmd_spec(args):
@@ -1361,6 +1423,10 @@ def cmd_spec(args):
         for workload in _progress(list(SPEC_ASKS), f"spec, batch {B}"):
             res[f"{B} {workload}"] = spec_run(kw, workload, B, n_out, 1 if args.quick else args.repeat,
                                               chat_setup=B == 1 and not args.quick, k=args.drafts)
+            if B == 1 and path.endswith(".gguf"):  # llama.cpp beside it, on the same prompt
+                r = res[f"{B} {workload}"]
+                r["llama.cpp"] = llama_cpp_spec(path, r["prompts"][0], n_out, args.drafts, args.repeat)
+            res[f"{B} {workload}"].pop("prompts")
     print(f"## spec: NGRAM (k = {args.drafts}) against plain decoding, {os.path.basename(path)}, greedy, "
           f"up to {n_out} tokens a reply, CPU ({torch.get_num_threads()} threads); best of {args.repeat}")
     if "1 repeat" in res:
@@ -1374,8 +1440,20 @@ def cmd_spec(args):
         plain, spec = r["plain"], r["NGRAM"]
         print(f"| {B} | {workload} | {plain['tok_s']:.1f} | {spec['tok_s']:.1f} | {r['ratio']:.2f}x "
               f"| {spec['accept_length']:.2f} | {spec['accept_rate']:.2f} | {r['same_share']:.0%} |")
-        for row in (r["plain"], r["NGRAM"]):
+        for row in (r["plain"], r["NGRAM"], *r.get("llama.cpp", {}).values()):
             row.pop("ids")
+    lc = {key: r["llama.cpp"] for key, r in res.items() if r.get("llama.cpp")}
+    if lc:
+        print("\nllama.cpp (llama-cpp-python) on the same GGUF and prompt, batch 1, beside the engine's:")
+        print("| workload | llama.cpp tok/s | its prompt lookup tok/s | lookup / plain | engine plain | "
+              "engine NGRAM | engine NGRAM / llama.cpp lookup |")
+        print("|---|---|---|---|---|---|---|")
+        for key, r in lc.items():
+            a, b, e = r["llama.cpp"]["tok_s"], r["llama.cpp lookup"]["tok_s"], res[key]
+            print(f"| {key.split()[1]} | {a:.1f} | {b:.1f} | {b / a:.2f}x | {e['plain']['tok_s']:.1f} | "
+                  f"{e['NGRAM']['tok_s']:.1f} | {e['NGRAM']['tok_s'] / b:.2f}x |")
+    elif "1 repeat" in res and path.endswith(".gguf"):
+        print("(llama-cpp-python is not installed: no llama.cpp rows)")
     if not args.quick:
         print(f"targets: batch 1 repeat >= 2x ({res['1 repeat']['ratio']:.2f}x), free >= 0.95x "
               f"({res['1 free']['ratio']:.2f}x)" if "1 repeat" in res else "")
@@ -1468,7 +1546,6 @@ def cmd_queue(args):
 
 def cmd_gpu(args):
     import contextlib
-    import sys
     import traceback
     os.makedirs(args.out, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -1494,8 +1571,6 @@ def cmd_gpu(args):
 
 def gpu_tests(args, device):
     """The tests that exercise CUDA paths and kernels, in a subprocess; its output goes to tests.txt."""
-    import subprocess
-    import sys
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-k", GPU_TESTS,
            "test_overlap_engine.py"]
     try:

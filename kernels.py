@@ -392,6 +392,8 @@ CPU_DECODE_SRC = r"""
 #define D %(D)d
 #define G %(G)d
 #define HKV %(HKV)d
+#define E %(E)d          /* queries a request: 1 (decode) or a verify's last token and its drafts */
+#define QR (E * G)       /* query rows sharing a KV head: E positions times G heads */
 #define ROW (HKV * D)
 #define CHUNK 32
 #define AHEAD 4
@@ -419,20 +421,21 @@ static inline ELEM store(float f) {
 #endif
 }
 
-/* q, out: (B, HKV * G, D); kb, vb: (slots, HKV, D); the slot of position l of request b is
-   req_to_token[rows[b] * ctx + l], for l < lens[b] (lens[b] >= 1). */
+/* q, out: (B * E, HKV * G, D), request b's queries at rows b * E + e; kb, vb: (slots, HKV, D); the slot
+   of position l of request b is req_to_token[rows[b] * ctx + l]; query e sees l < lens[b] - E + 1 + e
+   (lens[b] >= E). */
 void decode_attention(const ELEM *q, const ELEM *kb, const ELEM *vb, const int32_t *req_to_token,
                       const int64_t *rows, const int64_t *lens, int64_t B, int64_t ctx, float scale,
                       ELEM *out, int threads) {
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t b = 0; b < B; b++) {
-        float qf[HKV][G][D], acc[HKV][G][D], s[HKV][G][CHUNK], m[HKV][G], sum[HKV][G];
+        float qf[HKV][QR][D], acc[HKV][QR][D], s[HKV][QR][CHUNK], m[HKV][QR], sum[HKV][QR];
         const int32_t *slots = req_to_token + rows[b] * ctx;
         const int64_t n_all = lens[b];
         for (int h = 0; h < HKV; h++)
-            for (int g = 0; g < G; g++) {
+            for (int g = 0; g < QR; g++) {  /* row g: position g / G, head h * G + g %% G */
                 for (int d = 0; d < D; d++) {
-                    qf[h][g][d] = load(q, (b * HKV * G + h * G + g) * D + d) * scale;
+                    qf[h][g][d] = load(q, ((b * E + g / G) * HKV * G + h * G + g %% G) * D + d) * scale;
                     acc[h][g][d] = 0.0f;
                 }
                 m[h][g] = -INFINITY;
@@ -446,7 +449,7 @@ void decode_attention(const ELEM *q, const ELEM *kb, const ELEM *vb, const int32
                 for (int h = 0; h < HKV; h++) {
                     float kf[D];
                     for (int d = 0; d < D; d++) kf[d] = load(k, h * D + d);
-                    for (int g = 0; g < G; g++) {
+                    for (int g = 0; g < QR; g++) {
                         float dot = 0.0f;
                         for (int d = 0; d < D; d++) dot += qf[h][g][d] * kf[d];
                         s[h][g][j] = dot;
@@ -454,11 +457,14 @@ void decode_attention(const ELEM *q, const ELEM *kb, const ELEM *vb, const int32
                 }
             }
             for (int h = 0; h < HKV; h++)  /* online softmax: rescale what is there to the new max */
-                for (int g = 0; g < G; g++) {
+                for (int g = 0; g < QR; g++) {
+                    int64_t seen = n_all - E + 1 + g / G - l0;  /* keys of the chunk row g sees (causal) */
+                    int nv = seen < n ? (seen > 0 ? (int)seen : 0) : n;
                     float mx = m[h][g], total = 0.0f;
-                    for (int j = 0; j < n; j++) mx = s[h][g][j] > mx ? s[h][g][j] : mx;
-                    float alpha = expf(m[h][g] - mx);
-                    for (int j = 0; j < n; j++) { s[h][g][j] = expf(s[h][g][j] - mx); total += s[h][g][j]; }
+                    for (int j = 0; j < nv; j++) mx = s[h][g][j] > mx ? s[h][g][j] : mx;
+                    float alpha = expf(m[h][g] - mx);  /* the first chunk has a key every row sees */
+                    for (int j = 0; j < nv; j++) { s[h][g][j] = expf(s[h][g][j] - mx); total += s[h][g][j]; }
+                    for (int j = nv; j < n; j++) s[h][g][j] = 0.0f;
                     sum[h][g] = sum[h][g] * alpha + total;
                     m[h][g] = mx;
                     for (int d = 0; d < D; d++) acc[h][g][d] *= alpha;
@@ -469,15 +475,16 @@ void decode_attention(const ELEM *q, const ELEM *kb, const ELEM *vb, const int32
                 for (int h = 0; h < HKV; h++) {
                     float vf[D];
                     for (int d = 0; d < D; d++) vf[d] = load(v, h * D + d);
-                    for (int g = 0; g < G; g++)
+                    for (int g = 0; g < QR; g++)
                         for (int d = 0; d < D; d++) acc[h][g][d] += s[h][g][j] * vf[d];
                 }
             }
         }
         for (int h = 0; h < HKV; h++)
-            for (int g = 0; g < G; g++)
+            for (int g = 0; g < QR; g++)
                 for (int d = 0; d < D; d++)
-                    out[(b * HKV * G + h * G + g) * D + d] = store(acc[h][g][d] / sum[h][g]);
+                    out[((b * E + g / G) * HKV * G + h * G + g %% G) * D + d] =
+                        store(acc[h][g][d] / sum[h][g]);
     }
 }
 """
@@ -499,15 +506,16 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def cpu_kernel(dtype, D: int, Hkv: int, G: int, compiler: str):
-    """The compiled decode_attention for (dtype, head_dim, kv heads, G), or None where it cannot be built."""
-    key = (dtype, D, Hkv, G)
+def cpu_kernel(dtype, D: int, Hkv: int, G: int, compiler: str, E: int = 1):
+    """The compiled decode_attention for (dtype, head_dim, kv heads, G, queries a request), or None where it
+    cannot be built."""
+    key = (dtype, D, Hkv, G, E)
     if key not in _cpu_kernels:
         import ctypes
         import hashlib
         import subprocess
         elem = {torch.bfloat16: ("uint16_t", ["-DBF16"]), torch.float32: ("float", [])}[dtype]
-        src = CPU_DECODE_SRC % {"D": D, "G": G, "HKV": Hkv}
+        src = CPU_DECODE_SRC % {"D": D, "G": G, "HKV": Hkv, "E": E}
         flags = CPU_KERNEL_FLAGS + [f"-DELEM={elem[0]}"] + elem[1]
         tag = hashlib.sha256((src + " ".join(flags) + compiler + _cpu_flags()).encode()).hexdigest()[:16]
         so = os.path.join(CPU_KERNEL_CACHE, f"decode_attention_{tag}.so")
@@ -535,13 +543,16 @@ def cpu_kernel(dtype, D: int, Hkv: int, G: int, compiler: str):
 def decode_attention_cpu(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, sm_scale,
                          compiler: str = "cc"):
     """decode_attention_ref in C on CPU tensors (bf16 or fp32 pools, int32 req_to_token, contiguous);
-    None where the kernel cannot be built here (the caller falls back to torch). seq_lens >= 1."""
-    B, Hq, D = q.shape
-    Hkv = k_cache.shape[1]
+    None where the kernel cannot be built here (the caller falls back to torch). seq_lens >= 1. With E
+    = len(q) / len(req_pool_indices) > 1 it is a verify's: request b's queries are rows b * E + e, and
+    query e is a decode of length seq_lens[b] - E + 1 + e (its position's keys and those before)."""
+    N, Hq, D = q.shape
+    B, Hkv = len(req_pool_indices), k_cache.shape[1]
     _check_pool(k_cache, v_cache, D)
     assert q.dtype == k_cache.dtype == v_cache.dtype and q.is_contiguous() and k_cache.is_contiguous()
     assert v_cache.is_contiguous() and req_to_token.dtype == torch.int32 and req_to_token.is_contiguous()
-    fn = cpu_kernel(q.dtype, D, Hkv, Hq // Hkv, compiler)
+    assert N % B == 0, f"{N} queries for {B} requests"
+    fn = cpu_kernel(q.dtype, D, Hkv, Hq // Hkv, compiler, E=N // B)
     if fn is None:
         return None
     rows = req_pool_indices.to(torch.int64).contiguous()

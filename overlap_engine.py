@@ -29,8 +29,7 @@ NanoFlow (intra-device pipelining of host and device work).
     python -m pytest -q test_overlap_engine.py        # overlap == serial == a plain reference
 
 Reading guide. Part I is the lesson: everything one decode step passes through, with a plain model,
-on torch alone (and kernels.py's Triton kernels). Part II is the plumbing; it plugs into Part I from
-outside.
+on torch alone (and kernels.py's Triton kernels). Part II is the plumbing, plugged in from outside.
 
     Part I
     Requests and batches      Req (its lengths, one table), ScheduleBatch, PrefillAdder
@@ -303,7 +302,7 @@ class Req:
     def note_verify(self, step: tuple, accepted: int):
         """Speculation's books (meta_info's spec_*): one verify, and of a step that drafted, its drafts
         and how many of them the target accepted. A step that drafted and kept less than half of them is a
-        miss: drafting pauses for 1, 2, 4 ... SPEC_MAX_PAUSE steps while misses go on (a verify of 1 + k
+        miss: drafting pauses for 1, 4, 16 ... SPEC_MAX_PAUSE steps while misses go on (a verify of 1 + k
         tokens costs more than a decode), and a hit ends the pauses."""
         advance, width = step
         self.spec_verify_ct += 1
@@ -312,7 +311,7 @@ class Req:
             self.spec_accepted += accepted
             hit = 2 * accepted >= width - 1
             self.spec_resume_at = self.spec_verify_ct + (0 if hit else self.spec_pause)
-            self.spec_pause = 1 if hit else min(2 * self.spec_pause, SPEC_MAX_PAUSE)
+            self.spec_pause = 1 if hit else min(4 * self.spec_pause, SPEC_MAX_PAUSE)
 
     def given_ids_logprobs(self, out: dict, kind: str, j: int) -> Optional[list]:
         """Row j's (logprob, token id, None) of each id in token_ids_logprob (the row is padded past them)."""
@@ -423,10 +422,11 @@ class ScheduleBatch:
         that drafts, k drafts after it: slots up to base + width each. While a verify is in flight the
         host knows base only as a bound (the accept count is on the device): the slots are those of the
         most it can accept (SGLang's over-allocation), and the step reads the true base with the token
-        from the FutureMap (in overlap mode input_ids stays empty: the tokens are in flight)."""
+        from the FutureMap (in overlap mode input_ids stays empty: the tokens are in flight). A batch
+        verifies when at least half of its requests draft: every request feeds 1 + k tokens then."""
         sched, B, k = self.scheduler, len(self.reqs), self.scheduler.draft_tokens
-        drafting = [k > 0 and r.may_draft() for r in self.reqs]
-        E = 1 + k if any(drafting) and sched.kv_available() >= self.decode_slots(1 + k) else 1
+        drafting = [k > 0 and r.may_draft() for r in self.reqs]  # a verify has one width: all pay 1 + k
+        E = 1 + k if 2 * sum(drafting) >= B and sched.kv_available() >= self.decode_slots(1 + k) else 1
         base = [r.base_bound() for r in self.reqs]
         rows = int64([r.req_pool_idx for r in self.reqs])                                   # (B,)
         new = [max(0, b + E - r.kv_allocated_len) for r, b in zip(self.reqs, base)]  # slots each takes
@@ -2621,7 +2621,9 @@ class Engine:
         if args.attention_backend == "triton":
             backend = TritonAttnBackend(kv_pool, req_to_token_pool)
         elif args.attention_backend == "c":
-            backend = CDecodeBackend(kv_pool, req_to_token_pool, cfg.num_attention_heads // args.tp_size)
+            widths = (1, 1 + args.speculative_num_draft_tokens) if args.speculative_algorithm else (1,)
+            backend = CDecodeBackend(kv_pool, req_to_token_pool, cfg.num_attention_heads // args.tp_size,
+                                     widths)
         elif compile_max_bs:
             backend = FusedGatherDecodeBackend(kv_pool, req_to_token_pool, compile_max_bs)
         else:
@@ -3870,25 +3872,27 @@ class FusedGatherDecodeBackend(GroupedDecodeBackend):
 
 
 class CDecodeBackend(GroupedDecodeBackend):
-    """attention_backend c, a CPU's default: decode attention (one query a request, at every batch size,
-    eager or compiled) through kernels.decode_attention_cpu, C that reads each request's K and V once,
-    straight from the pool through req_to_token: no padding to the longest request, no gathered copy. At
-    batch 64, contexts 256-512, one layer: 0.83 ms against 2.69 for the fused-gather op (2-core Intel
-    Xeon). Prefill and a verify's queries attend as GroupedDecodeBackend does. To a compiled graph the
-    kernel is one custom op per layer, like the fused-gather one."""
+    """attention_backend c, a CPU's default: decode attention (one query a request, or a verify's 1 + k, at
+    every batch size, eager or compiled) through kernels.decode_attention_cpu, C that reads each request's
+    K and V once, straight from the pool through req_to_token: no padding to the longest request, no
+    gathered copy. At batch 64, contexts 256-512, one layer: 0.83 ms against 2.69 for the fused-gather op
+    (2-core Intel Xeon). Prefill attends as GroupedDecodeBackend does. To a compiled graph the kernel is
+    one custom op per layer, like the fused-gather one."""
 
-    def __init__(self, kv_pool: TokenToKVPool, req_to_token_pool: ReqToTokenPool, heads: int):
+    def __init__(self, kv_pool: TokenToKVPool, req_to_token_pool: ReqToTokenPool, heads: int,
+                 widths: tuple = (1,)):
         super().__init__(kv_pool, req_to_token_pool)
         import kernels  # as in TritonAttnBackend: kernels.py imports triton
         kb = kv_pool.k_buffer[0]
-        if kernels.cpu_kernel(kb.dtype, kb.shape[2], kb.shape[1], heads // kb.shape[1],
-                              cpp_compiler()) is None:
-            raise ValueError("attention_backend='c': the C decode kernel did not build here")
+        for E in widths:  # queries a request: a decode's 1, a verify's 1 + k (built now, not mid-step)
+            if kernels.cpu_kernel(kb.dtype, kb.shape[2], kb.shape[1], heads // kb.shape[1], cpp_compiler(),
+                                  E) is None:
+                raise ValueError("attention_backend='c': the C decode kernel did not build here")
         for buf in kv_pool.k_buffer + kv_pool.v_buffer:  # as FusedGatherDecodeBackend: sizes stay static
             torch._dynamo.mark_static(buf)
 
     def init_forward_metadata(self, meta: ForwardMetadata):
-        self.in_c = meta.forward_mode.is_decode()
+        self.in_c = not meta.forward_mode.is_extend()  # a decode or a verify
         if not self.in_c:
             return super().init_forward_metadata(meta)
         self.meta = meta  # the clones: each its own storage, as a view's offset would be a graph's guard
@@ -4793,15 +4797,17 @@ def keeps_the_answers(replies: list, ref: list) -> tuple[bool, list]:
     return answers and sum(agreed) >= FORMAT_CHECK_SHARE * sum(map(len, ref)), agreed
 
 
-def one_request_format(model_path: str, tokens: int = 1) -> dict:
+def one_request_format(model_path: str, steps: tuple = (1,)) -> dict:
     """The weight format for one request alone with this model on this machine, decided once and kept in
     cache_root()/one_request_formats.json (so the same command picks the same format on every run): of the
-    ONE_REQUEST_CANDIDATES, the fastest for `tokens` tokens (one_token_matmul_ms) whose greedy replies
-    keep the float32 model's (keeps_the_answers); float32 itself is always eligible. Returns the record:
-    pick, matmul_ms and, for each format checked, its agreed token counts and whether it passed."""
+    ONE_REQUEST_CANDIDATES, the fastest (one_token_matmul_ms) for one step of each size in `steps` (tokens
+    a step feeds: a decode's 1; speculating, also a verify's 1 + k, as its engine runs both) whose greedy
+    replies keep the float32 model's (keeps_the_answers); float32 itself is always eligible. Returns the
+    record: pick, matmul_ms and, for each format checked, its agreed token counts and whether it passed."""
     st = os.stat(model_path)
     key = (f"{os.path.basename(os.path.normpath(model_path))} {st.st_size} {st.st_mtime:.0f} | "
-           f"{cpu_name()} | {torch.get_num_threads()} threads | torch {torch.__version__} | {tokens} tokens")
+           f"{cpu_name()} | {torch.get_num_threads()} threads | torch {torch.__version__} | "
+           f"{'+'.join(map(str, steps))} tokens")
     path = os.path.join(cache_root(), "one_request_formats.json")
     try:
         with open(path) as f:
@@ -4815,7 +4821,8 @@ def one_request_format(model_path: str, tokens: int = 1) -> dict:
               "float model's replies and the fastest formats' to 8 prompts, ~30 s) ...", file=sys.stderr,
               flush=True)
         ref = greedy_replies(e)
-    ms = one_token_matmul_ms(tokens=tokens)
+    each = [one_token_matmul_ms(tokens=n) for n in steps]
+    ms = {name: sum(m[name] for m in each) for name in each[0]}
     checked = {"float32": {"agreed": [len(r) for r in ref], "eligible": True}}
     for name in sorted(ms, key=ms.get):  # the fastest first; float32 ends the search
         if name == "float32":
@@ -4834,22 +4841,22 @@ def one_request_format(model_path: str, tokens: int = 1) -> dict:
     return record
 
 
-def one_request_defaults(given: dict, chat: bool = True, tokens: int = 1,
+def one_request_defaults(given: dict, chat: bool = True, steps: tuple = (1,),
                          model_path: Optional[str] = None) -> tuple[dict, str]:
     """For one request alone on the CPU, values of the ONE_REQUEST_ARGS that are not in `given`: the weight
     format one_request_format decides for `model_path` (the default model if None; unless --dtype or
     --quantization is given), and for the interactive chat torch.compile of the batch-1 decode step (one
-    --prompt would spend longer compiling than it saves). tokens: those a step feeds (speculating: a
-    verify's 1 + k). Also the line that says what was picked and why."""
+    --prompt would spend longer compiling than it saves). steps: the tokens its steps feed (speculating: a
+    decode's 1 and a verify's 1 + k). Also the line that says what was picked and why."""
     picked, why = {}, []
     if "dtype" not in given and "quantization" not in given:
         model_path = model_path or default_model_path()
     if "dtype" not in given and "quantization" not in given and os.path.exists(model_path):  # else the
-        record = one_request_format(model_path, tokens)                                   # Engine says why
+        record = one_request_format(model_path, steps)                                    # Engine says why
         best, ms = record["pick"], record["matmul_ms"]
         picked["dtype"], picked["quantization"] = ONE_REQUEST_CANDIDATES[best]
         timings = ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(ms.items(), key=lambda kv: kv[1]))
-        what = "one-token matmul" if tokens == 1 else f"matmul of a verify's {tokens} tokens"
+        what = "one-token matmul" if steps == (1,) else f"matmuls of a decode and a {steps[1]}-token verify"
         failed = [k for k, c in record["checked"].items() if not c["eligible"]]
         kept = f" that keeps the float model's answers ({', '.join(failed)} did not)" if failed else ""
         why.append(f"{best} weights{' (bf16 activations)' if picked['quantization'] else ''}, the fastest "
@@ -4970,8 +4977,9 @@ def main(argv=None):
         line = ""
         # one request alone, the chat's case; not with tensor parallelism, whose machines must all agree
         if on_cpu and not args.serve and len(args.prompt or [None]) == 1 and args.tp_size == 1:
-            tokens = 1 + args.speculative_num_draft_tokens if args.speculative_algorithm else 1
-            picked, line = one_request_defaults(cli_given(argv), chat=not args.prompt, tokens=tokens,
+            k = args.speculative_num_draft_tokens if args.speculative_algorithm else 0  # k < 1: refused below
+            steps = (1, 1 + k) if k >= 1 else (1,)
+            picked, line = one_request_defaults(cli_given(argv), chat=not args.prompt, steps=steps,
                                                 model_path=args.model_path)
             engine_args.update(picked)
         elif (on_cpu and args.tp_size == 1 and "enable_torch_compile" not in cli_given(argv)

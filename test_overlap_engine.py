@@ -1791,11 +1791,13 @@ def test_kernel_decode_attention_strided_q_and_odd_head_dim():
 
 @pytest.mark.skipif(oe.cpp_compiler() is None, reason="the C decode kernel needs a C compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("G,D", [(1, 32), (3, 64), (4, 24)])
-def test_kernel_decode_attention_cpu_matches_ref(G, D, dtype):
-    """The C kernel on CPU tensors: lengths 1, under one chunk of 32, 33 (a chunk and one) and 150, on
-    shuffled slots of random pool rows; a query that is a view into a fused qkv buffer."""
-    Hkv, seq_lens = 2, [1, 33, 3, 150]
+@pytest.mark.parametrize("G,D,E", [(1, 32, 1), (3, 64, 1), (4, 24, 1), (3, 64, 5), (1, 24, 3)])
+def test_kernel_decode_attention_cpu_matches_ref(G, D, E, dtype):
+    """The C kernel on CPU tensors: first queries' lengths 1, under one chunk of 32, 33 (a chunk and one)
+    and 150, on shuffled slots of random pool rows; a query that is a view into a fused qkv buffer. E > 1
+    (a verify's queries): query e of a request attends as a decode of n + e keys, n its first query's."""
+    Hkv, first = 2, [1, 33, 3, 150]
+    seq_lens = [n + E - 1 for n in first]
     g = torch.Generator().manual_seed(5)
     k_cache, v_cache = (torch.randn(400, Hkv, D, generator=g).to(dtype) for _ in range(2))
     slots = torch.randperm(399, generator=g) + 1
@@ -1804,13 +1806,14 @@ def test_kernel_decode_attention_cpu_matches_ref(G, D, dtype):
     for row, n in zip(rows.tolist(), seq_lens):
         req_to_token[row, :n] = slots[start:start + n]
         start += n
-    qkv = torch.randn(len(seq_lens), (Hkv * G + 2 * Hkv) * D, generator=g).to(dtype)
-    q = qkv[:, :Hkv * G * D].view(len(seq_lens), Hkv * G, D)
-    lens = torch.tensor(seq_lens)
-    out = kernels.decode_attention_cpu(q.contiguous(), k_cache, v_cache, req_to_token, rows, lens, D**-0.5,
-                                       oe.cpp_compiler())
-    ref = kernels.decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), req_to_token, rows,
-                                       lens, D**-0.5)
+    N = len(seq_lens) * E
+    qkv = torch.randn(N, (Hkv * G + 2 * Hkv) * D, generator=g).to(dtype)
+    q = qkv[:, :Hkv * G * D].view(N, Hkv * G, D)
+    out = kernels.decode_attention_cpu(q.contiguous(), k_cache, v_cache, req_to_token, rows,
+                                       torch.tensor(seq_lens), D**-0.5, oe.cpp_compiler())
+    each_lens = torch.tensor([n + e for n in first for e in range(E)])  # query e: a decode of n + e keys
+    ref = kernels.decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), req_to_token,
+                                       rows.repeat_interleave(E), each_lens, D**-0.5)
     assert out.dtype == dtype and out.shape == q.shape
     assert_close(out, ref, dtype)
     if dtype == torch.bfloat16:  # within one rounding of the float64 answer to bf16
@@ -3632,6 +3635,42 @@ def test_speculative_decoding_gives_plain_decodings_tokens(cycling_ckpt, loop, a
         assert retractions > 0
 
 
+def test_a_batch_verifies_only_when_half_of_its_requests_draft(cycling_ckpt):
+    """A verify has one width, so every request of its batch feeds 1 + k tokens: a batch verifies only
+    when at least half of its requests draft. One drafting request beside three that cannot (penalties)
+    decodes without drafts; two beside two verify, and their drafts are accepted."""
+    rng = random.Random(2)
+    prompts = [cycling_prompt(rng) for _ in range(4)]
+    plain = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    penalized = {**plain, "frequency_penalty": 0.5}
+    for drafting in (1, 2):
+        with make_engine(cycling_ckpt, "overlap", speculative_algorithm="NGRAM") as e:
+            rids = e.add_requests(prompts, [plain] * drafting + [penalized] * (4 - drafting))
+            done = steps_until_done(e, rids, limit=200)
+            e.check_invariants()
+        rates = [done[r]["meta_info"].get("spec_accept_rate", 0) for r in rids[:drafting]]
+        assert all(x == 0 for x in rates) if drafting == 1 else all(x > 0.5 for x in rates), rates
+
+
+@pytest.mark.skipif(not oe.c_kernel_builds(), reason="the C decode kernel needs a C compiler")
+@pytest.mark.parametrize("loop", LOOPS)
+def test_speculative_verifies_attend_through_the_c_kernel(cycling_ckpt, loop):
+    """attention_backend c attends a verify's 1 + k queries a request in C, each draft seeing the keys up
+    to its own position: in float32 the tokens of the torch backend's verifies, and their logprobs to
+    float32 rounding, with drafts accepted."""
+    wl, outs = spec_workload(seed=11), {}
+    for backend in ("torch", "c"):
+        with make_engine(cycling_ckpt, loop, dtype="float32", attention_backend=backend,
+                         speculative_algorithm="NGRAM") as e:
+            assert isinstance(e.scheduler.worker.attn, oe.CDecodeBackend) == (backend == "c")
+            outs[backend] = [o for g in run_spec_workload(e, wl) for o in g]
+    for got, want in zip(outs["c"], outs["torch"]):
+        assert got["output_ids"] == want["output_ids"]
+        lp = [[x[0] for x in o["meta_info"].get("output_token_logprobs") or []] for o in (got, want)]
+        assert lp[0] == pytest.approx(lp[1], abs=1e-4)
+    assert max(o["meta_info"].get("spec_accept_length", 0) for o in outs["c"]) > 3
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 def test_speculative_aborts_at_random_moments_leave_nothing_behind(cycling_ckpt, loop):
     """Aborts at random iterations (queued, prefilling, with a verify in flight and its slots reserved):
@@ -4405,9 +4444,10 @@ def cli_engine_args(monkeypatch, argv) -> dict:
 def test_cli_picks_the_fastest_one_request_setup_for_what_is_not_given(ckpt, monkeypatch, tmp_path):
     ms = oe.one_token_matmul_ms(shape=(64, 64), count=2, passes=1)  # the real measurement, tiny
     assert set(ms) == set(oe.ONE_REQUEST_CANDIDATES) and all(v > 0 for v in ms.values())
-    asked = []  # a verify's tokens are timed as many (here bf16 wins for them, as int4 can lose)
+    asked = []  # speculating, a decode's and a verify's tokens are timed (bf16 wins the sum here)
     monkeypatch.setattr(oe, "one_token_matmul_ms", lambda tokens=1: asked.append(tokens) or {
-        "float32": 4.0, "bfloat16": 3.0 if tokens == 1 else 0.5, "int8": 1.0, "int4": 2.0})
+        "float32": 4.0, "bfloat16": 3.0 if tokens == 1 else 0.5, "int8": 1.0 if tokens == 1 else 3.0,
+        "int4": 2.0})
     monkeypatch.setenv("OVERLAP_ENGINE_CACHE", str(tmp_path))  # the decision is recorded there
     monkeypatch.setattr(oe, "format_engine", lambda path, name: contextlib.nullcontext(name))
     monkeypatch.setattr(oe, "greedy_replies", lambda e: [[1, 2, 3]] * 8)  # every format keeps the answers
@@ -4431,7 +4471,7 @@ def test_cli_picks_the_fastest_one_request_setup_for_what_is_not_given(ckpt, mon
     speculative = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "6"]
     assert picked(**cli_engine_args(monkeypatch, base + speculative)) == {
         "dtype": "bfloat16", "quantization": None, "enable_torch_compile": True, "torch_compile_max_bs": 1}
-    assert asked == [1, 7]  # decided once for each, then read from the record
+    assert asked == [1, 1, 7]  # decided once for each, then read from the record
     # batches (several prompts, the server) keep the engine's weights and compile every decode batch;
     # tensor parallelism (every machine must pick the same) keeps the engine's defaults
     for more, compiled in ((["--prompt", "a", "--prompt", "b"], True), (["--serve"], True),
@@ -4476,11 +4516,15 @@ def test_one_request_format_keeps_the_float_models_answers_and_is_decided_once(c
     assert (picked["dtype"], picked["quantization"]) == ("bfloat16", None) and "int4, int8 did not" in line
     monkeypatch.setattr(oe, "one_token_matmul_ms", lambda tokens=1: pytest.fail("measured again"))
     assert oe.one_request_format(ckpt) == record and len(ran) == 4  # read back: the same pick
-    fake["bfloat16"] = late  # a verify's 5 tokens are another decision; nothing keeps the answers: float32
+    # speculating, a decode plus a verify of 5 tokens is another decision, by the two steps' sum: int8
+    # here, the fastest at neither size alone (int4 for one token, bf16 for five)
+    fake["int8"] = ref
     monkeypatch.setattr(oe, "one_token_matmul_ms", lambda tokens=1: {
-        "int4": 1.0, "int8": 1.5, "bfloat16": 2.0, "float32": 4.0})
-    assert oe.one_request_format(ckpt, tokens=5)["pick"] == "float32" and len(ran) == 8
-    assert oe.one_request_format(ckpt)["pick"] == "bfloat16"  # the first decision still stands
+        "int4": 1.0, "int8": 1.5, "bfloat16": 2.0, "float32": 4.0} if tokens == 1 else {
+        "int4": 3.5, "int8": 2.2, "bfloat16": 2.0, "float32": 6.0})
+    record = oe.one_request_format(ckpt, steps=(1, 5))
+    assert record["pick"] == "int8" and record["matmul_ms"]["int4"] == 4.5 and ran[4:] == ["float32", "int8"]
+    assert oe.one_request_format(ckpt)["pick"] == "bfloat16" and len(ran) == 6  # the first still stands
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the spin policy is set for libgomp on Linux only")
