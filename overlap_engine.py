@@ -180,9 +180,9 @@ class Req:
         self.input_logprobs_done = False
         self.shares_prefill_of: Optional[Req] = None  # n > 1: the sibling whose prompt KV it waits for
         self.planned_steps: deque = deque()  # (advance, width) of each planned, uncommitted sampling step
-        # speculative decoding: verify steps, drafts fed, accepted; the step it drafts again at, its pause
+        # speculative decoding: verify steps, drafts fed, accepted; where it drafts again, pause, last miss
         self.spec_verify_ct, self.spec_drafted, self.spec_accepted = 0, 0, 0
-        self.spec_resume_at, self.spec_pause = 0, 1
+        self.spec_resume_at, self.spec_pause, self.spec_last_miss = 0, 1, -1
         self.grammar = None  # json_schema / regex / ebnf: Part II's matcher (ready, accept, fill_mask)
 
     @property
@@ -219,10 +219,11 @@ class Req:
 
     def may_draft(self) -> bool:
         """Speculative decoding drafts for it: no grammar, penalties or min_new_tokens window (their
-        logits need the exact position, which a draft in flight hides), and not pausing after a miss."""
-        sp = self.sampling_params
+        logits need the exact position, which a draft in flight hides), not pausing after a miss, and after
+        misses again and again (a pause of 16 or more next), one probe in flight at a time."""
+        sp, in_flight = self.sampling_params, any((adv or 0) > 1 for adv, _ in self.planned_steps)
         return (self.grammar is None and not sp.has_penalties() and len(self.output_ids) >= sp.min_new_tokens
-                and self.spec_verify_ct >= self.spec_resume_at)
+                and self.spec_verify_ct >= self.spec_resume_at and not (self.spec_pause >= 16 and in_flight))
 
     def finished(self) -> bool:
         return self.finished_reason is not None
@@ -300,18 +301,20 @@ class Req:
         self.output_token_ids_logprobs.append(self.given_ids_logprobs(out, "", j))
 
     def note_verify(self, step: tuple, accepted: int):
-        """Speculation's books (meta_info's spec_*): one verify, and of a step that drafted, its drafts
-        and how many of them the target accepted. A step that drafted and kept less than half of them is a
-        miss: drafting pauses for 1, 4, 16 ... SPEC_MAX_PAUSE steps while misses go on (a verify of 1 + k
-        tokens costs more than a decode), and a hit ends the pauses."""
+        """Speculation's books (meta_info's spec_*): one verify and, if the step drafted, its drafts and how
+        many were accepted. Keeping under half is a miss: drafting pauses 1, 4, 16 ... SPEC_MAX_PAUSE steps
+        while misses go on (a verify costs more than a decode); a hit ends the pauses. A miss right after
+        one was planned before that one was known (overlap mode), so it does not lengthen the pause."""
         advance, width = step
         self.spec_verify_ct += 1
         if advance > 1:
             self.spec_drafted += width - 1
             self.spec_accepted += accepted
             hit = 2 * accepted >= width - 1
-            self.spec_resume_at = self.spec_verify_ct + (0 if hit else self.spec_pause)
-            self.spec_pause = 1 if hit else min(4 * self.spec_pause, SPEC_MAX_PAUSE)
+            if hit or self.spec_last_miss != self.spec_verify_ct - 1:
+                self.spec_resume_at = self.spec_verify_ct + (0 if hit else self.spec_pause)
+                self.spec_pause = 1 if hit else min(4 * self.spec_pause, SPEC_MAX_PAUSE)
+            self.spec_last_miss = -1 if hit else self.spec_verify_ct
 
     def given_ids_logprobs(self, out: dict, kind: str, j: int) -> Optional[list]:
         """Row j's (logprob, token id, None) of each id in token_ids_logprob (the row is padded past them)."""
@@ -500,8 +503,7 @@ class ScheduleBatch:
         f64 = functools.partial(torch.tensor, dtype=torch.float64)
         s = {"temperature": f64(each(p.temperature for p in params)),
              "top_p": f64(each(p.top_p for p in params)), "min_p": f64(each(p.min_p for p in params)),
-             "top_k": int64(each(p.top_k for p in params)),
-             "seed": int64(each(r.seed for r in reqs)),
+             "top_k": int64(each(p.top_k for p in params)), "seed": int64(each(r.seed for r in reqs)),
              # the noise is a function of (seed, out_pos) only; a verify's true ones are on the device
              "out_pos": int64([n - E + j + 1 for n in out_pos for j in range(E)] if E > 1 else out_pos),
              "all_greedy": all(p.temperature == 0 for p in params),
@@ -794,8 +796,7 @@ class RadixCache:
         self.leaf_heap: list = []  # (last_access, id, node): every unlocked leaf has an entry, stale ones too
 
     def match_prefix(self, key: list) -> tuple[torch.Tensor, TreeNode]:
-        """Longest cached prefix of key: (its slots, the node where it ends). Splits a node on a partial
-        match."""
+        """Longest cached prefix of key: (its slots, the node where it ends); splits a node partly matched."""
         node, values, key = self.root, [], list(key)
         if self.disable:
             return torch.empty(0, dtype=torch.int64), node
@@ -1149,8 +1150,7 @@ class ModelWorker:
         self.verify_state = (drafts, base, positions)
         return torch.cat((last[:, None], drafts.clamp(min=0)), 1).flatten(), positions, loc
 
-    def sample_step(self, batch: ForwardBatch, logits: torch.Tensor, bitmask=None,
-                    publish_idx=None) -> dict:
+    def sample_step(self, batch: ForwardBatch, logits: torch.Tensor, bitmask=None, publish_idx=None) -> dict:
         """Samples the step's tokens (a grammar's bitmask applied), adds the logprobs asked for, verifies
         the drafts, and publishes each request's next input (and its position) to the FutureMap."""
         publish_idx = batch.publish_idx if publish_idx is None else publish_idx

@@ -3638,6 +3638,33 @@ def test_speculative_decoding_gives_plain_decodings_tokens(cycling_ckpt, loop, a
         assert retractions > 0
 
 
+def test_drafting_pauses_grow_after_misses_and_a_hit_ends_them():
+    """A verify that keeps under half of its drafts is a miss: the request stops drafting for 1, 4, 16
+    ... SPEC_MAX_PAUSE steps while misses go on, a hit ends the pauses, a miss right after a miss
+    (planned before that one was known, in overlap mode) does not lengthen the pause again, and once the
+    pauses are long a request probes with one verify in flight at a time."""
+    r = oe.Req("x", [0], oe.SamplingParams(temperature=0), 0, ())
+    drafted, plain = (5, 5), (1, 5)  # (advance, width) of a step that drafted 4 and of one that did not
+
+    def step(s, accepted=0):
+        r.note_verify(s, accepted)
+        return r.may_draft()
+    assert r.may_draft() and step(drafted, 4) and step(drafted, 2)  # hits: 4 and 2 of 4 kept
+    assert not step(drafted, 1) and step(plain)  # a miss: one step without drafts
+    assert not step(drafted, 0) and [step(plain) for _ in range(4)] == [False] * 3 + [True]  # then 4
+    assert not step(drafted) and not step(drafted)  # a miss and one in flight behind it: 16, not 64
+    assert [step(plain) for _ in range(15)] == [False] * 14 + [True]
+    for _ in range(5):
+        step(drafted)
+        while not r.may_draft():
+            step(plain)
+    assert r.spec_pause == oe.SPEC_MAX_PAUSE and r.may_draft()
+    r.planned_steps.append(drafted)  # after misses again and again, one probe in flight at a time
+    assert not r.may_draft()
+    r.planned_steps.clear()
+    assert step(drafted, 3) and r.spec_pause == 1  # a hit
+
+
 def test_a_batch_verifies_only_when_half_of_its_requests_draft(cycling_ckpt):
     """A verify has one width, so every request of its batch feeds 1 + k tokens: a batch verifies only
     when at least half of its requests draft. One drafting request beside three that cannot (penalties)
