@@ -649,8 +649,8 @@ def llama_cpp_load(path: str, **kw):
     """llama_cpp.Llama on `path`, with llama_cpp_model_params."""
     import llama_cpp as lc
     import llama_cpp.llama as lcl
-    params = llama_cpp_model_params(path)
-    default, lcl.llama_cpp.llama_model_default_params = lcl.llama_cpp.llama_model_default_params, lambda: params
+    params, default = llama_cpp_model_params(path), lcl.llama_cpp.llama_model_default_params
+    lcl.llama_cpp.llama_model_default_params = lambda: params  # what Llama() builds its model from
     try:
         return lc.Llama(model_path=path, verbose=False, n_threads=torch.get_num_threads(), **kw)
     finally:

@@ -425,10 +425,9 @@ class ScheduleBatch:
         that drafts, k drafts after it: slots up to base + width each. While a verify is in flight the
         host knows base only as a bound (the accept count is on the device): the slots are those of the
         most it can accept (SGLang's over-allocation), and the step reads the true base with the token
-        from the FutureMap (in overlap mode input_ids stays empty: the tokens are in flight). A batch
-        verifies when at least half of its requests draft: every request feeds 1 + k tokens then."""
+        from the FutureMap (in overlap mode input_ids stays empty: the tokens are in flight)."""
         sched, B, k = self.scheduler, len(self.reqs), self.scheduler.draft_tokens
-        drafting = [k > 0 and r.may_draft() for r in self.reqs]  # a verify has one width: all pay 1 + k
+        drafting = [k > 0 and r.may_draft() for r in self.reqs]  # all feed 1 + k: so, only if half draft
         E = 1 + k if 2 * sum(drafting) >= B and sched.kv_available() >= self.decode_slots(1 + k) else 1
         base = [r.base_bound() for r in self.reqs]
         rows = int64([r.req_pool_idx for r in self.reqs])                                   # (B,)
