@@ -18,6 +18,7 @@ Without CUDA `kernels` says so and runs one tiny shape under the Triton interpre
 """
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
@@ -1003,15 +1004,29 @@ SINGLE_PROMPT = "Write a short story about a lighthouse keeper who finds a messa
 SINGLE_OUTPUT = 200  # tokens generated (ignore_eos), greedy
 
 
-SINGLE_SETUPS = "float32,bfloat16,int8,int4,bfloat16+compile,int4+compile"  # int8/int4: bf16 activations
+SINGLE_SETUPS = ("float32,bfloat16,int8,int4,bfloat16+compile,int4-weightonly+compile,int8+compile,"
+                 "int4+compile")  # int8/int4: bf16 activations; -weightonly: torch's kernels, not the C one
 
 
 def single_setup(text: str) -> dict:
     """'int4+compile' -> Engine arguments: a dtype or a quantization (then bfloat16), and compile or not."""
     parts = text.split("+")
-    quant = parts[0] if parts[0] in ("int8", "int4") else None
+    quant = parts[0].removesuffix("-weightonly")
+    quant = quant if quant in ("int8", "int4") else None
     return {"dtype": "bfloat16" if quant else parts[0], "quantization": quant,
             "enable_torch_compile": "compile" in parts[1:], "torch_compile_max_bs": 1}
+
+
+@contextlib.contextmanager
+def weight_only(setup: str):
+    """A -weightonly setup loads with torch's weight-only matmuls instead of the C kernel."""
+    builds = oe.c_matmul_builds
+    if "-weightonly" in setup:
+        oe.c_matmul_builds = lambda bits: False
+    try:
+        yield
+    finally:
+        oe.c_matmul_builds = builds
 
 
 def cmd_single(args):
@@ -1021,7 +1036,9 @@ def cmd_single(args):
     rows = {}
     for setup in ("float32,int8,int4" if args.quick else args.setups).split(","):
         t0 = time.perf_counter()
-        with oe.Engine(model_path=path, device="cpu", max_total_tokens=4096, **single_setup(setup)) as e:
+        with weight_only(setup):
+            e = oe.Engine(model_path=path, device="cpu", max_total_tokens=4096, **single_setup(setup))
+        with e:
             start_s = time.perf_counter() - t0
             tk = e.tokenizer
             ids = tk.encode(tk.apply_chat_template([{"role": "user", "content": args.prompt}])

@@ -1,6 +1,7 @@
 """
 Triton kernels for overlap_engine: paged KV store, decode attention and extend (prefill) attention; and
-one CPU kernel in C, decode attention (`decode_attention_cpu`, the same spec as `decode_attention_ref`).
+two CPU kernels in C: decode attention (`decode_attention_cpu`, the same spec as `decode_attention_ref`)
+and a quantized matmul with integer dot products (`q_matmul_cpu`, its spec `q_matmul_ref`).
 
 Every op comes in three parts: `<op>_ref()`, plain torch and the spec; `_<op>_kernel`, the Triton
 kernel; `<op>()`, the launcher that checks shapes, allocates the output and builds the grid.
@@ -506,37 +507,43 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
+def build_c(stem: str, src: str, flags: list, compiler: str, symbol: str, argtypes: list):
+    """The function `symbol` of `src` compiled with `flags` into CPU_KERNEL_CACHE/<stem>_<hash>.so (once
+    per source, flags, compiler and CPU), or None where it cannot be built here."""
+    import ctypes
+    import hashlib
+    import subprocess
+    tag = hashlib.sha256((src + " ".join(flags) + compiler + _cpu_flags()).encode()).hexdigest()[:16]
+    so = os.path.join(CPU_KERNEL_CACHE, f"{stem}_{tag}.so")
+    try:
+        if not os.path.exists(so):
+            os.makedirs(CPU_KERNEL_CACHE, exist_ok=True)
+            c_path = so[:-3] + f".{os.getpid()}.c"
+            with open(c_path, "w") as f:
+                f.write(src)
+            subprocess.run([compiler, *flags, "-x", "c", c_path, "-o", so + f".{os.getpid()}", "-lm"],
+                           check=True, capture_output=True)
+            os.replace(so + f".{os.getpid()}", so)  # atomic: another process sees all of it or none
+            os.remove(c_path)
+        fn = getattr(ctypes.CDLL(so), symbol)
+    except (OSError, AttributeError, subprocess.CalledProcessError):
+        return None
+    fn.argtypes, fn.restype = argtypes, None
+    return fn
+
+
 def cpu_kernel(dtype, D: int, Hkv: int, G: int, compiler: str, E: int = 1):
     """The compiled decode_attention for (dtype, head_dim, kv heads, G, queries a request), or None where it
     cannot be built."""
-    key = (dtype, D, Hkv, G, E)
+    key = ("attention", dtype, D, Hkv, G, E)
     if key not in _cpu_kernels:
         import ctypes
-        import hashlib
-        import subprocess
         elem = {torch.bfloat16: ("uint16_t", ["-DBF16"]), torch.float32: ("float", [])}[dtype]
-        src = CPU_DECODE_SRC % {"D": D, "G": G, "HKV": Hkv, "E": E}
-        flags = CPU_KERNEL_FLAGS + [f"-DELEM={elem[0]}"] + elem[1]
-        tag = hashlib.sha256((src + " ".join(flags) + compiler + _cpu_flags()).encode()).hexdigest()[:16]
-        so = os.path.join(CPU_KERNEL_CACHE, f"decode_attention_{tag}.so")
-        try:
-            if not os.path.exists(so):
-                os.makedirs(CPU_KERNEL_CACHE, exist_ok=True)
-                c_path = so[:-3] + f".{os.getpid()}.c"
-                with open(c_path, "w") as f:
-                    f.write(src)
-                subprocess.run([compiler, *flags, "-x", "c", c_path, "-o", so + f".{os.getpid()}", "-lm"],
-                               check=True, capture_output=True)
-                os.replace(so + f".{os.getpid()}", so)  # atomic: another process sees all of it or none
-                os.remove(c_path)
-            fn = ctypes.CDLL(so).decode_attention
-        except (OSError, AttributeError, subprocess.CalledProcessError):
-            fn = None
-        if fn is not None:
-            p, i64 = ctypes.c_void_p, ctypes.c_int64
-            fn.argtypes = [p, p, p, p, p, p, i64, i64, ctypes.c_float, p, ctypes.c_int]
-            fn.restype = None
-        _cpu_kernels[key] = fn
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        _cpu_kernels[key] = build_c("decode_attention", CPU_DECODE_SRC % {"D": D, "G": G, "HKV": Hkv, "E": E},
+                                    CPU_KERNEL_FLAGS + [f"-DELEM={elem[0]}"] + elem[1], compiler,
+                                    "decode_attention", [p, p, p, p, p, p, i64, i64, ctypes.c_float, p,
+                                                         ctypes.c_int])
     return _cpu_kernels[key]
 
 
@@ -561,3 +568,172 @@ def decode_attention_cpu(q, k_cache, v_cache, req_to_token, req_pool_indices, se
     fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), req_to_token.data_ptr(), rows.data_ptr(),
        lens.data_ptr(), B, req_to_token.shape[1], float(sm_scale), o.data_ptr(), torch.get_num_threads())
     return o
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: quantized matmul with 8-bit activations (C, AVX512-VNNI)
+#
+# One request decodes at the speed the weights stream from memory, and torch's weight-only int4/int8
+# kernels read them at a third of it and cost M times one token for M tokens (a verify's 1 + k). This is
+# llama.cpp's way (Q4_1 / Q8_0 weights times Q8 activations): each block of 32 activations is rounded to
+# int8 with its own scale, and vpdpbusd multiplies 64 unsigned weight codes by 64 signed activations and
+# adds them in fours, 16 int32 sums at once. The weights sit in tiles of 16 output rows by 32 inputs, in
+# the order they are read: lane n of a 64-byte vector holds row n's codes of four consecutive inputs, so
+# one broadcast of four activation bytes feeds all 16 rows, and no sum crosses lanes. After the codes
+# come the tile's 16 scales and 16 minimums in fp16: weight = code * scale + minimum, so a block's dot
+# product is d * (scale * sum(code * xq) + minimum * sum(xq)), d the activations' scale. A tile is read
+# once for up to 8 tokens; OpenMP splits the 16-row tiles over torch's threads.
+
+Q_BLOCK = 32  # inputs per weight scale and per activation scale
+Q_STEPS = 127 * 254  # an activation block's steps from 0 to its largest |x|: 15 bits, two int8 halves
+Q_MATMUL_FLAGS = [f for f in CPU_KERNEL_FLAGS if f != "-ffast-math"]  # the rounding of x is the spec's
+
+CPU_MATMUL_SRC = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <immintrin.h>
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__)
+#error "the 8-bit dot products need AVX512-VNNI"
+#endif
+#define BITS %(BITS)d
+#define CODES (BITS * 64)  /* a tile's codes: 16 rows x 32 inputs of BITS bits (4: two codes a byte) */
+#define TILE (CODES + 64)  /* then its 16 scales and 16 minimums, fp16 */
+#define MMAX 8             /* tokens a read of a tile serves */
+#define STEPS 32258.0f     /* Q_STEPS */
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
+}
+
+static inline __m256i to_bf16(__m512 f) {  /* round to nearest even */
+    __m512i u = _mm512_castps_si512(f);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+
+/* out (M, N) bf16 = x (M, K) bf16 times w's transpose; w: (N / 16, K / 32) tiles of TILE bytes */
+void q_matmul(const uint16_t *x, const uint8_t *w, int64_t M, int64_t N, int64_t K, uint16_t *out,
+              int threads) {
+    const int64_t KB = K / 32;
+    int8_t *xq = malloc(2 * M * K);  /* x rounded: xq = round(x / d), d = max |x| / STEPS of its block, */
+                                     /* as two bytes: xq = 254 * high + low, both in [-127, 127] */
+    float *d = malloc(M * KB * sizeof(float));
+    float *dsum = malloc(M * KB * sizeof(float));  /* d * sum(xq) */
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < M * KB; i++) {
+            float f[32], amax = 0.0f;
+            for (int j = 0; j < 32; j++) {
+                f[j] = bf16_to_float(x[i * 32 + j]);
+                amax = fmaxf(amax, fabsf(f[j]));
+            }
+            const float inv = amax > 0.0f ? STEPS / amax : 0.0f;
+            int sum = 0;
+            for (int j = 0; j < 32; j++) {
+                int v = (int)nearbyintf(f[j] * inv), high = (int)nearbyintf(v / 254.0f);
+                xq[i * 64 + j] = (int8_t)high;
+                xq[i * 64 + 32 + j] = (int8_t)(v - 254 * high);
+                sum += v;
+            }
+            d[i] = amax / STEPS;
+            dsum[i] = d[i] * (float)sum;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t rb = 0; rb < N / 16; rb++)
+            for (int64_t m0 = 0; m0 < M; m0 += MMAX) {
+                const int mn = M - m0 < MMAX ? (int)(M - m0) : MMAX;
+                __m512 acc[MMAX];
+                for (int m = 0; m < mn; m++) acc[m] = _mm512_setzero_ps();
+                const uint8_t *t = w + rb * KB * TILE;
+                for (int64_t kb = 0; kb < KB; kb++, t += TILE) {
+                    __m512i c[8];  /* c[v], lane n: row n's codes of inputs 4v .. 4v + 3 */
+#if BITS == 4
+                    for (int p = 0; p < 4; p++) {  /* low nibbles: inputs 0-15, high: 16-31 */
+                        __m512i packed = _mm512_loadu_si512(t + 64 * p);
+                        c[p] = _mm512_and_si512(packed, _mm512_set1_epi8(0x0F));
+                        c[p + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), _mm512_set1_epi8(0x0F));
+                    }
+#else
+                    for (int v = 0; v < 8; v++) c[v] = _mm512_loadu_si512(t + 64 * v);
+#endif
+                    __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + CODES)));
+                    __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + CODES + 32)));
+                    for (int m = 0; m < mn; m++) {
+                        const int64_t i = (m0 + m) * KB + kb;
+                        const int32_t *hi = (const int32_t *)(xq + i * 64), *lo = hi + 8;
+                        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+                        for (int v = 0; v < 8; v++) {
+                            s0 = _mm512_dpbusd_epi32(s0, c[v], _mm512_set1_epi32(hi[v]));
+                            s1 = _mm512_dpbusd_epi32(s1, c[v], _mm512_set1_epi32(lo[v]));
+                        }
+                        __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(254.0f),
+                                                     _mm512_cvtepi32_ps(s1));
+                        acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(d[i])), acc[m]);
+                        acc[m] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(dsum[i]), acc[m]);
+                    }
+                }
+                for (int m = 0; m < mn; m++)
+                    _mm256_storeu_si256((__m256i *)(out + (m0 + m) * N + rb * 16), to_bf16(acc[m]));
+            }
+    }
+    free(xq); free(d); free(dsum);
+}
+"""
+
+
+def q_matmul_kernel(bits: int, compiler: str):
+    """The compiled q_matmul for 4- or 8-bit codes, or None where it cannot be built (no AVX512-VNNI)."""
+    key = ("matmul", bits)
+    if key not in _cpu_kernels:
+        import ctypes
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        _cpu_kernels[key] = build_c(f"q{bits}_matmul", CPU_MATMUL_SRC % {"BITS": bits}, Q_MATMUL_FLAGS,
+                                    compiler, "q_matmul", [p, p, i64, i64, i64, p, ctypes.c_int])
+    return _cpu_kernels[key]
+
+
+def pack_q_tiles(codes, scale, minimum, bits: int):
+    """codes (N, K) in [0, 2**bits), scale and minimum (N, K / Q_BLOCK) -> the kernel's (N / 16, K / 32,
+    TILE) uint8 tiles, for the weights codes * scale + minimum (scale and minimum kept in fp16)."""
+    N, K = codes.shape
+    assert N % 16 == 0 and K % Q_BLOCK == 0 and bits in (4, 8), (N, K, bits)
+    c = codes.to(torch.uint8)
+    if bits == 4:  # byte (p, n, t): input 4p + t of row n in the low nibble, input 16 + 4p + t in the high
+        c = c.view(N // 16, 16, K // 32, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)
+        c = c[:, :, 0] | (c[:, :, 1] << 4)
+    else:  # byte (v, n, t): input 4v + t of row n
+        c = c.view(N // 16, 16, K // 32, 8, 4).permute(0, 2, 3, 1, 4)
+    def fp16(a):  # (N, K / 32) -> (N / 16, K / 32, 16 rows) fp16, as bytes
+        return a.view(N // 16, 16, K // 32).transpose(1, 2).half().contiguous().view(torch.uint8)
+    c = c.reshape(N // 16, K // 32, bits * 64)
+    return torch.cat([c, fp16(scale), fp16(minimum)], dim=-1).contiguous()
+
+
+def q_matmul_ref(x, codes, scale, minimum):
+    """q_matmul's spec in x's dtype: x rounded per block of 32 to Q_STEPS steps from 0 to the block's
+    largest |x| (half to even, x * (Q_STEPS / max |x|) in fp32 as the kernel computes it), times the
+    weights codes * scale + minimum with scale and minimum rounded to fp16."""
+    M, K = x.shape
+    blocks = x.view(M, K // Q_BLOCK, Q_BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inv = torch.full_like(amax, Q_STEPS, dtype=torch.float32) / amax.float()  # (c / t is 1 / t * c in torch)
+    steps = torch.where(amax > 0, torch.round(blocks.float() * inv), 0).to(x.dtype)
+    w = codes.to(x.dtype).view(len(codes), K // Q_BLOCK, Q_BLOCK) * scale.half().to(x.dtype)[..., None]
+    return (steps * amax / Q_STEPS).view(M, K) @ (w + minimum.half().to(x.dtype)[..., None]).view(-1, K).T
+
+
+def q_matmul_cpu(x, tiles, bits: int, compiler: str = "cc"):
+    """x (M, K) bf16 times the weights that pack_q_tiles packed into `tiles`: (M, N) bf16; None where the
+    kernel cannot be built here (the caller falls back to torch)."""
+    fn = q_matmul_kernel(bits, compiler)
+    if fn is None:
+        return None
+    M, K = x.shape
+    assert x.dtype == torch.bfloat16 and x.is_contiguous() and tiles.shape[1] * Q_BLOCK == K, tiles.shape
+    out = torch.empty(M, tiles.shape[0] * 16, dtype=torch.bfloat16)
+    fn(x.data_ptr(), tiles.data_ptr(), M, out.shape[1], K, out.data_ptr(), torch.get_num_threads())
+    return out

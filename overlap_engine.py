@@ -3544,15 +3544,28 @@ def plan_digest(scheduler: Scheduler) -> str:
 # One token of one request reads every weight once, so a lone request decodes as fast as the weights
 # stream from memory: int8 halves the bytes of bf16, int4 quarters them. torch ships the matmuls that
 # gpt-fast uses on a CPU: _weight_int8pack_mm (int8, a scale per output row) and _weight_int4pack_mm_for_cpu
-# (int4 in groups of inputs, each with a scale and a zero). Both are fast with bf16 activations only.
+# (int4 in groups of inputs, each with a scale and a zero). Both are fast with bf16 activations only, and
+# cost M times one token's for M tokens. A verify's 1 + k tokens, with bf16 activations on a CPU with
+# AVX512-VNNI, go through kernels.q_matmul_cpu instead (integer dot products, llama.cpp's scheme, with
+# the activations rounded to 15 bits): 5 tokens for 1.5 times one token's cost (2-core Intel Xeon with
+# AMX: SmolLM2's int4 layers 6.3 against torch's 12.9 ms, its int8 LM head 1.2 against 3.6). At one token
+# it was faster alone (4.1 against 5.8 ms) but not in the chat's compiled step (45.5 against 54.4 tok/s),
+# and SmolLM2's int4 through it answered the Paris prompt wrongly (a prompt's prefill decides the first
+# token): decodes and prefills keep torch's kernels; steps of 2 to 8 tokens take the C one.
+
+C_MATMUL_MAX_TOKENS = 8  # QuantizedLinear multiplies steps of 2 to this many tokens in C: a verify's 1 + k
 
 INT4_GROUP_SIZE = 32  # inputs per int4 scale and zero: the block of llama.cpp's Q4_0/Q4_1 formats
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w (N, K) float -> (q int8 (N, K), scale (N,) fp32) with w ~ q * scale: symmetric, per output row."""
-    scale = w.float().abs().amax(dim=1).clamp(min=1e-12) / 127  # all-zero rows (vocab padding) stay zero
-    return torch.round(w.float() / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+def quantize_int8(w: torch.Tensor, group: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (N, K) float -> (q int8 (N, K), scale fp32) with w ~ q * scale: symmetric, one scale per output
+    row (N,), or with `group` per group of inputs (N, K / group), as llama.cpp's Q8_0."""
+    N, K = w.shape
+    g = w.float().view(N, K // (group or K), group or K)
+    scale = g.abs().amax(dim=-1).clamp(min=1e-12) / 127  # all-zero rows (vocab padding) stay zero
+    q = torch.round(g / scale[..., None]).clamp(-127, 127).to(torch.int8).view(N, K)
+    return q, scale if group else scale.view(N)
 
 
 def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP_SIZE) -> tuple[torch.Tensor, ...]:
@@ -3569,18 +3582,27 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP_SIZE) -> tuple[torch.
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The float weights (N, K) that quantize_int8 (zero None) or quantize_int4 stands for."""
-    if zero is None:
-        return q.float() * scale[:, None]
     N, K = q.shape
-    g = (q.view(N, scale.shape[1], -1).float() - 8) * scale[..., None] + zero[..., None]
-    return g.view(N, K)
+    scale = scale.view(N, -1)  # a scale per row is one group of K
+    if zero is None:
+        return (q.view(N, scale.shape[1], -1).float() * scale[..., None]).view(N, K)
+    return ((q.view(N, scale.shape[1], -1).float() - 8) * scale[..., None] + zero[..., None]).view(N, K)
+
+
+@functools.cache
+def c_matmul_builds(bits: int) -> bool:
+    """Whether kernels.q_matmul_cpu is built here for `bits`-bit weights (a C compiler and AVX512-VNNI)."""
+    import kernels
+    return cpp_compiler() is not None and kernels.q_matmul_kernel(bits, cpp_compiler()) is not None
 
 
 class QuantizedLinear(nn.Module):
     """Swapped in for a model's nn.Linear by quantize_model, as gpt-fast swaps its modules: the weight
     w (N, K) in int8 or int4 ("mode"), with its scales and zeros in dtype, the activations' (a bias, as
     Qwen2's q/k/v have, stays float). A weight that torch's int4 packing refuses (K not in whole groups,
-    N not a multiple of 16) is kept in int8, as llama.cpp keeps such tensors in another format."""
+    N not a multiple of 16) is kept in int8, as llama.cpp keeps such tensors in another format. With bf16
+    activations where c_matmul_builds, also kernels.py's tiles of the same codes (fp16 scales and
+    minimums; int8 with a scale per 32 inputs) for steps of 2 to C_MATMUL_MAX_TOKENS tokens."""
 
     def __init__(self, mode: str, w: torch.Tensor, dtype: torch.dtype, bias: Optional[torch.Tensor] = None):
         super().__init__()
@@ -3598,14 +3620,57 @@ class QuantizedLinear(nn.Module):
             scales = torch.stack((scale.T, zero.T), dim=-1).to(dtype).contiguous()  # (K/group, N, 2)
         self.register_buffer("qweight", qweight, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
-        self.mode = mode
+        self.mode, self.bits = mode, 4 if mode == "int4" else 8
+        self.register_buffer("tiles", None, persistent=False)
+        if (dtype == torch.bfloat16 and K % INT4_GROUP_SIZE == 0 and N % 16 == 0
+                and c_matmul_builds(self.bits)):
+            import kernels
+            if mode == "int8":
+                q, scale = quantize_int8(w, INT4_GROUP_SIZE)
+                codes, minimum = q.int() + 128, -128 * scale
+            else:
+                codes, minimum = q, zero - 8 * scale
+            self.tiles = kernels.pack_q_tiles(codes, scale, minimum, self.bits)
 
     def forward(self, x):
-        if self.mode == "int8":
+        if self.tiles is not None and 1 < x.numel() // self.in_features <= C_MATMUL_MAX_TOKENS:
+            y = (torch.ops.overlap_engine.q_linear(x, self.tiles, self.bits) if torch.compiler.is_compiling()
+                 else c_matmul(x, self.tiles, self.bits))
+        elif self.mode == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP_SIZE, self.scales)
         return y if self.bias is None else y + self.bias
+
+
+# The ops a compiled graph calls out to, defined on torch's dispatcher with their CPU kernel and a fake
+# (shapes only) for tracing. torch.library.custom_op would add a wrapper that costs ~12 us a call under
+# no_grad (8 against 20 us for a small matrix): a SmolLM2 bf16 step calls out 151 times, 1.8 ms.
+OPS = torch.library.Library("overlap_engine", "FRAGMENT")
+
+
+def cpu_op(schema: str, fake: Callable):
+    """Defines overlap_engine::<schema> with the decorated function as its CPU kernel."""
+    def define(fn):
+        name = schema.split("(")[0]
+        OPS.define(schema)
+        OPS.impl(name, fn, "CPU")
+        torch.library.register_fake(f"overlap_engine::{name}", fake, lib=OPS)
+        return fn
+    return define
+
+
+@cpu_op("q_linear(Tensor x, Tensor tiles, int bits) -> Tensor",
+        fake=lambda x, tiles, bits: x.new_empty(*x.shape[:-1], tiles.shape[0] * 16))
+def q_linear(x, tiles, bits):
+    return c_matmul(x, tiles, bits)  # what a compiled graph calls; eager calls c_matmul itself
+
+
+def c_matmul(x, tiles, bits: int):
+    """x (..., K) bf16 times the weights in kernels.py's `tiles`."""
+    import kernels
+    y = kernels.q_matmul_cpu(x.reshape(-1, x.shape[-1]).contiguous(), tiles, bits, cpp_compiler())
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def quantize_model(model: nn.Module, mode: str, source: dict, dtype: torch.dtype):
@@ -3657,19 +3722,14 @@ class PackedLinear(nn.Module):
         return packed_matmul(x, self.key, self.bias)
 
 
-@torch.library.custom_op("overlap_engine::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, handle: torch.Tensor, bias: Optional[torch.Tensor], out_features: int
-                  ) -> torch.Tensor:
+@cpu_op("packed_linear(Tensor x, Tensor handle, Tensor? bias, int out_features) -> Tensor",
+        fake=lambda x, handle, bias, out_features: x.new_empty(*x.shape[:-1], out_features))
+def packed_linear(x, handle, bias, out_features):
     return packed_matmul(x, int(handle), bias)
 
 
 def packed_matmul(x, key: int, bias):
     return torch.ops.mkldnn._linear_pointwise(x, PACKED_WEIGHTS[key], bias, "none", [], "")
-
-
-@packed_linear.register_fake
-def _(x, handle, bias, out_features):
-    return x.new_empty(*x.shape[:-1], out_features)
 
 
 @functools.cache
@@ -3913,17 +3973,12 @@ def c_kernel_builds() -> bool:
     return kernels.cpu_kernel(torch.float32, 8, 1, 1, cpp_compiler()) is not None
 
 
-@torch.library.custom_op("overlap_engine::decode_attention_c", mutates_args=())
-def decode_attention_c(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, req_to_token: torch.Tensor,
-                       rows: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+@cpu_op("decode_attention_c(Tensor q, Tensor kb, Tensor vb, Tensor req_to_token, Tensor rows, Tensor lens) "
+        "-> Tensor", fake=lambda q, kb, vb, req_to_token, rows, lens: torch.empty_like(q))
+def decode_attention_c(q, kb, vb, req_to_token, rows, lens):
     import kernels
     return kernels.decode_attention_cpu(q.contiguous(), kb, vb, req_to_token, rows, lens, q.shape[-1] ** -0.5,
                                         cpp_compiler())
-
-
-@decode_attention_c.register_fake
-def _(q, kb, vb, req_to_token, rows, lens):
-    return torch.empty_like(q)
 
 
 @torch.library.custom_op("overlap_engine::fused_gather_decode", mutates_args=())
@@ -4806,7 +4861,7 @@ def one_request_format(model_path: str, steps: tuple = (1,)) -> dict:
     st = os.stat(model_path)
     key = (f"{os.path.basename(os.path.normpath(model_path))} {st.st_size} {st.st_mtime:.0f} | "
            f"{cpu_name()} | {torch.get_num_threads()} threads | torch {torch.__version__} | "
-           f"{'+'.join(map(str, steps))} tokens")
+           f"{'+'.join(map(str, steps))} tokens" + (" | C matmul 2-8 tokens" if c_matmul_builds(4) else ""))
     path = os.path.join(cache_root(), "one_request_formats.json")
     try:
         with open(path) as f:

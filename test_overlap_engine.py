@@ -1820,6 +1820,33 @@ def test_kernel_decode_attention_cpu_matches_ref(G, D, E, dtype):
         assert ((out.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-6).all()
 
 
+@pytest.mark.skipif(not (oe.c_matmul_builds(4) and oe.c_matmul_builds(8)),
+                    reason="the C matmul needs a C compiler and AVX512-VNNI")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kernel_q_matmul_cpu_matches_ref(bits):
+    """Every output within one bf16 rounding of the float64 spec: 1 to 17 tokens (more than a pass over
+    the tiles serves), an all-zero activation block and one with an outlier 100 times the rest."""
+    g = torch.Generator().manual_seed(3)
+    N, K = 48, 96
+    codes = torch.randint(0, 2**bits, (N, K), generator=g)
+    scale = torch.rand(N, K // 32, generator=g) * 0.01
+    minimum = -scale * 2 ** (bits - 1) + torch.randn(N, K // 32, generator=g) * 1e-3
+    tiles = kernels.pack_q_tiles(codes, scale, minimum, bits)
+    assert tiles.shape == (N // 16, K // 32, bits * 64 + 64)
+    for M in (1, 5, 17):
+        x = torch.randn(M, K, generator=g)
+        x[0, 32:64] = 0
+        x[-1, 70] = 100
+        x = x.bfloat16()
+        out = kernels.q_matmul_cpu(x, tiles, bits, oe.cpp_compiler())
+        spec = kernels.q_matmul_ref(x.double(), codes, scale.double(), minimum.double())
+        assert out.shape == (M, N) and ((out.double() - spec).abs() <= spec.abs() * 2**-8 + 1e-9).all()
+    # the spec's 15-bit activations move the product by 5e-5 of its norm (rounding it to bf16: 2e-3)
+    full = x.double() @ (codes.double().view(N, -1, 32) * scale.half().double()[..., None]
+                         + minimum.half().double()[..., None]).view(N, K).T
+    assert float((spec - full).norm() / full.norm()) < 1e-4
+
+
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("G", [1, 3, 4])
 def test_kernel_extend_attention_matches_ref(G, dtype):
@@ -1988,14 +2015,27 @@ def test_quantizers_round_to_their_grids():
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_a_quantized_linear_multiplies_by_its_dequantized_weights(mode):
     """torch's packed matmul against x @ dequantize(...).T: to fp32 rounding with fp32 activations, and to
-    bf16 rounding (scales and activations in bf16) with bf16 ones."""
+    bf16 rounding (scales and activations in bf16) with bf16 ones. Where the C matmul builds, a bf16
+    step of 2-8 tokens goes through it (int8 then with a scale per 32 inputs): each output within one
+    bf16 rounding of its spec, and 1 or 9 tokens through torch's."""
     torch.manual_seed(1)
-    w, x = torch.randn(80, 64), torch.randn(5, 64)
+    w, x = torch.randn(80, 64), torch.randn(9, 64)
     ref = x @ oe.dequantize(*(oe.quantize_int8(w) if mode == "int8" else oe.quantize_int4(w))).T
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         layer = oe.QuantizedLinear(mode, w, dtype)
         assert "weight" not in dict(layer.named_parameters()) and layer.scales.dtype == dtype
-        assert float((layer(x.to(dtype)).float() - ref).abs().max()) <= tol * float(ref.abs().max())
+        assert (layer.tiles is not None) == (dtype == torch.bfloat16 and oe.c_matmul_builds(layer.bits))
+        for rows in (slice(0, 1), slice(0, 9)):
+            assert float((layer(x[rows].to(dtype)).float() - ref[rows]).abs().max()) <= tol * float(
+                ref[rows].abs().max())
+    if layer.tiles is not None:
+        q = oe.quantize_int8(w, 32) if mode == "int8" else oe.quantize_int4(w)
+        codes, scale, minimum = ((q[0].int() + 128, q[1], -128 * q[1]) if mode == "int8"
+                                 else (q[0], q[1], q[2] - 8 * q[1]))
+        xb = x[:5].bfloat16()
+        spec = kernels.q_matmul_ref(xb.double(), codes, scale.double(), minimum.double())
+        assert ((layer(xb).double() - spec).abs() <= spec.abs() * 2**-8 + 1e-9).all()
+        assert not torch.equal(layer(xb[:1]), layer(xb)[:1])  # one token: torch's kernel, other roundings
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
