@@ -3741,6 +3741,30 @@ def test_speculative_verifies_attend_through_the_c_kernel(cycling_ckpt, loop):
     assert max(o["meta_info"].get("spec_accept_length", 0) for o in outs["c"]) > 3
 
 
+@pytest.mark.skipif(not oe.c_matmul_builds(4), reason="the C matmul needs a C compiler and AVX512-VNNI")
+def test_quantized_verifies_multiply_through_the_c_matmul(cycling_ckpt, monkeypatch):
+    """int4 with bf16 activations, speculating: a verify's 1 + k tokens go through the C matmul, a decode's
+    one token through torch's (no call of one token reaches C); the loops give the same tokens, and
+    drafts are accepted (the cycle survives the rounding)."""
+    rows, c_matmul = [], oe.c_matmul
+    def counted(x, *args):
+        rows.append(x.numel() // x.shape[-1])
+        return c_matmul(x, *args)
+    monkeypatch.setattr(oe, "c_matmul", counted)
+    rng, outs = random.Random(2), {}
+    prompts = [cycling_prompt(rng) for _ in range(3)]
+    sp = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    for loop in LOOPS:
+        with make_engine(cycling_ckpt, loop, dtype="bfloat16", quantization="int4",
+                         speculative_algorithm="NGRAM", max_running_requests=1) as e:
+            outs[loop] = e.generate(input_ids=prompts, sampling_params=sp)
+            e.check_invariants()
+    assert [o["output_ids"] for o in outs["overlap"]] == [o["output_ids"] for o in outs["serial"]]
+    k = oe.ServerArgs().speculative_num_draft_tokens
+    assert 1 + k in rows and all(2 <= n <= oe.C_MATMUL_MAX_TOKENS for n in rows)
+    assert max(o["meta_info"]["spec_accept_length"] for o in outs["overlap"]) > 2
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 def test_speculative_aborts_at_random_moments_leave_nothing_behind(cycling_ckpt, loop):
     """Aborts at random iterations (queued, prefilling, with a verify in flight and its slots reserved):
