@@ -1366,29 +1366,32 @@ def spec_prompts(tk, workload: str, n: int) -> list:
 
 
 def spec_run(kw, workload, B, n_out, repeat, chat_setup: bool = False, k: int = SPEC_DRAFTS) -> dict:
-    """Plain and NGRAM, alternating `repeat` times (best of each); tok/s over the tokens produced. Batch
-    1 runs the chat's setup, each engine its own pick (a verify's matmul of 1 + k tokens may pick
-    another weight format than one token's)."""
-    rows = {}
-    for name, extra in (("plain", {}), ("NGRAM", {"speculative_algorithm": "NGRAM",
-                                                  "speculative_num_draft_tokens": k})):
-        setup = {}
-        if chat_setup:
-            setup = oe.one_request_defaults({}, steps=(1, 1 + k) if extra else (1,))[0]
-        with oe.Engine(**kw, **extra, **setup) as e:
+    """Plain and NGRAM, both engines loaded and their runs alternating `repeat` times (best of each; the
+    machine's drift falls on both alike); tok/s over the tokens produced. Batch 1 runs the chat's setup,
+    each engine its own pick (a verify's matmul of 1 + k tokens may pick another weight format than one
+    token's)."""
+    rows, engines, sp = {}, {}, {"max_new_tokens": n_out, "temperature": 0}
+    with contextlib.ExitStack() as stack:
+        for name, extra in (("plain", {}), ("NGRAM", {"speculative_algorithm": "NGRAM",
+                                                      "speculative_num_draft_tokens": k})):
+            setup = {}
+            if chat_setup:
+                setup = oe.one_request_defaults({}, steps=(1, 1 + k) if extra else (1,))[0]
+            e = engines[name] = stack.enter_context(oe.Engine(**kw, **extra, **setup))
             prompts = spec_prompts(e.tokenizer, workload, B)
-            sp = {"max_new_tokens": n_out, "temperature": 0}
             e.generate(input_ids=prompts[:1], sampling_params={**sp, "max_new_tokens": 8})  # warm-up
-            best, outs = 0.0, None
-            for _ in range(repeat):
+            rows[name] = {"tok_s": 0.0, "setup": setup}
+        for _ in range(repeat):
+            for name, e in engines.items():
                 e.flush_cache()
                 t0 = time.perf_counter()
                 outs = e.generate(input_ids=prompts, sampling_params=sp)
-                best = max(best, sum(len(o["output_ids"]) for o in outs) / (time.perf_counter() - t0))
-            metas = [o["meta_info"] for o in outs]
-            rows[name] = {"tok_s": best, "ids": [o["output_ids"] for o in outs], "setup": setup,
-                          "accept_length": statistics.mean(m.get("spec_accept_length", 1.0) for m in metas),
-                          "accept_rate": statistics.mean(m.get("spec_accept_rate", 0.0) for m in metas)}
+                tok_s = sum(len(o["output_ids"]) for o in outs) / (time.perf_counter() - t0)
+                metas = [o["meta_info"] for o in outs]
+                rows[name].update(
+                    tok_s=max(rows[name]["tok_s"], tok_s), ids=[o["output_ids"] for o in outs],
+                    accept_length=statistics.mean(m.get("spec_accept_length", 1.0) for m in metas),
+                    accept_rate=statistics.mean(m.get("spec_accept_rate", 0.0) for m in metas))
     plain, spec = rows["plain"]["ids"], rows["NGRAM"]["ids"]
     same = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                for a, b in zip(plain, spec)) / max(1, sum(map(len, plain)))
