@@ -571,12 +571,13 @@ def decode_attention_cpu(q, k_cache, v_cache, req_to_token, req_pool_indices, se
 
 
 # ----------------------------------------------------------------------------------------------
-# CPU: quantized matmul with 8-bit activations (C, AVX512-VNNI)
+# CPU: quantized matmul with integer dot products (C, AVX512-VNNI)
 #
 # One request decodes at the speed the weights stream from memory, and torch's weight-only int4/int8
 # kernels read them at a third of it and cost M times one token for M tokens (a verify's 1 + k). This is
-# llama.cpp's way (Q4_1 / Q8_0 weights times Q8 activations): each block of 32 activations is rounded to
-# int8 with its own scale, and vpdpbusd multiplies 64 unsigned weight codes by 64 signed activations and
+# llama.cpp's way (Q4_1 / Q8_0 weights times rounded activations): each block of 32 activations is
+# rounded to Q_STEPS steps of its own scale, 15 bits kept as two int8 halves (llama.cpp's 8 bits moved
+# SmolLM2's answers), and vpdpbusd multiplies 64 unsigned weight codes by 64 signed bytes of a half and
 # adds them in fours, 16 int32 sums at once. The weights sit in tiles of 16 output rows by 32 inputs, in
 # the order they are read: lane n of a 64-byte vector holds row n's codes of four consecutive inputs, so
 # one broadcast of four activation bytes feeds all 16 rows, and no sum crosses lanes. After the codes
@@ -601,7 +602,7 @@ CPU_MATMUL_SRC = r"""
 #define CODES (BITS * 64)  /* a tile's codes: 16 rows x 32 inputs of BITS bits (4: two codes a byte) */
 #define TILE (CODES + 64)  /* then its 16 scales and 16 minimums, fp16 */
 #define MMAX 8             /* tokens a read of a tile serves */
-#define STEPS 32258.0f     /* Q_STEPS */
+#define STEPS %(STEPS)d.0f     /* Q_STEPS */
 
 static inline float bf16_to_float(uint16_t h) {
     uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
@@ -691,8 +692,9 @@ def q_matmul_kernel(bits: int, compiler: str):
     if key not in _cpu_kernels:
         import ctypes
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        _cpu_kernels[key] = build_c(f"q{bits}_matmul", CPU_MATMUL_SRC % {"BITS": bits}, Q_MATMUL_FLAGS,
-                                    compiler, "q_matmul", [p, p, i64, i64, i64, p, ctypes.c_int])
+        src = CPU_MATMUL_SRC % {"BITS": bits, "STEPS": Q_STEPS}
+        _cpu_kernels[key] = build_c(f"q{bits}_matmul", src, Q_MATMUL_FLAGS, compiler, "q_matmul",
+                                    [p, p, i64, i64, i64, p, ctypes.c_int])
     return _cpu_kernels[key]
 
 
