@@ -521,10 +521,12 @@ def build_c(stem: str, src: str, flags: list, compiler: str, symbol: str, argtyp
             c_path = so[:-3] + f".{os.getpid()}.c"
             with open(c_path, "w") as f:
                 f.write(src)
-            subprocess.run([compiler, *flags, "-x", "c", c_path, "-o", so + f".{os.getpid()}", "-lm"],
-                           check=True, capture_output=True)
-            os.replace(so + f".{os.getpid()}", so)  # atomic: another process sees all of it or none
-            os.remove(c_path)
+            try:
+                subprocess.run([compiler, *flags, "-x", "c", c_path, "-o", so + f".{os.getpid()}", "-lm"],
+                               check=True, capture_output=True)
+                os.replace(so + f".{os.getpid()}", so)  # atomic: another process sees all of it or none
+            finally:  # a CPU that cannot build it leaves nothing behind
+                os.remove(c_path)
         fn = getattr(ctypes.CDLL(so), symbol)
     except (OSError, AttributeError, subprocess.CalledProcessError):
         return None
@@ -571,7 +573,7 @@ def decode_attention_cpu(q, k_cache, v_cache, req_to_token, req_pool_indices, se
 
 
 # ----------------------------------------------------------------------------------------------
-# CPU: quantized matmul with integer dot products (C, AVX512-VNNI)
+# CPU: quantized matmul with integer dot products (C, AVX512-VNNI or AVX2)
 #
 # One request decodes at the speed the weights stream from memory, and torch's weight-only int4/int8
 # kernels read them at a third of it and cost M times one token for M tokens (a verify's 1 + k). This is
@@ -583,7 +585,9 @@ def decode_attention_cpu(q, k_cache, v_cache, req_to_token, req_pool_indices, se
 # one broadcast of four activation bytes feeds all 16 rows, and no sum crosses lanes. After the codes
 # come the tile's 16 scales and 16 minimums in fp16: weight = code * scale + minimum, so a block's dot
 # product is d * (scale * sum(code * xq) + minimum * sum(xq)), d the activations' scale. A tile is read
-# once for up to 8 tokens; OpenMP splits the 16-row tiles over torch's threads.
+# once for up to 8 tokens; OpenMP splits the 16-row tiles over torch's threads. Without VNNI, AVX2's
+# vpmaddubsw and vpmaddwd make the same int32 sums from 4-bit nibbles (an 8-bit code is two), half a
+# vector's 8 rows at a time, and the float steps after them are the same: the same bits either way.
 
 Q_BLOCK = 32  # inputs per weight scale and per activation scale
 Q_STEPS = 127 * 254  # an activation block's steps from 0 to its largest |x|: 15 bits, two int8 halves
@@ -595,9 +599,6 @@ CPU_MATMUL_SRC = r"""
 #include <string.h>
 #include <math.h>
 #include <immintrin.h>
-#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__)
-#error "the 8-bit dot products need AVX512-VNNI"
-#endif
 #define BITS %(BITS)d
 #define CODES (BITS * 64)  /* a tile's codes: 16 rows x 32 inputs of BITS bits (4: two codes a byte) */
 #define TILE (CODES + 64)  /* then its 16 scales and 16 minimums, fp16 */
@@ -608,12 +609,116 @@ static inline float bf16_to_float(uint16_t h) {
     uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 static inline __m256i to_bf16(__m512 f) {  /* round to nearest even */
     __m512i u = _mm512_castps_si512(f);
     __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
 }
+
+/* rows 16 rb .. 16 rb + 15 of tokens m0 .. m0 + mn - 1: vpdpbusd, 16 rows at once */
+static void row_block(const int8_t *xq, const float *d, const float *dsum, const uint8_t *w, int64_t rb,
+                      int64_t m0, int mn, int64_t N, int64_t KB, uint16_t *out) {
+    __m512 acc[MMAX];
+    for (int m = 0; m < mn; m++) acc[m] = _mm512_setzero_ps();
+    const uint8_t *t = w + rb * KB * TILE;
+    for (int64_t kb = 0; kb < KB; kb++, t += TILE) {
+        __m512i c[8];  /* c[v], lane n: row n's codes of inputs 4v .. 4v + 3 */
+#if BITS == 4
+        for (int p = 0; p < 4; p++) {  /* low nibbles: inputs 0-15, high: 16-31 */
+            __m512i packed = _mm512_loadu_si512(t + 64 * p);
+            c[p] = _mm512_and_si512(packed, _mm512_set1_epi8(0x0F));
+            c[p + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), _mm512_set1_epi8(0x0F));
+        }
+#else
+        for (int v = 0; v < 8; v++) c[v] = _mm512_loadu_si512(t + 64 * v);
+#endif
+        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + CODES)));
+        __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + CODES + 32)));
+        for (int m = 0; m < mn; m++) {
+            const int64_t i = (m0 + m) * KB + kb;
+            const int32_t *hi = (const int32_t *)(xq + i * 64), *lo = hi + 8;
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int v = 0; v < 8; v++) {
+                s0 = _mm512_dpbusd_epi32(s0, c[v], _mm512_set1_epi32(hi[v]));
+                s1 = _mm512_dpbusd_epi32(s1, c[v], _mm512_set1_epi32(lo[v]));
+            }
+            __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(254.0f),
+                                         _mm512_cvtepi32_ps(s1));
+            acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(d[i])), acc[m]);
+            acc[m] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(dsum[i]), acc[m]);
+        }
+    }
+    for (int m = 0; m < mn; m++)
+        _mm256_storeu_si256((__m256i *)(out + (m0 + m) * N + rb * 16), to_bf16(acc[m]));
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+static inline __m128i to_bf16(__m256 f) {  /* round to nearest even */
+    __m256i u = _mm256_castps_si256(f);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+}
+
+/* sum over v of lane n's four codes of c[v] times the four bytes x[v]: vpmaddubsw multiplies pairs into
+   int16 (codes of 4 bits: |a pair| <= 2 * 15 * 127, |8 of them| <= 30480, no saturation) and vpmaddwd
+   adds the int16 pairs of a lane, the int32 sums vpdpbusd gives */
+static inline __m256i nibble_dot(const __m256i c[8], const int32_t *x) {
+    __m256i s = _mm256_setzero_si256();
+    for (int v = 0; v < 8; v++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(c[v], _mm256_set1_epi32(x[v])));
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+}
+
+/* the AVX512 path's integers and float operations, 8 rows (half a tile's vector) at a time: the same bits;
+   8-bit codes go in as two nibbles, code = low + 16 * high */
+static void row_block(const int8_t *xq, const float *d, const float *dsum, const uint8_t *w, int64_t rb,
+                      int64_t m0, int mn, int64_t N, int64_t KB, uint16_t *out) {
+    for (int h = 0; h < 2; h++) {  /* rows 16 rb + 8 h .. + 7: bytes 32 h .. 32 h + 31 of each vector */
+        __m256 acc[MMAX];
+        for (int m = 0; m < mn; m++) acc[m] = _mm256_setzero_ps();
+        const uint8_t *t = w + rb * KB * TILE;
+        for (int64_t kb = 0; kb < KB; kb++, t += TILE) {
+            __m256i c[BITS / 4][8];  /* c[j][v], lane n: nibble j of row n's codes of inputs 4v .. 4v + 3 */
+            const __m256i low4 = _mm256_set1_epi8(0x0F);
+#if BITS == 4
+            for (int p = 0; p < 4; p++) {
+                __m256i packed = _mm256_loadu_si256((const __m256i *)(t + 64 * p + 32 * h));
+                c[0][p] = _mm256_and_si256(packed, low4);
+                c[0][p + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+            }
+#else
+            for (int v = 0; v < 8; v++) {
+                __m256i codes = _mm256_loadu_si256((const __m256i *)(t + 64 * v + 32 * h));
+                c[0][v] = _mm256_and_si256(codes, low4);
+                c[1][v] = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low4);
+            }
+#endif
+            __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + CODES + 16 * h)));
+            __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + CODES + 32 + 16 * h)));
+            for (int m = 0; m < mn; m++) {
+                const int64_t i = (m0 + m) * KB + kb;
+                const int32_t *hi = (const int32_t *)(xq + i * 64), *lo = hi + 8;
+                __m256i s0 = nibble_dot(c[0], hi), s1 = nibble_dot(c[0], lo);
+#if BITS == 8
+                s0 = _mm256_add_epi32(s0, _mm256_slli_epi32(nibble_dot(c[1], hi), 4));
+                s1 = _mm256_add_epi32(s1, _mm256_slli_epi32(nibble_dot(c[1], lo), 4));
+#endif
+                __m256 dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_set1_ps(254.0f),
+                                             _mm256_cvtepi32_ps(s1));
+                acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(d[i])), acc[m]);
+                acc[m] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(dsum[i]), acc[m]);
+            }
+        }
+        for (int m = 0; m < mn; m++)
+            _mm_storeu_si128((__m128i *)(out + (m0 + m) * N + rb * 16 + 8 * h), to_bf16(acc[m]));
+    }
+}
+
+#else
+#error "the integer dot products need AVX512-VNNI or AVX2"
+#endif
 
 /* out (M, N) bf16 = x (M, K) bf16 times w's transpose; w: (N / 16, K / 32) tiles of TILE bytes */
 void q_matmul(const uint16_t *x, const uint8_t *w, int64_t M, int64_t N, int64_t K, uint16_t *out,
@@ -645,41 +750,8 @@ void q_matmul(const uint16_t *x, const uint8_t *w, int64_t M, int64_t N, int64_t
         }
         #pragma omp for schedule(static)
         for (int64_t rb = 0; rb < N / 16; rb++)
-            for (int64_t m0 = 0; m0 < M; m0 += MMAX) {
-                const int mn = M - m0 < MMAX ? (int)(M - m0) : MMAX;
-                __m512 acc[MMAX];
-                for (int m = 0; m < mn; m++) acc[m] = _mm512_setzero_ps();
-                const uint8_t *t = w + rb * KB * TILE;
-                for (int64_t kb = 0; kb < KB; kb++, t += TILE) {
-                    __m512i c[8];  /* c[v], lane n: row n's codes of inputs 4v .. 4v + 3 */
-#if BITS == 4
-                    for (int p = 0; p < 4; p++) {  /* low nibbles: inputs 0-15, high: 16-31 */
-                        __m512i packed = _mm512_loadu_si512(t + 64 * p);
-                        c[p] = _mm512_and_si512(packed, _mm512_set1_epi8(0x0F));
-                        c[p + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), _mm512_set1_epi8(0x0F));
-                    }
-#else
-                    for (int v = 0; v < 8; v++) c[v] = _mm512_loadu_si512(t + 64 * v);
-#endif
-                    __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + CODES)));
-                    __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + CODES + 32)));
-                    for (int m = 0; m < mn; m++) {
-                        const int64_t i = (m0 + m) * KB + kb;
-                        const int32_t *hi = (const int32_t *)(xq + i * 64), *lo = hi + 8;
-                        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-                        for (int v = 0; v < 8; v++) {
-                            s0 = _mm512_dpbusd_epi32(s0, c[v], _mm512_set1_epi32(hi[v]));
-                            s1 = _mm512_dpbusd_epi32(s1, c[v], _mm512_set1_epi32(lo[v]));
-                        }
-                        __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(254.0f),
-                                                     _mm512_cvtepi32_ps(s1));
-                        acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(d[i])), acc[m]);
-                        acc[m] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(dsum[i]), acc[m]);
-                    }
-                }
-                for (int m = 0; m < mn; m++)
-                    _mm256_storeu_si256((__m256i *)(out + (m0 + m) * N + rb * 16), to_bf16(acc[m]));
-            }
+            for (int64_t m0 = 0; m0 < M; m0 += MMAX)
+                row_block(xq, d, dsum, w, rb, m0, M - m0 < MMAX ? (int)(M - m0) : MMAX, N, KB, out);
     }
     free(xq); free(d); free(dsum);
 }
@@ -687,7 +759,8 @@ void q_matmul(const uint16_t *x, const uint8_t *w, int64_t M, int64_t N, int64_t
 
 
 def q_matmul_kernel(bits: int, compiler: str):
-    """The compiled q_matmul for 4- or 8-bit codes, or None where it cannot be built (no AVX512-VNNI)."""
+    """The compiled q_matmul for 4- or 8-bit codes, or None where it cannot be built (no AVX512-VNNI,
+    no AVX2)."""
     key = ("matmul", bits)
     if key not in _cpu_kernels:
         import ctypes

@@ -1821,14 +1821,16 @@ def test_kernel_decode_attention_cpu_matches_ref(G, D, E, dtype):
 
 
 @pytest.mark.skipif(not (oe.c_matmul_builds(4) and oe.c_matmul_builds(8)),
-                    reason="the C matmul needs a C compiler and AVX512-VNNI")
+                    reason="the C matmul needs a C compiler and AVX512-VNNI or AVX2")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_kernel_q_matmul_cpu_matches_ref(bits):
     """Every output within one bf16 rounding of the float64 spec: 1 to 17 tokens (more than a pass over
-    the tiles serves), an all-zero activation block and one with an outlier 100 times the rest."""
+    the tiles serves), an all-zero activation block, one with an outlier 100 times the rest, and 16 rows
+    of the largest codes times a block of equal activations (AVX2's int16 sums at their bound)."""
     g = torch.Generator().manual_seed(3)
     N, K = 48, 96
     codes = torch.randint(0, 2**bits, (N, K), generator=g)
+    codes[16:32] = 2**bits - 1
     scale = torch.rand(N, K // 32, generator=g) * 0.01
     minimum = -scale * 2 ** (bits - 1) + torch.randn(N, K // 32, generator=g) * 1e-3
     tiles = kernels.pack_q_tiles(codes, scale, minimum, bits)
@@ -1837,6 +1839,7 @@ def test_kernel_q_matmul_cpu_matches_ref(bits):
         x = torch.randn(M, K, generator=g)
         x[0, 32:64] = 0
         x[-1, 70] = 100
+        x[-1, :32] = -1.5
         x = x.bfloat16()
         out = kernels.q_matmul_cpu(x, tiles, bits, oe.cpp_compiler())
         spec = kernels.q_matmul_ref(x.double(), codes, scale.double(), minimum.double())
@@ -2015,7 +2018,7 @@ def test_quantizers_round_to_their_grids():
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_a_quantized_linear_multiplies_by_its_dequantized_weights(mode):
     """torch's packed matmul against x @ dequantize(...).T: to fp32 rounding with fp32 activations, and to
-    bf16 rounding (scales and activations in bf16) with bf16 ones. Where the C matmul builds, a bf16
+    bf16 rounding (scales and activations in bf16) with bf16 ones. Where the C matmul is used, a bf16
     step of 2-8 tokens goes through it (int8 then with a scale per 32 inputs): each output within one
     bf16 rounding of its spec, and 1 or 9 tokens through torch's."""
     torch.manual_seed(1)
@@ -2024,7 +2027,7 @@ def test_a_quantized_linear_multiplies_by_its_dequantized_weights(mode):
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         layer = oe.QuantizedLinear(mode, w, dtype)
         assert "weight" not in dict(layer.named_parameters()) and layer.scales.dtype == dtype
-        assert (layer.tiles is not None) == (dtype == torch.bfloat16 and oe.c_matmul_builds(layer.bits))
+        assert (layer.tiles is not None) == (dtype == torch.bfloat16 and oe.c_matmul_used(layer.bits))
         for rows in (slice(0, 1), slice(0, 9)):
             assert float((layer(x[rows].to(dtype)).float() - ref[rows]).abs().max()) <= tol * float(
                 ref[rows].abs().max())
@@ -2268,17 +2271,18 @@ def test_attention_backend_c_is_the_cpus_default_where_its_kernel_builds(ckpt, m
 
 
 def test_a_compiled_bf16_engine_starts_from_inductors_cache(ckpt, mixed_workload):
-    """enable_torch_compile in bf16 (packed weights): both graphs come back from Inductor's on-disk cache
-    for a second engine (no bypass: a frozen graph's oneDNN tensors kept it out of the cache, and every
-    start compiled ~40 s), and the loops agree. (In bf16 the compiled attention rounds once, in fp32, so
-    its tokens are not the eager model's; the float64 test above checks them against the reference.)"""
+    """enable_torch_compile in bf16 (packed weights where oneDNN packs bf16): both graphs come back from
+    Inductor's on-disk cache for a second engine (no bypass: a frozen graph's oneDNN tensors kept it out
+    of the cache, and every start compiled ~40 s), and the loops agree. (In bf16 the compiled attention
+    rounds once, in fp32, so its tokens are not the eager model's; the float64 test above checks them
+    against the reference.)"""
     from torch._dynamo.utils import counters
     outs = {}
     for loop in LOOPS:
         hits, bypass = (counters["inductor"][k] for k in ("fxgraph_cache_hit", "fxgraph_cache_bypass"))
         kw = {"dtype": "bfloat16", "enable_torch_compile": True, "torch_compile_max_bs": 4}
         with make_engine(ckpt, loop, **kw) as e:
-            assert isinstance(e.model.lm_head, oe.PackedLinear)
+            assert isinstance(e.model.lm_head, oe.PackedLinear) == oe.onednn_packs_bf16()  # AVX2: plain
             outs[loop] = [o["output_ids"] for o in run_workload(e, mixed_workload[0])]
             e.check_invariants()
         assert counters["inductor"]["fxgraph_cache_bypass"] == bypass
@@ -3741,7 +3745,7 @@ def test_speculative_verifies_attend_through_the_c_kernel(cycling_ckpt, loop):
     assert max(o["meta_info"].get("spec_accept_length", 0) for o in outs["c"]) > 3
 
 
-@pytest.mark.skipif(not oe.c_matmul_builds(4), reason="the C matmul needs a C compiler and AVX512-VNNI")
+@pytest.mark.skipif(not oe.c_matmul_used(4), reason="the C matmul needs a C compiler, AVX512-VNNI or AVX2")
 def test_quantized_verifies_multiply_through_the_c_matmul(cycling_ckpt, monkeypatch):
     """int4 with bf16 activations, speculating: a verify's 1 + k tokens go through the C matmul, a decode's
     one token through torch's (no call of one token reaches C); the loops give the same tokens, and
