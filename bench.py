@@ -1020,13 +1020,13 @@ def single_setup(text: str) -> dict:
 @contextlib.contextmanager
 def weight_only(setup: str):
     """A -weightonly setup loads with torch's weight-only matmuls instead of the C kernel."""
-    used = oe.c_matmul_used
+    builds = oe.c_matmul_builds
     if "-weightonly" in setup:
-        oe.c_matmul_used = lambda bits: False
+        oe.c_matmul_builds = lambda bits: False
     try:
         yield
     finally:
-        oe.c_matmul_used = used
+        oe.c_matmul_builds = builds
 
 
 def cmd_single(args):

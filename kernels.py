@@ -585,9 +585,9 @@ def decode_attention_cpu(q, k_cache, v_cache, req_to_token, req_pool_indices, se
 # one broadcast of four activation bytes feeds all 16 rows, and no sum crosses lanes. After the codes
 # come the tile's 16 scales and 16 minimums in fp16: weight = code * scale + minimum, so a block's dot
 # product is d * (scale * sum(code * xq) + minimum * sum(xq)), d the activations' scale. A tile is read
-# once for up to 8 tokens; OpenMP splits the 16-row tiles over torch's threads. Without VNNI, AVX2's
-# vpmaddubsw and vpmaddwd make the same int32 sums from 4-bit nibbles (an 8-bit code is two), half a
-# vector's 8 rows at a time, and the float steps after them are the same: the same bits either way.
+# once for up to 8 tokens; OpenMP splits the 16-row tiles over torch's threads. Without VNNI, AVX2 makes
+# the same int32 sums: vpmaddubsw and vpmaddwd from 4-bit codes, vpmaddwd from 8-bit codes widened to
+# int16 times the whole 15-bit activations; the float steps after them are the same, and so are the bits.
 
 Q_BLOCK = 32  # inputs per weight scale and per activation scale
 Q_STEPS = 127 * 254  # an activation block's steps from 0 to its largest |x|: 15 bits, two int8 halves
@@ -618,8 +618,9 @@ static inline __m256i to_bf16(__m512 f) {  /* round to nearest even */
 }
 
 /* rows 16 rb .. 16 rb + 15 of tokens m0 .. m0 + mn - 1: vpdpbusd, 16 rows at once */
-static void row_block(const int8_t *xq, const float *d, const float *dsum, const uint8_t *w, int64_t rb,
-                      int64_t m0, int mn, int64_t N, int64_t KB, uint16_t *out) {
+static void row_block(const int8_t *xq, const int16_t *xw, const float *d, const float *dsum,
+                      const uint8_t *w, int64_t rb, int64_t m0, int mn, int64_t N, int64_t KB,
+                      uint16_t *out) {
     __m512 acc[MMAX];
     for (int m = 0; m < mn; m++) acc[m] = _mm512_setzero_ps();
     const uint8_t *t = w + rb * KB * TILE;
@@ -662,49 +663,37 @@ static inline __m128i to_bf16(__m256 f) {  /* round to nearest even */
     return _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
 }
 
+#if BITS == 4
 /* sum over v of lane n's four codes of c[v] times the four bytes x[v]: vpmaddubsw multiplies pairs into
-   int16 (codes of 4 bits: |a pair| <= 2 * 15 * 127, |8 of them| <= 30480, no saturation) and vpmaddwd
-   adds the int16 pairs of a lane, the int32 sums vpdpbusd gives */
+   int16 (|a pair| <= 2 * 15 * 127, |8 of them| <= 30480: no saturation) and vpmaddwd adds the int16
+   pairs of a lane, the int32 sums vpdpbusd gives */
 static inline __m256i nibble_dot(const __m256i c[8], const int32_t *x) {
     __m256i s = _mm256_setzero_si256();
     for (int v = 0; v < 8; v++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(c[v], _mm256_set1_epi32(x[v])));
     return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
 }
 
-/* the AVX512 path's integers and float operations, 8 rows (half a tile's vector) at a time: the same bits;
-   8-bit codes go in as two nibbles, code = low + 16 * high */
-static void row_block(const int8_t *xq, const float *d, const float *dsum, const uint8_t *w, int64_t rb,
-                      int64_t m0, int mn, int64_t N, int64_t KB, uint16_t *out) {
+/* 4-bit codes: the AVX512 path's integers, 8 rows (half a tile's vector) at a time */
+static void row_block(const int8_t *xq, const int16_t *xw, const float *d, const float *dsum,
+                      const uint8_t *w, int64_t rb, int64_t m0, int mn, int64_t N, int64_t KB,
+                      uint16_t *out) {
     for (int h = 0; h < 2; h++) {  /* rows 16 rb + 8 h .. + 7: bytes 32 h .. 32 h + 31 of each vector */
         __m256 acc[MMAX];
         for (int m = 0; m < mn; m++) acc[m] = _mm256_setzero_ps();
         const uint8_t *t = w + rb * KB * TILE;
         for (int64_t kb = 0; kb < KB; kb++, t += TILE) {
-            __m256i c[BITS / 4][8];  /* c[j][v], lane n: nibble j of row n's codes of inputs 4v .. 4v + 3 */
-            const __m256i low4 = _mm256_set1_epi8(0x0F);
-#if BITS == 4
+            __m256i c[8];  /* c[v], lane n: row n's codes of inputs 4v .. 4v + 3 */
             for (int p = 0; p < 4; p++) {
                 __m256i packed = _mm256_loadu_si256((const __m256i *)(t + 64 * p + 32 * h));
-                c[0][p] = _mm256_and_si256(packed, low4);
-                c[0][p + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+                c[p] = _mm256_and_si256(packed, _mm256_set1_epi8(0x0F));
+                c[p + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm256_set1_epi8(0x0F));
             }
-#else
-            for (int v = 0; v < 8; v++) {
-                __m256i codes = _mm256_loadu_si256((const __m256i *)(t + 64 * v + 32 * h));
-                c[0][v] = _mm256_and_si256(codes, low4);
-                c[1][v] = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low4);
-            }
-#endif
             __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + CODES + 16 * h)));
             __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + CODES + 32 + 16 * h)));
             for (int m = 0; m < mn; m++) {
                 const int64_t i = (m0 + m) * KB + kb;
                 const int32_t *hi = (const int32_t *)(xq + i * 64), *lo = hi + 8;
-                __m256i s0 = nibble_dot(c[0], hi), s1 = nibble_dot(c[0], lo);
-#if BITS == 8
-                s0 = _mm256_add_epi32(s0, _mm256_slli_epi32(nibble_dot(c[1], hi), 4));
-                s1 = _mm256_add_epi32(s1, _mm256_slli_epi32(nibble_dot(c[1], lo), 4));
-#endif
+                __m256i s0 = nibble_dot(c, hi), s1 = nibble_dot(c, lo);
                 __m256 dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_set1_ps(254.0f),
                                              _mm256_cvtepi32_ps(s1));
                 acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(d[i])), acc[m]);
@@ -717,6 +706,47 @@ static void row_block(const int8_t *xq, const float *d, const float *dsum, const
 }
 
 #else
+/* 8-bit codes: vpmaddwd on the codes widened to int16 and the activations' whole 15-bit steps (xw), pairs
+   summed into int32 (|32 * 255 * 32258| < 2^31). A group of 4 rows: its 16 bytes of a vector, widened, are
+   those rows' codes of 4 inputs, times the 4 activations broadcast; vphaddd then adds each row's two pair
+   sums, at the end of the tile */
+static void row_block(const int8_t *xq, const int16_t *xw, const float *d, const float *dsum,
+                      const uint8_t *w, int64_t rb, int64_t m0, int mn, int64_t N, int64_t KB,
+                      uint16_t *out) {
+    __m256 acc[MMAX][2];  /* rows 16 rb .. + 7 and 16 rb + 8 .. + 15 */
+    for (int m = 0; m < mn; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    const uint8_t *t = w + rb * KB * TILE;
+    for (int64_t kb = 0; kb < KB; kb++, t += TILE) {
+        for (int m = 0; m < mn; m++) {
+            const int64_t i = (m0 + m) * KB + kb;
+            __m256i s[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                            _mm256_setzero_si256()};  /* s[g], lane 2r + p: row 4g + r, inputs 2p, 2p + 1 */
+            for (int v = 0; v < 8; v++) {
+                int64_t four;
+                memcpy(&four, xw + i * 32 + 4 * v, 8);
+                const __m256i x = _mm256_set1_epi64x(four);
+                for (int g = 0; g < 4; g++) {
+                    __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(t + 64 * v + 16 * g)));
+                    s[g] = _mm256_add_epi32(s[g], _mm256_madd_epi16(c, x));
+                }
+            }
+            for (int h = 0; h < 2; h++) {  /* vphaddd's rows 0 1 4 5 | 2 3 6 7, put in order */
+                __m256i dot = _mm256_permute4x64_epi64(_mm256_hadd_epi32(s[2 * h], s[2 * h + 1]), 0xD8);
+                __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + CODES + 16 * h)));
+                __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + CODES + 32 + 16 * h)));
+                __m256 step = _mm256_mul_ps(scale, _mm256_set1_ps(d[i]));
+                acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), step, acc[m][h]);
+                acc[m][h] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(dsum[i]), acc[m][h]);
+            }
+        }
+    }
+    for (int m = 0; m < mn; m++)
+        for (int h = 0; h < 2; h++)
+            _mm_storeu_si128((__m128i *)(out + (m0 + m) * N + rb * 16 + 8 * h), to_bf16(acc[m][h]));
+}
+#endif
+
+#else
 #error "the integer dot products need AVX512-VNNI or AVX2"
 #endif
 
@@ -726,6 +756,7 @@ void q_matmul(const uint16_t *x, const uint8_t *w, int64_t M, int64_t N, int64_t
     const int64_t KB = K / 32;
     int8_t *xq = malloc(2 * M * K);  /* x rounded: xq = round(x / d), d = max |x| / STEPS of its block, */
                                      /* as two bytes: xq = 254 * high + low, both in [-127, 127] */
+    int16_t *xw = malloc(2 * M * K); /* and whole (AVX2's 8-bit codes) */
     float *d = malloc(M * KB * sizeof(float));
     float *dsum = malloc(M * KB * sizeof(float));  /* d * sum(xq) */
     #pragma omp parallel num_threads(threads)
@@ -743,6 +774,7 @@ void q_matmul(const uint16_t *x, const uint8_t *w, int64_t M, int64_t N, int64_t
                 int v = (int)nearbyintf(f[j] * inv), high = (int)nearbyintf(v / 254.0f);
                 xq[i * 64 + j] = (int8_t)high;
                 xq[i * 64 + 32 + j] = (int8_t)(v - 254 * high);
+                xw[i * 32 + j] = (int16_t)v;
                 sum += v;
             }
             d[i] = amax / STEPS;
@@ -751,9 +783,9 @@ void q_matmul(const uint16_t *x, const uint8_t *w, int64_t M, int64_t N, int64_t
         #pragma omp for schedule(static)
         for (int64_t rb = 0; rb < N / 16; rb++)
             for (int64_t m0 = 0; m0 < M; m0 += MMAX)
-                row_block(xq, d, dsum, w, rb, m0, M - m0 < MMAX ? (int)(M - m0) : MMAX, N, KB, out);
+                row_block(xq, xw, d, dsum, w, rb, m0, M - m0 < MMAX ? (int)(M - m0) : MMAX, N, KB, out);
     }
-    free(xq); free(d); free(dsum);
+    free(xq); free(xw); free(d); free(dsum);
 }
 """
 

@@ -3546,9 +3546,10 @@ def plan_digest(scheduler: Scheduler) -> str:
 # gpt-fast uses on a CPU: _weight_int8pack_mm (int8, a scale per output row) and _weight_int4pack_mm_for_cpu
 # (int4 in groups of inputs, each with a scale and a zero). Both are fast with bf16 activations only, and
 # cost M times one token's for M tokens. A verify's 1 + k tokens, with bf16 activations on a CPU with
-# AVX512-VNNI, go through kernels.q_matmul_cpu instead (integer dot products, llama.cpp's scheme, with
-# the activations rounded to 15 bits): 5 tokens for 1.5 times one token's cost (2-core Intel Xeon with
-# AMX: SmolLM2's int4 layers 6.3 against torch's 12.9 ms, its int8 LM head 1.2 against 3.6). At one token
+# AVX512-VNNI or AVX2, go through kernels.q_matmul_cpu instead (integer dot products, llama.cpp's scheme,
+# with the activations rounded to 15 bits): 5 tokens for 1.5 times one token's cost (2-core Intel Xeon
+# with AMX: SmolLM2's int4 layers 6.3 against torch's 12.9 ms, its int8 LM head 1.2 against 3.6; 2-core
+# AMD EPYC with AVX2 only: its int8 layers 27.7 against 43.2). At one token
 # it was faster alone (4.1 against 5.8 ms) but not in the chat's compiled step (45.5 against 54.4 tok/s),
 # and SmolLM2's int4 through it answered the Paris prompt wrongly (a prompt's prefill decides the first
 # token): decodes and prefills keep torch's kernels; steps of 2 to 8 tokens take the C one.
@@ -3597,20 +3598,12 @@ def c_matmul_builds(bits: int) -> bool:
     return cpp_compiler() is not None and kernels.q_matmul_kernel(bits, cpp_compiler()) is not None
 
 
-@functools.cache
-def c_matmul_used(bits: int) -> bool:
-    """Whether QuantizedLinear multiplies steps of 2-8 tokens of `bits`-bit weights in C: where it builds,
-    and for 8 bits only with VNNI. On AVX2 alone (2-core AMD EPYC, SmolLM2's shapes, 30 layers) int4 at 5
-    tokens took 20.5 against torch's 25.4 ms, int8 42.9 against 42.6 (an 8-bit code is two nibbles there)."""
-    return c_matmul_builds(bits) and (bits == 4 or "avx512_vnni" in cpu_flags())
-
-
 class QuantizedLinear(nn.Module):
     """Swapped in for a model's nn.Linear by quantize_model, as gpt-fast swaps its modules: the weight
     w (N, K) in int8 or int4 ("mode"), with its scales and zeros in dtype, the activations' (a bias, as
     Qwen2's q/k/v have, stays float). A weight that torch's int4 packing refuses (K not in whole groups,
     N not a multiple of 16) is kept in int8, as llama.cpp keeps such tensors in another format. With bf16
-    activations where c_matmul_used, also kernels.py's tiles of the same codes (fp16 scales and
+    activations where c_matmul_builds, also kernels.py's tiles of the same codes (fp16 scales and
     minimums; int8 with a scale per 32 inputs) for steps of 2 to C_MATMUL_MAX_TOKENS tokens."""
 
     def __init__(self, mode: str, w: torch.Tensor, dtype: torch.dtype, bias: Optional[torch.Tensor] = None):
@@ -3632,7 +3625,7 @@ class QuantizedLinear(nn.Module):
         self.mode, self.bits = mode, 4 if mode == "int4" else 8
         self.register_buffer("tiles", None, persistent=False)
         if (dtype == torch.bfloat16 and K % INT4_GROUP_SIZE == 0 and N % 16 == 0
-                and c_matmul_used(self.bits)):
+                and c_matmul_builds(self.bits)):
             import kernels
             if mode == "int8":
                 q, scale = quantize_int8(w, INT4_GROUP_SIZE)
@@ -4754,17 +4747,12 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     if sys.platform == "darwin":
         out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16"], capture_output=True, text=True)
         return out.stdout.strip() == "1"
-    return bool(cpu_flags(cpuinfo) & {"amx_bf16", "avx512_bf16", "bf16"})
-
-
-@functools.cache
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set:
-    """The CPU's feature flags as the OS reports them (x86 "flags", Arm "Features"); empty where unread."""
     try:
         with open(cpuinfo) as f:
-            return {w for line in f if line.startswith(("flags", "Features")) for w in line.split()}
+            flags = {w for line in f if line.startswith(("flags", "Features")) for w in line.split()}
     except OSError:
-        return set()
+        return False
+    return bool(flags & {"amx_bf16", "avx512_bf16", "bf16"})
 
 
 def cpu_name() -> str:
@@ -4875,7 +4863,7 @@ def one_request_format(model_path: str, steps: tuple = (1,)) -> dict:
     st = os.stat(model_path)
     key = (f"{os.path.basename(os.path.normpath(model_path))} {st.st_size} {st.st_mtime:.0f} | "
            f"{cpu_name()} | {torch.get_num_threads()} threads | torch {torch.__version__} | "
-           f"{'+'.join(map(str, steps))} tokens" + (" | C matmul 2-8 tokens" if c_matmul_used(4) else ""))
+           f"{'+'.join(map(str, steps))} tokens" + (" | C matmul 2-8 tokens" if c_matmul_builds(4) else ""))
     path = os.path.join(cache_root(), "one_request_formats.json")
     try:
         with open(path) as f:

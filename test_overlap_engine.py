@@ -2018,7 +2018,7 @@ def test_quantizers_round_to_their_grids():
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_a_quantized_linear_multiplies_by_its_dequantized_weights(mode):
     """torch's packed matmul against x @ dequantize(...).T: to fp32 rounding with fp32 activations, and to
-    bf16 rounding (scales and activations in bf16) with bf16 ones. Where the C matmul is used, a bf16
+    bf16 rounding (scales and activations in bf16) with bf16 ones. Where the C matmul builds, a bf16
     step of 2-8 tokens goes through it (int8 then with a scale per 32 inputs): each output within one
     bf16 rounding of its spec, and 1 or 9 tokens through torch's."""
     torch.manual_seed(1)
@@ -2027,7 +2027,7 @@ def test_a_quantized_linear_multiplies_by_its_dequantized_weights(mode):
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         layer = oe.QuantizedLinear(mode, w, dtype)
         assert "weight" not in dict(layer.named_parameters()) and layer.scales.dtype == dtype
-        assert (layer.tiles is not None) == (dtype == torch.bfloat16 and oe.c_matmul_used(layer.bits))
+        assert (layer.tiles is not None) == (dtype == torch.bfloat16 and oe.c_matmul_builds(layer.bits))
         for rows in (slice(0, 1), slice(0, 9)):
             assert float((layer(x[rows].to(dtype)).float() - ref[rows]).abs().max()) <= tol * float(
                 ref[rows].abs().max())
@@ -3745,7 +3745,7 @@ def test_speculative_verifies_attend_through_the_c_kernel(cycling_ckpt, loop):
     assert max(o["meta_info"].get("spec_accept_length", 0) for o in outs["c"]) > 3
 
 
-@pytest.mark.skipif(not oe.c_matmul_used(4), reason="the C matmul needs a C compiler, AVX512-VNNI or AVX2")
+@pytest.mark.skipif(not oe.c_matmul_builds(4), reason="the C matmul needs a C compiler, AVX512-VNNI or AVX2")
 def test_quantized_verifies_multiply_through_the_c_matmul(cycling_ckpt, monkeypatch):
     """int4 with bf16 activations, speculating: a verify's 1 + k tokens go through the C matmul, a decode's
     one token through torch's (no call of one token reaches C); the loops give the same tokens, and
