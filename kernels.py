@@ -706,6 +706,7 @@ static void row_block(const int8_t *xq, const int16_t *xw, const float *d, const
 }
 
 #else
+#define WHOLE_STEPS  /* x rounded as int16, not as two bytes */
 /* 8-bit codes: vpmaddwd on the codes widened to int16 and the activations' whole 15-bit steps (xw), pairs
    summed into int32 (|32 * 255 * 32258| < 2^31). A group of 4 rows: its 16 bytes of a vector, widened, are
    those rows' codes of 4 inputs, times the 4 activations broadcast; vphaddd then adds each row's two pair
@@ -754,9 +755,15 @@ static void row_block(const int8_t *xq, const int16_t *xw, const float *d, const
 void q_matmul(const uint16_t *x, const uint8_t *w, int64_t M, int64_t N, int64_t K, uint16_t *out,
               int threads) {
     const int64_t KB = K / 32;
-    int8_t *xq = malloc(2 * M * K);  /* x rounded: xq = round(x / d), d = max |x| / STEPS of its block, */
-                                     /* as two bytes: xq = 254 * high + low, both in [-127, 127] */
-    int16_t *xw = malloc(2 * M * K); /* and whole (AVX2's 8-bit codes) */
+    /* x rounded: xq = round(x / d), d = max |x| / STEPS of its block, as two bytes, xq = 254 * high + low,
+       both in [-127, 127]; or whole, xw, where WHOLE_STEPS (AVX2's 8-bit codes) */
+#ifdef WHOLE_STEPS
+    int8_t *xq = NULL;
+    int16_t *xw = malloc(2 * M * K);
+#else
+    int8_t *xq = malloc(2 * M * K);
+    int16_t *xw = NULL;
+#endif
     float *d = malloc(M * KB * sizeof(float));
     float *dsum = malloc(M * KB * sizeof(float));  /* d * sum(xq) */
     #pragma omp parallel num_threads(threads)
@@ -771,10 +778,14 @@ void q_matmul(const uint16_t *x, const uint8_t *w, int64_t M, int64_t N, int64_t
             const float inv = amax > 0.0f ? STEPS / amax : 0.0f;
             int sum = 0;
             for (int j = 0; j < 32; j++) {
-                int v = (int)nearbyintf(f[j] * inv), high = (int)nearbyintf(v / 254.0f);
+                int v = (int)nearbyintf(f[j] * inv);
+#ifdef WHOLE_STEPS
+                xw[i * 32 + j] = (int16_t)v;
+#else
+                int high = (int)nearbyintf(v / 254.0f);
                 xq[i * 64 + j] = (int8_t)high;
                 xq[i * 64 + 32 + j] = (int8_t)(v - 254 * high);
-                xw[i * 32 + j] = (int16_t)v;
+#endif
                 sum += v;
             }
             d[i] = amax / STEPS;

@@ -1821,7 +1821,7 @@ def test_kernel_decode_attention_cpu_matches_ref(G, D, E, dtype):
 
 
 @pytest.mark.skipif(not (oe.c_matmul_builds(4) and oe.c_matmul_builds(8)),
-                    reason="the C matmul needs a C compiler and AVX512-VNNI or AVX2")
+                    reason="the C matmul needs a C compiler, AVX512-VNNI or AVX2")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_kernel_q_matmul_cpu_matches_ref(bits):
     """Every output within one bf16 rounding of the float64 spec: 1 to 17 tokens (more than a pass over
