@@ -70,18 +70,24 @@ import functools
 import heapq
 import itertools
 import math
+import os
 import queue
 import random
 import re
+import sys
 import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+OPENMP_SPIN = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "30000"}  # the CLI's: Part II says why
+if __name__ == "__main__" and sys.platform == "linux":  # before torch loads libgomp, which reads it once
+    os.environ.update({k: os.environ.get(k, v) for k, v in OPENMP_SPIN.items()})  # the user's value kept
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -772,11 +778,7 @@ class TreeNode:
 
 
 def common_prefix_len(a, b) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 class RadixCache:
@@ -1337,9 +1339,8 @@ class Scheduler:
         False, as for a mixed batch's decode rows), allocate one slot each."""
         running = self.running_batch
         running.filter(Req.needs_decode)
-        if running.is_empty():
-            return None
-        if self.kv_available() < running.decode_slots(1) and not (may_retract and self.retract_decode()):
+        if running.is_empty() or (self.kv_available() < running.decode_slots(1)
+                                  and not (may_retract and self.retract_decode())):
             return None
         running.prepare_for_decode(use_future_map=self.enable_overlap)
         return running
@@ -2115,15 +2116,15 @@ import hmac
 import ipaddress
 import json
 import logging
-import os
 import pickle
 import platform
 import shutil
 import signal
 import socket
+import struct
 import subprocess
-import sys
 import tempfile
+import types
 import weakref
 import zipfile
 from dataclasses import field
@@ -3623,6 +3624,8 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("qweight", qweight, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         self.mode, self.bits = mode, 4 if mode == "int4" else 8
+        self.unpacks = mode == "int8" or (dtype == torch.float32 and N % 32 == 0
+                                          and torch.equal(int4_codes(qweight, N, K), q.to(torch.uint8)))
         self.register_buffer("tiles", None, persistent=False)
         if (dtype == torch.bfloat16 and K % INT4_GROUP_SIZE == 0 and N % 16 == 0
                 and c_matmul_builds(self.bits)):
@@ -3635,14 +3638,38 @@ class QuantizedLinear(nn.Module):
             self.tiles = kernels.pack_q_tiles(codes, scale, minimum, self.bits)
 
     def forward(self, x):
-        if self.tiles is not None and 1 < x.numel() // self.in_features <= C_MATMUL_MAX_TOKENS:
+        rows = x.numel() // self.in_features
+        if self.tiles is not None and 1 < rows <= C_MATMUL_MAX_TOKENS:
             y = (torch.ops.overlap_engine.q_linear(x, self.tiles, self.bits) if torch.compiler.is_compiling()
                  else c_matmul(x, self.tiles, self.bits))
+        elif x.dtype == torch.float32 and rows > 1 and self.unpacks:
+            # torch's float32 weight-only kernels take each row on its own where the CPU has no AVX512 (an
+            # AMD EPYC with AVX2: 1 ms a row for a 1536x576 weight, 50x a dense matmul); so from two rows
+            # on, the dense matmul of the weights the codes stand for (a 151-token prefill: 4 against 166 ms)
+            y = x @ self.dequantized().T
         elif self.mode == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP_SIZE, self.scales)
         return y if self.bias is None else y + self.bias
+
+    def dequantized(self) -> torch.Tensor:
+        """The (N, K) weights the codes stand for, in the scales' dtype, as torch's kernels read them."""
+        if self.mode == "int8":
+            return self.qweight.to(self.scales.dtype) * self.scales[:, None]
+        N, K = self.out_features, self.in_features
+        codes = int4_codes(self.qweight, N, K).to(self.scales.dtype).view(N, -1, INT4_GROUP_SIZE)
+        scale, zero = self.scales.permute(2, 1, 0)[..., None]  # each (N, K / group, 1)
+        return ((codes - 8) * scale + zero).view(N, K)
+
+
+def int4_codes(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """The (N, K) uint8 codes in [0, 15] of torch's CPU int4 packing, as read off what
+    _convert_weight_to_int4pack_for_cpu makes (QuantizedLinear checks it on its own codes): each block of 32
+    output rows holds K runs of 16 bytes, row n's code for input k in byte n % 16 of run k, in the low nibble
+    for n % 32 < 16 and the high one for the rest."""
+    runs = packed.view(N // 32, K, 16)
+    return torch.cat((runs & 15, runs >> 4), dim=2).transpose(1, 2).reshape(N, K)
 
 
 # The ops a compiled graph calls out to, defined on torch's dispatcher with their CPU kernel and a fake
@@ -4321,10 +4348,75 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
-def _meta(reader, key, default=None):
+class GGUFFile:
+    """A GGUF file's metadata (`fields`: key -> str, int, float, bool or list) and its tensors (`tensors`:
+    name, tensor_type, and data as a read-only numpy view of the memory-mapped file: float and integer
+    tensors in their dtype, block-quantized ones as bytes (rows, bytes a row), as gguf.quants.dequantize
+    reads them). gguf's GGUFReader reads the same through a numpy slice per value: 4.8 s for SmolLM2's
+    49,152 tokens and 48,900 merges on an AMD EPYC, against 0.2 s here."""
+
+    SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+               12: "<d"}  # GGUF's value types (struct formats); 8 is a string, 9 an array
+    TENSOR_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8,
+                     "I16": np.int16, "I32": np.int32, "I64": np.int64}
+
+    def __init__(self, path: str):
+        import mmap
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        with open(path, "rb") as f:
+            self.raw = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if self.raw[:4] != b"GGUF" or struct.unpack_from("<I", self.raw, 4)[0] not in (2, 3):
+            raise ValueError(f"{path} is not a little-endian GGUF file of version 2 or 3")
+        self.pos = 8
+        n_tensors, n_fields = self.scalar(10), self.scalar(10)
+        self.fields = {}
+        for _ in range(n_fields):
+            key = self.string()
+            self.fields[key] = self.value(self.scalar(4))
+        infos = []
+        for _ in range(n_tensors):
+            name, n_dims = self.string(), self.scalar(4)
+            dims = [self.scalar(10) for _ in range(n_dims)]  # the row first, as ggml orders them
+            infos.append((name, dims, GGMLQuantizationType(self.scalar(4)), self.scalar(10)))
+        align = self.fields.get("general.alignment", 32)
+        start = -(-self.pos // align) * align
+        self.tensors = []
+        for name, dims, kind, offset in infos:
+            shape = tuple(reversed(dims))
+            if kind.name in self.TENSOR_DTYPES:
+                data = np.frombuffer(self.raw, self.TENSOR_DTYPES[kind.name], math.prod(dims), start + offset)
+            else:
+                block, size = GGML_QUANT_SIZES[kind]
+                shape = (*shape[:-1], dims[0] // block * size)
+                data = np.frombuffer(self.raw, np.uint8, math.prod(shape), start + offset)
+            self.tensors.append(types.SimpleNamespace(name=name, tensor_type=kind, data=data.reshape(shape)))
+
+    def scalar(self, kind: int):
+        fmt = self.SCALARS[kind]
+        self.pos += struct.calcsize(fmt)
+        return struct.unpack_from(fmt, self.raw, self.pos - struct.calcsize(fmt))[0]
+
+    def string(self) -> str:
+        n = self.scalar(10)
+        self.pos += n
+        return self.raw[self.pos - n:self.pos].decode("utf-8")
+
+    def value(self, kind: int):
+        if kind == 8:
+            return self.string()
+        if kind != 9:
+            return self.scalar(kind)
+        item, n = self.scalar(4), self.scalar(10)
+        if item in (8, 9):
+            return [self.value(item) for _ in range(n)]
+        dtype = np.dtype(self.SCALARS[item])  # numbers: the whole array in one read
+        self.pos += n * dtype.itemsize
+        return np.frombuffer(self.raw, dtype, n, self.pos - n * dtype.itemsize).tolist()
+
+
+def _meta(reader: GGUFFile, key, default=None):
     """One metadata value of a GGUF file as a Python value (str, int, float, bool or list)."""
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    return reader.fields.get(key, default)
 
 
 def _f32(x):
@@ -4411,7 +4503,7 @@ def load_gguf(path, tp: Optional[TPShard] = None):
     float32 tensors under HF names in HF's Q/K row order (this rank's shard of each), and the open
     reader for gguf_tokenizer()."""
     import gguf  # reads GGUF files and dequantizes their blocks (vectorized numpy)
-    reader = gguf.GGUFReader(path)  # memory-maps the file; tensors are read as they are dequantized
+    reader = GGUFFile(path)  # memory-maps the file; tensors are read as they are dequantized
     if (arch := _meta(reader, "general.architecture")) not in GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "
                          f"{', '.join(GGUF_ARCHITECTURES)}")
@@ -4927,23 +5019,13 @@ def one_request_defaults(given: dict, chat: bool = True, steps: tuple = (1,),
     return picked, line
 
 
-# With the CPU device thread and the host each owning an OpenMP thread pool, libgomp (PyTorch's OpenMP
-# on Linux) counts more threads than cores and almost stops spinning between parallel regions, so every
-# small op of a step waits for a thread wake-up: ~60 us instead of ~5 us for a (64, 576) multiply, some
-# 50 ms of a SmolLM2 decode step at batch 64. A bounded active spin restores it. libgomp reads these
-# variables once, when torch loads it, so they must be in the environment before torch is imported.
-OPENMP_SPIN = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "30000"}  # then sleep: an idle pool rests
-
-
-def restart_with_openmp_spin():
-    """Re-runs this process's command line once with OPENMP_SPIN added to the environment (a value the
-    user set is kept). The CLI and bench.py call it first; a library user sets the variables instead."""
-    if sys.platform != "linux" or all(k in os.environ for k in OPENMP_SPIN) or sys.argv[0] == "-":
-        return  # nothing to add, or a script read from stdin, which cannot be read again
-    for k, v in OPENMP_SPIN.items():
-        os.environ.setdefault(k, v)
-    sys.stdout.flush()
-    os.execv(sys.executable, [sys.executable] + sys.orig_argv[1:])  # same pid, same stdin/stdout
+# OPENMP_SPIN (at the top of the file): with the CPU device thread and the host each owning an OpenMP
+# thread pool, libgomp (PyTorch's OpenMP on Linux) counts more threads than cores and almost stops spinning
+# between parallel regions, so every small op of a step waits for a thread wake-up: ~60 us instead of ~5 us
+# for a (64, 576) multiply, some 50 ms of a SmolLM2 decode step at batch 64. A bounded active spin (then
+# sleep: an idle pool rests) restores it. libgomp reads the variables once, when torch loads it: the
+# command line (and bench.py) sets them before its `import torch`; a library user sets them in the
+# environment. Importing this module changes nothing.
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -6139,5 +6221,4 @@ def serve(engine: Engine, host: str, port: int, read_timeout: float = READ_TIMEO
 
 
 if __name__ == "__main__":
-    restart_with_openmp_spin()
     main()
