@@ -2676,10 +2676,33 @@ def smollm():
     return path, cfg, sd, *oe.gguf_tokenizer(reader)
 
 
+GGUF_READERS = {}  # path -> gguf.GGUFReader, for gguf_read_once
+
+
+@contextlib.contextmanager
+def gguf_read_once():
+    """transformers' GGUF loading (the oracle) opens the file with gguf's GGUFReader for the config, the
+    weights and the tokenizer, 4.8 s each on an AMD EPYC, and builds gguf's tensor-name map once per
+    module (397 times, ~6 s): inside this, one reader per file and one map per (arch, layers) serve them
+    all, the values they would have computed again."""
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def read(path, mode="r"):
+        if (path, mode) not in GGUF_READERS:
+            GGUF_READERS[path, mode] = reader(path, mode)
+        return GGUF_READERS[path, mode]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", read)
+        mp.setattr(gguf, "get_tensor_name_map", functools.cache(name_map))
+        yield
+
+
 @pytest.fixture(scope="module")
 def hf_tokenizer(smollm):
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(os.path.dirname(smollm[0]), gguf_file=os.path.basename(smollm[0]))
+    path = smollm[0]
+    with gguf_read_once():
+        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
 TEXTS = [
@@ -2742,8 +2765,9 @@ def test_chat_template_matches_transformers(smollm, hf_tokenizer, messages):
 def hf_model(smollm):
     from transformers import AutoModelForCausalLM
     path = smollm[0]
-    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                dtype=torch.float32).eval()
+    with gguf_read_once():
+        return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                    dtype=torch.float32).eval()
 
 
 def test_weights_and_config_match_transformers(smollm, hf_model):
@@ -5604,8 +5628,8 @@ def test_server_cli_sigterm_stops_cleanly(tmp_path):
     pytest.importorskip("fastapi")
     ckpt = oe.write_random_checkpoint(str(tmp_path / "long"), max_pos=4096)  # room for a long answer
     p = subprocess.Popen([sys.executable, "overlap_engine.py", "--serve", "--port", "0", "--model-path",
-                          ckpt, "--dtype", "float64"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+                          ckpt, "--dtype", "float64", "--no-enable-torch-compile"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
     try:
         line = []
         reader = threading.Thread(target=lambda: line.append(p.stdout.readline()), daemon=True)
@@ -5733,10 +5757,13 @@ def test_server_api_key_guards_every_endpoint_but_health_and_metrics(chat_ckpt, 
 
 
 def start_server_process(ckpt: str, *flags) -> tuple:
-    """`python overlap_engine.py --serve --port 0` on ckpt in float64: (the process, its URL), once ready."""
+    """`python overlap_engine.py --serve --port 0` on ckpt in float64, eager (compiling its decode step
+    would take a server 17 s to start here instead of 6: the compiled step is the engine tests'): (the
+    process, its URL), once ready."""
     import threading
     p = subprocess.Popen([sys.executable, "overlap_engine.py", "--serve", "--port", "0", "--model-path", ckpt,
-                          "--dtype", "float64", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          "--dtype", "float64", "--no-enable-torch-compile", *flags],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
     line = []
     reader = threading.Thread(target=lambda: line.append(p.stdout.readline()), daemon=True)
