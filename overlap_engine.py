@@ -81,10 +81,9 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
-OPENMP_SPIN = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "30000"}  # the CLI's: Part II says why
+OPENMP_SPIN = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "30000"}  # run as a script; why: Part II
 if __name__ == "__main__" and sys.platform == "linux":  # before torch loads libgomp, which reads it once
     os.environ.update({k: os.environ.get(k, v) for k, v in OPENMP_SPIN.items()})  # the user's value kept
-
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -4393,9 +4392,9 @@ class GGUFFile:
             self.tensors.append(types.SimpleNamespace(name=name, tensor_type=kind, data=data.reshape(shape)))
 
     def scalar(self, kind: int):
-        fmt = self.SCALARS[kind]
-        self.pos += struct.calcsize(fmt)
-        return struct.unpack_from(fmt, self.raw, self.pos - struct.calcsize(fmt))[0]
+        (v,) = struct.unpack_from(self.SCALARS[kind], self.raw, self.pos)
+        self.pos += struct.calcsize(self.SCALARS[kind])
+        return v
 
     def string(self) -> str:
         n = self.scalar(10)
@@ -4410,9 +4409,9 @@ class GGUFFile:
         item, n = self.scalar(4), self.scalar(10)
         if item in (8, 9):
             return [self.value(item) for _ in range(n)]
-        dtype = np.dtype(self.SCALARS[item])  # numbers: the whole array in one read
-        self.pos += n * dtype.itemsize
-        return np.frombuffer(self.raw, dtype, n, self.pos - n * dtype.itemsize).tolist()
+        numbers = np.frombuffer(self.raw, np.dtype(self.SCALARS[item]), n, self.pos)  # in one read
+        self.pos += numbers.nbytes
+        return numbers.tolist()
 
 
 def _meta(reader: GGUFFile, key, default=None):
@@ -4503,7 +4502,7 @@ def load_gguf(path, tp: Optional[TPShard] = None):
     """Read a llama.cpp GGUF file into (hf_config, state_dict, reader): an HF config dict,
     float32 tensors under HF names in HF's Q/K row order (this rank's shard of each), and the open
     reader for gguf_tokenizer()."""
-    import gguf  # reads GGUF files and dequantizes their blocks (vectorized numpy)
+    import gguf  # dequantizes GGUF blocks (vectorized numpy)
     reader = GGUFFile(path)  # memory-maps the file; tensors are read as they are dequantized
     if (arch := _meta(reader, "general.architecture")) not in GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "

@@ -1907,11 +1907,10 @@ def test_triton_backend_matches_torch_backend(ckpt, mixed):
     chunks, decode rows go through the extend kernel). The overlap loop only: the backend computes a step's
     attention, which the loops do not change (overlap == serial is the torch backend's tests'; both loops
     under the interpreter took 30 s of the suite)."""
-    loop = "overlap"
     wl = greedy_workload(random_prompts(3, seed=91, lo=3, hi=14, shared=[9, 8, 7, 6, 5, 4, 3, 2]), [4, 3, 5])
     outs = {}
     for backend in ("torch", "triton"):
-        with make_engine(ckpt, loop, device=DEVICE, attention_backend=backend,
+        with make_engine(ckpt, "overlap", device=DEVICE, attention_backend=backend,
                          chunked_prefill_size=6, enable_mixed_chunk=mixed) as e:
             outs[backend] = [o["output_ids"] for o in run_workload(e, wl)]
             e.check_invariants()
@@ -2810,14 +2809,10 @@ HF_GREEDY = {}  # (model, prompt, n): transformers' tokens, computed once for bo
 def hf_greedy(model, ids, n):
     key = (id(model), tuple(ids), n)
     if key not in HF_GREEDY:
-        HF_GREEDY[key] = hf_greedy_uncached(model, ids, n)
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False, eos_token_id=2, pad_token_id=2)
+        HF_GREEDY[key] = out[0, len(ids):].tolist()
     return HF_GREEDY[key]
-
-
-def hf_greedy_uncached(model, ids, n):
-    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         max_new_tokens=n, do_sample=False, eos_token_id=2, pad_token_id=2)
-    return out[0, len(ids):].tolist()
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -2916,8 +2911,8 @@ def test_default_model_quantized_follows_the_float_model(smollm, monkeypatch):
 
 @pytest.fixture(scope="module")
 def hf_bf16(hf_model):
-    """transformers' SmolLM2 in bf16 and its greedy tokens of each chat prompt (computed once, for both
-    loops): the float32 model cast, as from_pretrained(dtype=bfloat16) casts it, with its rotary buffers
+    """transformers' SmolLM2 in bf16 (its greedy tokens computed once for both loops, by hf_greedy): the
+    float32 model cast, as from_pretrained(dtype=bfloat16) casts it, with its rotary buffers
     kept in float32 as that keeps them (the same logits, checked once; loading the GGUF again took 14 s)."""
     import copy
     hf = copy.deepcopy(hf_model).to(torch.bfloat16)
@@ -2925,14 +2920,14 @@ def hf_bf16(hf_model):
         module, _, attr = name.rpartition(".")
         setattr(hf.get_submodule(module), attr, buf.clone())
     hf.config.dtype = torch.bfloat16
-    return hf, {}
+    return hf
 
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_default_model_in_bf16_matches_transformers_in_bf16(smollm, hf_bf16, loop):
     """Both in bf16, greedy: token for token until transformers' own bf16 logits cannot tell our token
     from its own (within two bf16 steps of each other; measured here: 0 or one step, 0.125 at ~16-32)."""
-    path, (hf, refs) = smollm[0], hf_bf16
+    path, hf = smollm[0], hf_bf16
     with Engine(model_path=path, disable_overlap_schedule=loop == "serial", device="cpu", dtype="bfloat16",
                 max_total_tokens=4096) as e:
         prompts = [e.tokenizer.encode(e.tokenizer.apply_chat_template([{"role": "user", "content": p}]))
@@ -2942,9 +2937,7 @@ def test_default_model_in_bf16_matches_transformers_in_bf16(smollm, hf_bf16, loo
         e.check_invariants()
     agreed = 0
     for ids, out in zip(prompts, outs):
-        if tuple(ids) not in refs:  # the first loop computes it, the second reuses it
-            refs[tuple(ids)] = hf_greedy(hf, ids, 24)
-        ref = refs[tuple(ids)]
+        ref = hf_greedy(hf, ids, 24)
         d = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
         agreed += d
         if d < min(len(out), len(ref)):
