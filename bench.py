@@ -782,7 +782,8 @@ def prefix_run(path, args, vocab, kw) -> dict:
 
 PROFILE_CATEGORIES = {  # aten op -> what it is in a decode step
     "aten::mm": "matmul (weights)", "aten::addmm": "matmul (weights)",
-    "mkldnn::_linear_pointwise": "matmul (weights)",
+    "mkldnn::_linear_pointwise": "matmul (weights)", "overlap_engine::packed_linear": "matmul (weights)",
+    "overlap_engine::q_linear": "matmul (weights)",
     "aten::_weight_int8pack_mm": "matmul (weights)", "aten::_weight_int4pack_mm_for_cpu": "matmul (weights)",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)", "aten::bmm": "attention (SDPA)",
     "aten::_softmax": "attention (SDPA)", "aten::index_select": "KV gather (index_select)",
@@ -1089,14 +1090,17 @@ def single_answer(engine) -> str:
 def weight_matmuls(engine) -> dict:
     """One token through every linear layer of the engine's model and nothing else: the best of 10
     passes, each reading every weight once (SmolLM2's weights do not fit in the cache), in ms, and the
-    GB/s that is (the C matmul's tiles, which one token does not read, not counted). A decode step cannot
-    be faster than this with these kernels."""
+    GB/s that is (of a layer with the C matmul's tiles, the tiles: one token reads those alone). A decode
+    step cannot be faster than this with these kernels."""
     model = engine.model  # the module (the worker may hold its compiled callable)
     dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype (the table stays float)
     kinds = (torch.nn.Linear, oe.QuantizedLinear, oe.PackedLinear)
     layers = [m for m in model.modules() if isinstance(m, kinds)]
-    nbytes = sum(t.numel() * t.element_size() for m in layers
-                 for name, t in (*m.named_parameters(), *m.named_buffers()) if name != "tiles")
+    def read(m):
+        if getattr(m, "tiles", None) is not None:
+            return [m.tiles]
+        return [t for name, t in (*m.named_parameters(), *m.named_buffers()) if name != "tiles"]
+    nbytes = sum(t.numel() * t.element_size() for m in layers for t in read(m))
     ms = oe.one_token_ms(layers, dtype, passes=10)
     return {"matmul_ms": ms, "matmul_gbps": nbytes / ms / 1e6}
 

@@ -507,9 +507,11 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def build_c(stem: str, src: str, flags: list, compiler: str, symbol: str, argtypes: list):
-    """The function `symbol` of `src` compiled with `flags` into CPU_KERNEL_CACHE/<stem>_<hash>.so (once
-    per source, flags, compiler and CPU), or None where it cannot be built here."""
+def build_c(stem: str, src: str, flags: list, compiler: str, symbol: str, argtypes: list, lang: str = "c",
+            libs: tuple = ("-lm",)):
+    """The function `symbol` of `src` (C, or `lang`) compiled with `flags` and linked with `libs` into
+    CPU_KERNEL_CACHE/<stem>_<hash>.so (once per source, flags, compiler and CPU), or None where it cannot
+    be built here."""
     import ctypes
     import hashlib
     import subprocess
@@ -518,11 +520,11 @@ def build_c(stem: str, src: str, flags: list, compiler: str, symbol: str, argtyp
     try:
         if not os.path.exists(so):
             os.makedirs(CPU_KERNEL_CACHE, exist_ok=True)
-            c_path = so[:-3] + f".{os.getpid()}.c"
+            c_path = so[:-3] + f".{os.getpid()}.{lang}"
             with open(c_path, "w") as f:
                 f.write(src)
             try:
-                subprocess.run([compiler, *flags, "-x", "c", c_path, "-o", so + f".{os.getpid()}", "-lm"],
+                subprocess.run([compiler, *flags, "-x", lang, c_path, "-o", so + f".{os.getpid()}", *libs],
                                check=True, capture_output=True)
                 os.replace(so + f".{os.getpid()}", so)  # atomic: another process sees all of it or none
             finally:  # a CPU that cannot build it leaves nothing behind
@@ -855,3 +857,115 @@ def q_matmul_cpu(x, tiles, bits: int, compiler: str = "cc"):
     out = torch.empty(M, tiles.shape[0] * 16, dtype=torch.bfloat16)
     fn(x.data_ptr(), tiles.data_ptr(), M, out.shape[1], K, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+# The CPU kernels of overlap_engine's ops q_linear and decode_attention_c in C++ against torch's headers,
+# calling the C kernels above: a kernel written in Python costs the dispatcher a call back into Python,
+# about 15 us of the 20-30 a SmolLM2 matmul of one token takes (AMD EPYC with AVX2: 4.9 against 18.5 us
+# for a 16 x 32 weight), and a decode step makes 240 such calls. The ops' Python kernels stay where this
+# does not build. Each C kernel is handed over once it is built, keyed as _cpu_kernels keys it.
+
+CPU_OPS_SRC = r"""
+/* built against torch %(TORCH)s */
+#include <cmath>
+#include <map>
+#include <tuple>
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/Parallel.h>
+
+typedef void (*q_matmul_fn)(const void *, const void *, int64_t, int64_t, int64_t, void *, int);
+typedef void (*attention_fn)(const void *, const void *, const void *, const void *, const void *,
+                             const void *, int64_t, int64_t, float, void *, int);
+typedef std::tuple<int, int64_t, int64_t, int64_t, int64_t> attention_key;  /* fp32 or bf16, D, Hkv, G, E */
+static q_matmul_fn q_matmul[9];  /* by bits */
+static std::map<attention_key, attention_fn> attention;
+
+extern "C" void set_q_matmul(int bits, void *fn) { q_matmul[bits] = (q_matmul_fn)fn; }
+extern "C" void set_decode_attention(int bf16, int64_t D, int64_t Hkv, int64_t G, int64_t E, void *fn) {
+    attention[{bf16, D, Hkv, G, E}] = (attention_fn)fn;
+}
+
+static at::Tensor q_linear(const at::Tensor &x, const at::Tensor &tiles, int64_t bits) {
+    TORCH_CHECK((bits == 4 || bits == 8) && q_matmul[bits], "q_linear: no kernel for ", bits, "-bit codes");
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && tiles.scalar_type() == at::kByte && tiles.is_contiguous(),
+                "q_linear: x in bf16 and contiguous uint8 tiles");
+    const at::Tensor xc = x.contiguous();
+    const int64_t K = xc.size(-1), M = xc.numel() / K, N = tiles.size(0) * 16;
+    TORCH_CHECK(tiles.size(1) * 32 == K, "q_linear: tiles of ", tiles.size(1) * 32, " inputs, x of ", K);
+    std::vector<int64_t> shape = xc.sizes().vec();
+    shape.back() = N;
+    at::Tensor out = at::empty(shape, xc.options());
+    q_matmul[bits](xc.data_ptr(), tiles.data_ptr(), M, N, K, out.data_ptr(), at::get_num_threads());
+    return out;
+}
+
+/* kernels.decode_attention_cpu's checks and call, with the softmax scale head_dim ** -0.5 */
+static at::Tensor decode_attention_c(const at::Tensor &q, const at::Tensor &kb, const at::Tensor &vb,
+                                     const at::Tensor &req_to_token, const at::Tensor &rows,
+                                     const at::Tensor &lens) {
+    const at::Tensor qc = q.contiguous();
+    const int64_t N = qc.size(0), Hq = qc.size(1), D = qc.size(2), B = rows.size(0), Hkv = kb.size(1);
+    TORCH_CHECK(kb.sizes() == vb.sizes() && kb.dim() == 3 && kb.size(2) == D && kb.is_contiguous()
+                && vb.is_contiguous() && kb.scalar_type() == q.scalar_type()
+                && vb.scalar_type() == q.scalar_type(), "decode_attention_c: pools unlike q");
+    TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.is_contiguous(),
+                "decode_attention_c: req_to_token in contiguous int32");
+    TORCH_CHECK(B > 0 && N %% B == 0 && Hq %% Hkv == 0, "decode_attention_c: ", N, " queries for ", B,
+                " requests");
+    const auto found = attention.find({q.scalar_type() == at::kBFloat16, D, Hkv, Hq / Hkv, N / B});
+    TORCH_CHECK(found != attention.end(), "decode_attention_c: no kernel built for these shapes");
+    const at::Tensor rows64 = rows.to(at::kLong).contiguous(), lens64 = lens.to(at::kLong).contiguous();
+    at::Tensor out = at::empty_like(qc);
+    found->second(qc.data_ptr(), kb.data_ptr(), vb.data_ptr(), req_to_token.data_ptr(), rows64.data_ptr(),
+                  lens64.data_ptr(), B, req_to_token.size(1), (float)std::pow((double)D, -0.5),
+                  out.data_ptr(), at::get_num_threads());
+    return out;
+}
+
+TORCH_LIBRARY_IMPL(overlap_engine, CPU, m) {
+    m.impl("q_linear", &q_linear);
+    m.impl("decode_attention_c", &decode_attention_c);
+}
+"""
+
+
+def cpu_ops_function(symbol: str, argtypes: list, compiler: str):
+    """The function `symbol` of CPU_OPS_SRC, built once and loaded (loading the library registers its
+    kernels with torch's dispatcher), or None where it cannot be built here."""
+    key = ("ops", symbol)
+    if key not in _cpu_kernels:
+        torch_dir = os.path.dirname(torch.__file__)
+        inc, lib = os.path.join(torch_dir, "include"), os.path.join(torch_dir, "lib")
+        _cpu_kernels[key] = build_c("ops", CPU_OPS_SRC % {"TORCH": torch.__version__},
+                                    ["-O2", "-std=c++20", "-shared", "-fPIC", f"-I{inc}"], compiler, symbol,
+                                    argtypes, lang="c++", libs=(f"-L{lib}", "-lc10", "-ltorch_cpu",
+                                                                f"-Wl,-rpath,{lib}"))
+    return _cpu_kernels[key]
+
+
+def q_linear_in_cpp(bits: int, compiler: str) -> bool:
+    """Makes CPU_OPS_SRC's q_linear the CPU kernel of overlap_engine::q_linear (which overlap_engine
+    defines), q_matmul_kernel(bits) handed to it; False where either cannot be built here."""
+    import ctypes
+    fn = q_matmul_kernel(bits, compiler)
+    setter = cpu_ops_function("set_q_matmul", [ctypes.c_int, ctypes.c_void_p], compiler)
+    if fn is None or setter is None:
+        return False
+    setter(bits, ctypes.cast(fn, ctypes.c_void_p))
+    return True
+
+
+def decode_attention_in_cpp(dtype, D: int, Hkv: int, G: int, E: int, compiler: str) -> bool:
+    """As q_linear_in_cpp, for overlap_engine::decode_attention_c and cpu_kernel(dtype, D, Hkv, G, E)."""
+    import ctypes
+    fn = cpu_kernel(dtype, D, Hkv, G, compiler, E)
+    i64 = ctypes.c_int64
+    setter = cpu_ops_function("set_decode_attention", [ctypes.c_int, i64, i64, i64, i64, ctypes.c_void_p],
+                              compiler)
+    if fn is None or setter is None:
+        return False
+    setter(int(dtype == torch.bfloat16), D, Hkv, G, E, ctypes.cast(fn, ctypes.c_void_p))
+    return True

@@ -3545,16 +3545,17 @@ def plan_digest(scheduler: Scheduler) -> str:
 # stream from memory: int8 halves the bytes of bf16, int4 quarters them. torch ships the matmuls that
 # gpt-fast uses on a CPU: _weight_int8pack_mm (int8, a scale per output row) and _weight_int4pack_mm_for_cpu
 # (int4 in groups of inputs, each with a scale and a zero). Both are fast with bf16 activations only, and
-# cost M times one token's for M tokens. A verify's 1 + k tokens, with bf16 activations on a CPU with
-# AVX512-VNNI or AVX2, go through kernels.q_matmul_cpu instead (integer dot products, llama.cpp's scheme,
-# with the activations rounded to 15 bits): 5 tokens for 1.5 times one token's cost (2-core Intel Xeon
-# with AMX: SmolLM2's int4 layers 6.3 against torch's 12.9 ms, its int8 LM head 1.2 against 3.6; 2-core
-# AMD EPYC with AVX2 only: its int8 layers 27.7 against 43.2). At one token
-# it was faster alone (4.1 against 5.8 ms) but not in the chat's compiled step (45.5 against 54.4 tok/s),
-# and SmolLM2's int4 through it answered the Paris prompt wrongly (a prompt's prefill decides the first
-# token): decodes and prefills keep torch's kernels; steps of 2 to 8 tokens take the C one.
+# cost M times one token's for M tokens. With bf16 activations on a CPU with AVX512-VNNI or AVX2, a
+# decode's one token and a verify's 1 + k go through kernels.q_matmul_cpu instead (integer dot products,
+# llama.cpp's scheme, with the activations rounded to 15 bits), called from the op q_linear's C++ kernel:
+# 5 tokens for 1.5 times one token's cost (2-core Intel Xeon with AMX: SmolLM2's int4 layers 6.3 against
+# torch's 12.9 ms, its int8 LM head 1.2 against 3.6; 2-core AMD EPYC with AVX2 only: its int8 layers 27.7
+# against 43.2), and one token faster too once no Python sat between the graph and the kernel (the EPYC:
+# the chat's int8 step 70-71 against 48-53 tok/s with torch's kernel; through the op's Python kernel it had
+# been 55-57). Prefills keep torch's kernels (through C, SmolLM2's int4 answered the Paris prompt wrongly:
+# a prompt's prefill decides the first token).
 
-C_MATMUL_MAX_TOKENS = 8  # QuantizedLinear multiplies steps of 2 to this many tokens in C: a verify's 1 + k
+C_MATMUL_MAX_TOKENS = 8  # QuantizedLinear multiplies steps of up to this many tokens in C: a verify's 1 + k
 
 INT4_GROUP_SIZE = 32  # inputs per int4 scale and zero: the block of llama.cpp's Q4_0/Q4_1 formats
 
@@ -3593,9 +3594,12 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor
 @functools.cache
 def c_matmul_builds(bits: int) -> bool:
     """Whether kernels.q_matmul_cpu is built here for `bits`-bit weights (a C compiler, AVX512-VNNI or
-    AVX2)."""
+    AVX2); then also q_linear's C++ kernel, where it builds."""
     import kernels
-    return cpp_compiler() is not None and kernels.q_matmul_kernel(bits, cpp_compiler()) is not None
+    if cpp_compiler() is None or kernels.q_matmul_kernel(bits, cpp_compiler()) is None:
+        return False
+    kernels.q_linear_in_cpp(bits, cpp_compiler())  # else the op's Python kernel below serves
+    return True
 
 
 class QuantizedLinear(nn.Module):
@@ -3604,7 +3608,7 @@ class QuantizedLinear(nn.Module):
     Qwen2's q/k/v have, stays float). A weight that torch's int4 packing refuses (K not in whole groups,
     N not a multiple of 16) is kept in int8, as llama.cpp keeps such tensors in another format. With bf16
     activations where c_matmul_builds, also kernels.py's tiles of the same codes (fp16 scales and
-    minimums; int8 with a scale per 32 inputs) for steps of 2 to C_MATMUL_MAX_TOKENS tokens."""
+    minimums; int8 with a scale per 32 inputs) for steps of up to C_MATMUL_MAX_TOKENS tokens."""
 
     def __init__(self, mode: str, w: torch.Tensor, dtype: torch.dtype, bias: Optional[torch.Tensor] = None):
         super().__init__()
@@ -3638,9 +3642,8 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x):
         rows = x.numel() // self.in_features
-        if self.tiles is not None and 1 < rows <= C_MATMUL_MAX_TOKENS:
-            y = (torch.ops.overlap_engine.q_linear(x, self.tiles, self.bits) if torch.compiler.is_compiling()
-                 else c_matmul(x, self.tiles, self.bits))
+        if self.tiles is not None and rows <= C_MATMUL_MAX_TOKENS:
+            y = torch.ops.overlap_engine.q_linear(x, self.tiles, self.bits)
         elif x.dtype == torch.float32 and rows > 1 and self.unpacks:
             # torch's float32 weight-only kernels take each row on its own where the CPU has no AVX512 (an
             # AMD EPYC with AVX2: 1 ms a row for a 1536x576 weight, 50x a dense matmul); so from two rows
@@ -3692,11 +3695,8 @@ def cpu_op(schema: str, fake: Callable):
 @cpu_op("q_linear(Tensor x, Tensor tiles, int bits) -> Tensor",
         fake=lambda x, tiles, bits: x.new_empty(*x.shape[:-1], tiles.shape[0] * 16))
 def q_linear(x, tiles, bits):
-    return c_matmul(x, tiles, bits)  # what a compiled graph calls; eager calls c_matmul itself
-
-
-def c_matmul(x, tiles, bits: int):
-    """x (..., K) bf16 times the weights in kernels.py's `tiles`."""
+    """x (..., K) bf16 times the weights in kernels.py's `tiles` (kernels.CPU_OPS_SRC's C++ kernel
+    replaces this one where it builds)."""
     import kernels
     y = kernels.q_matmul_cpu(x.reshape(-1, x.shape[-1]).contiguous(), tiles, bits, cpp_compiler())
     return y.view(*x.shape[:-1], y.shape[-1])
@@ -3973,9 +3973,10 @@ class CDecodeBackend(GroupedDecodeBackend):
         import kernels  # as in TritonAttnBackend: kernels.py imports triton
         kb = kv_pool.k_buffer[0]
         for E in widths:  # queries a request: a decode's 1, a verify's 1 + k (built now, not mid-step)
-            if kernels.cpu_kernel(kb.dtype, kb.shape[2], kb.shape[1], heads // kb.shape[1], cpp_compiler(),
-                                  E) is None:
+            shape = (kb.dtype, kb.shape[2], kb.shape[1], heads // kb.shape[1])
+            if kernels.cpu_kernel(*shape, cpp_compiler(), E) is None:
                 raise ValueError("attention_backend='c': the C decode kernel did not build here")
+            kernels.decode_attention_in_cpp(*shape, E, cpp_compiler())  # else the op's Python kernel serves
         for buf in kv_pool.k_buffer + kv_pool.v_buffer:  # as FusedGatherDecodeBackend: sizes stay static
             torch._dynamo.mark_static(buf)
 
@@ -4005,6 +4006,7 @@ def c_kernel_builds() -> bool:
 @cpu_op("decode_attention_c(Tensor q, Tensor kb, Tensor vb, Tensor req_to_token, Tensor rows, Tensor lens) "
         "-> Tensor", fake=lambda q, kb, vb, req_to_token, rows, lens: torch.empty_like(q))
 def decode_attention_c(q, kb, vb, req_to_token, rows, lens):
+    """kernels.decode_attention_cpu (kernels.CPU_OPS_SRC's C++ kernel replaces this one where it builds)."""
     import kernels
     return kernels.decode_attention_cpu(q.contiguous(), kb, vb, req_to_token, rows, lens, q.shape[-1] ** -0.5,
                                         cpp_compiler())
@@ -4955,7 +4957,7 @@ def one_request_format(model_path: str, steps: tuple = (1,)) -> dict:
     st = os.stat(model_path)
     key = (f"{os.path.basename(os.path.normpath(model_path))} {st.st_size} {st.st_mtime:.0f} | "
            f"{cpu_name()} | {torch.get_num_threads()} threads | torch {torch.__version__} | "
-           f"{'+'.join(map(str, steps))} tokens" + (" | C matmul 2-8 tokens" if c_matmul_builds(4) else ""))
+           f"{'+'.join(map(str, steps))} tokens" + (" | C matmul 1-8 tokens" if c_matmul_builds(4) else ""))
     path = os.path.join(cache_root(), "one_request_formats.json")
     try:
         with open(path) as f:

@@ -1818,6 +1818,17 @@ def test_kernel_decode_attention_cpu_matches_ref(G, D, E, dtype):
     assert_close(out, ref, dtype)
     if dtype == torch.bfloat16:  # within one rounding of the float64 answer to bf16
         assert ((out.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-6).all()
+    # the engine's op, its C++ kernel (kernels.CPU_OPS_SRC) calling the same C kernel: the same bits
+    assert kernels.decode_attention_in_cpp(dtype, D, Hkv, G, E, oe.cpp_compiler())
+    assert cpp_kernel_serves("decode_attention_c")
+    assert torch.equal(torch.ops.overlap_engine.decode_attention_c(q, k_cache, v_cache, req_to_token, rows,
+                                                                   torch.tensor(seq_lens)), out)
+
+
+def cpp_kernel_serves(op: str) -> bool:
+    """Whether overlap_engine::<op>'s CPU kernel is kernels.CPU_OPS_SRC's, not the Python one."""
+    dump = torch._C._dispatch_dump(f"overlap_engine::{op}")
+    return any(line.startswith("CPU:") and ".c++:" in line for line in dump.splitlines())
 
 
 @pytest.mark.skipif(not (oe.c_matmul_builds(4) and oe.c_matmul_builds(8)),
@@ -1844,6 +1855,8 @@ def test_kernel_q_matmul_cpu_matches_ref(bits):
         out = kernels.q_matmul_cpu(x, tiles, bits, oe.cpp_compiler())
         spec = kernels.q_matmul_ref(x.double(), codes, scale.double(), minimum.double())
         assert out.shape == (M, N) and ((out.double() - spec).abs() <= spec.abs() * 2**-8 + 1e-9).all()
+        assert torch.equal(torch.ops.overlap_engine.q_linear(x, tiles, bits), out)  # the op's C++ kernel
+    assert cpp_kernel_serves("q_linear")
     # the spec's 15-bit activations move the product by 5e-5 of its norm (rounding it to bf16: 2e-3)
     full = x.double() @ (codes.double().view(N, -1, 32) * scale.half().double()[..., None]
                          + minimum.half().double()[..., None]).view(N, K).T
@@ -2020,8 +2033,9 @@ def test_quantizers_round_to_their_grids():
 def test_a_quantized_linear_multiplies_by_its_dequantized_weights(mode):
     """torch's packed matmul against x @ dequantize(...).T: to fp32 rounding with fp32 activations, and to
     bf16 rounding (scales and activations in bf16) with bf16 ones. Where the C matmul builds, a bf16
-    step of 2-8 tokens goes through it (int8 then with a scale per 32 inputs): each output within one
-    bf16 rounding of its spec, and 1 or 9 tokens through torch's."""
+    step of 1-8 tokens goes through it (int8 then with a scale per 32 inputs): each output within one
+    bf16 rounding of its spec, each token's the same alone as among others, and 9 tokens through
+    torch's."""
     torch.manual_seed(1)
     w, x = torch.randn(80, 64), torch.randn(9, 64)
     ref = x @ oe.dequantize(*(oe.quantize_int8(w) if mode == "int8" else oe.quantize_int4(w))).T
@@ -2039,7 +2053,8 @@ def test_a_quantized_linear_multiplies_by_its_dequantized_weights(mode):
         xb = x[:5].bfloat16()
         spec = kernels.q_matmul_ref(xb.double(), codes, scale.double(), minimum.double())
         assert ((layer(xb).double() - spec).abs() <= spec.abs() * 2**-8 + 1e-9).all()
-        assert not torch.equal(layer(xb[:1]), layer(xb)[:1])  # one token: torch's kernel, other roundings
+        assert torch.equal(layer(xb[:1]), layer(xb)[:1])
+        assert not torch.equal(layer(x[:9].bfloat16())[:5], layer(xb))  # torch's kernel: other roundings
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -3819,14 +3834,14 @@ def test_speculative_verifies_attend_through_the_c_kernel(cycling_ckpt, loop):
 
 @pytest.mark.skipif(not oe.c_matmul_builds(4), reason="the C matmul needs a C compiler, AVX512-VNNI or AVX2")
 def test_quantized_verifies_multiply_through_the_c_matmul(cycling_ckpt, monkeypatch):
-    """int4 with bf16 activations, speculating: a verify's 1 + k tokens go through the C matmul, a decode's
-    one token through torch's (no call of one token reaches C); the loops give the same tokens, and
-    drafts are accepted (the cycle survives the rounding)."""
-    rows, c_matmul = [], oe.c_matmul
+    """int4 with bf16 activations, speculating: a verify's 1 + k tokens go through the C matmul, as does
+    every step of up to C_MATMUL_MAX_TOKENS; the loops give the same tokens, and drafts are accepted (the
+    cycle survives the rounding)."""
+    rows, q_linear = [], torch.ops.overlap_engine.q_linear
     def counted(x, *args):
         rows.append(x.numel() // x.shape[-1])
-        return c_matmul(x, *args)
-    monkeypatch.setattr(oe, "c_matmul", counted)
+        return q_linear(x, *args)
+    monkeypatch.setattr(torch.ops.overlap_engine, "q_linear", counted)
     rng, outs = random.Random(2), {}
     prompts = [cycling_prompt(rng) for _ in range(3)]
     sp = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
@@ -3837,7 +3852,7 @@ def test_quantized_verifies_multiply_through_the_c_matmul(cycling_ckpt, monkeypa
             e.check_invariants()
     assert [o["output_ids"] for o in outs["overlap"]] == [o["output_ids"] for o in outs["serial"]]
     k = oe.ServerArgs().speculative_num_draft_tokens
-    assert 1 + k in rows and all(2 <= n <= oe.C_MATMUL_MAX_TOKENS for n in rows)
+    assert 1 + k in rows and max(rows) <= oe.C_MATMUL_MAX_TOKENS
     assert max(o["meta_info"]["spec_accept_length"] for o in outs["overlap"]) > 2
 
 
