@@ -3551,8 +3551,8 @@ def plan_digest(scheduler: Scheduler) -> str:
 # 5 tokens for 1.5 times one token's cost (2-core Intel Xeon with AMX: SmolLM2's int4 layers 6.3 against
 # torch's 12.9 ms, its int8 LM head 1.2 against 3.6; 2-core AMD EPYC with AVX2 only: its int8 layers 27.7
 # against 43.2), and one token faster too once no Python sat between the graph and the kernel (the EPYC:
-# the chat's int8 step 70-71 against 48-53 tok/s with torch's kernel; through the op's Python kernel it had
-# been 55-57). Prefills keep torch's kernels (through C, SmolLM2's int4 answered the Paris prompt wrongly:
+# the chat's int8 + compile 110 against 63 tok/s with torch's kernel, one run; 55-57 through the op's
+# Python kernel). Prefills keep torch's kernels (through C, SmolLM2's int4 answered the Paris prompt wrongly:
 # a prompt's prefill decides the first token).
 
 C_MATMUL_MAX_TOKENS = 8  # QuantizedLinear multiplies steps of up to this many tokens in C: a verify's 1 + k
