@@ -1096,10 +1096,8 @@ def weight_matmuls(engine) -> dict:
     dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype (the table stays float)
     kinds = (torch.nn.Linear, oe.QuantizedLinear, oe.PackedLinear)
     layers = [m for m in model.modules() if isinstance(m, kinds)]
-    def read(m):
-        if getattr(m, "tiles", None) is not None:
-            return [m.tiles]
-        return [t for name, t in (*m.named_parameters(), *m.named_buffers()) if name != "tiles"]
+    def read(m):  # a buffer set to None (a layer without tiles) is not among named_buffers
+        return [m.tiles] if getattr(m, "tiles", None) is not None else [*m.parameters(), *m.buffers()]
     nbytes = sum(t.numel() * t.element_size() for m in layers for t in read(m))
     ms = oe.one_token_ms(layers, dtype, passes=10)
     return {"matmul_ms": ms, "matmul_gbps": nbytes / ms / 1e6}
