@@ -2057,6 +2057,32 @@ def test_a_quantized_linear_multiplies_by_its_dequantized_weights(mode):
         assert not torch.equal(layer(x[:9].bfloat16())[:5], layer(xb))  # torch's kernel: other roundings
 
 
+def test_int8_from_many_rows_sums_in_float32_where_bf16_is_emulated(monkeypatch):
+    """Where the CPU has no bf16 arithmetic, int8 codes times FLOAT_SUM_ROWS or more bf16 rows are summed in
+    float32: torch's kernel's sums in another order, each output within a bf16 step of its, converted in
+    one piece or a few output rows at a time; fewer rows, or a CPU with bf16, keep torch's kernel."""
+    torch.manual_seed(2)
+    w, x = torch.randn(80, 64), torch.randn(oe.FLOAT_SUM_ROWS, 64).bfloat16()
+    layers = {}
+    for native in (True, False):
+        monkeypatch.setattr(oe, "cpu_has_native_bf16", lambda: native)
+        layers[native] = oe.QuantizedLinear("int8", w, torch.bfloat16)
+        assert layers[native].float_sums is not native
+    layer, summed = layers[False], []
+    kernel = torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scales)
+    float_sums = oe.QuantizedLinear.float_sum_matmul
+    monkeypatch.setattr(oe.QuantizedLinear, "float_sum_matmul",
+                        lambda self, x, **kw: summed.append(x.shape) or float_sums(self, x, **kw))
+    assert torch.equal(layers[True](x), kernel) and not summed
+    y = layer(x)
+    assert summed == [x.shape] and y.shape == kernel.shape and y.dtype == torch.bfloat16
+    steps = (y.float() - kernel.float()).abs() / kernel.float().abs().clamp_min(1e-3)
+    assert float(steps.max()) <= 2**-7
+    assert torch.allclose(layer.float_sum_matmul(x, rows_at_once=16).float(), y.float(), rtol=2**-7, atol=1e-3)
+    assert torch.equal(layer(x[1:]), kernel[1:])  # fewer rows: torch's kernel
+    assert len(summed) == 2
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_overlap_equals_serial(ckpt, mixed_workload, mode, dtype):
