@@ -3556,7 +3556,7 @@ def plan_digest(scheduler: Scheduler) -> str:
 # a prompt's prefill decides the first token).
 
 C_MATMUL_MAX_TOKENS = 8  # QuantizedLinear multiplies steps of up to this many tokens in C: a verify's 1 + k
-FLOAT_SUM_ROWS = 32  # from this many rows, int8 codes times bf16 activations in float32 where bf16 is emulated
+FLOAT_SUM_ROWS = 32  # from this many rows, int8 times bf16 rows sums in float32 where bf16 is emulated
 
 INT4_GROUP_SIZE = 32  # inputs per int4 scale and zero: the block of llama.cpp's Q4_0/Q4_1 formats
 

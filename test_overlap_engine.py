@@ -2078,7 +2078,8 @@ def test_int8_from_many_rows_sums_in_float32_where_bf16_is_emulated(monkeypatch)
     assert summed == [x.shape] and y.shape == kernel.shape and y.dtype == torch.bfloat16
     steps = (y.float() - kernel.float()).abs() / kernel.float().abs().clamp_min(1e-3)
     assert float(steps.max()) <= 2**-7
-    assert torch.allclose(layer.float_sum_matmul(x, rows_at_once=16).float(), y.float(), rtol=2**-7, atol=1e-3)
+    split = layer.float_sum_matmul(x, rows_at_once=16)
+    assert torch.allclose(split.float(), y.float(), rtol=2**-7, atol=1e-3)
     assert torch.equal(layer(x[1:]), kernel[1:])  # fewer rows: torch's kernel
     assert len(summed) == 2
 
