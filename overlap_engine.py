@@ -3552,8 +3552,9 @@ def plan_digest(scheduler: Scheduler) -> str:
 # torch's 12.9 ms, its int8 LM head 1.2 against 3.6; 2-core AMD EPYC with AVX2 only: its int8 layers 27.7
 # against 43.2), and one token faster too once no Python sat between the graph and the kernel (the EPYC:
 # the chat's int8 + compile 110 against 63 tok/s with torch's kernel, one run; 55-57 through the op's
-# Python kernel). Prefills keep torch's kernels (through C, SmolLM2's int4 answered the Paris prompt wrongly:
-# a prompt's prefill decides the first token).
+# Python kernel). Prefills keep torch's kernels (through C, SmolLM2's int4 answered the Paris prompt wrongly,
+# and int8 parted from the float model on "What is 12 times 12?": a prompt's prefill decides the first
+# token), or their float32 sums where bf16 is emulated (QuantizedLinear.float_sum_matmul).
 
 C_MATMUL_MAX_TOKENS = 8  # QuantizedLinear multiplies steps of up to this many tokens in C: a verify's 1 + k
 FLOAT_SUM_ROWS = 32  # from this many rows, int8 times bf16 rows sums in float32 where bf16 is emulated
@@ -3663,7 +3664,7 @@ class QuantizedLinear(nn.Module):
     def float_sum_matmul(self, x, rows_at_once: int = 1024):
         """x (..., K) bf16 times the int8 codes in float32, then each output's scale: the sums torch's kernel
         makes, in another order (1 output in 5,000 a bf16 step apart), where the CPU has no bf16 arithmetic
-        to make them (AVX2): even from 32 rows, 1.2-1.5x faster from 64 (SmolLM2's int8 prefill of 115
+        to make them (AVX2): about even at 32 rows, 1.2-1.5x faster from 64 (SmolLM2's int8 prefill of 115
         tokens 400 against 550 ms, of 512 tokens 1.4 against 2.3 s; 2-core AMD EPYC). The codes are
         converted `rows_at_once` output rows at a time, so that their float copy stays in cache (the LM
         head's 28M codes at 115 rows: 0.47 of torch's time, 0.53 unsplit)."""
