@@ -407,10 +407,10 @@ static inline float load(const ELEM *p, int64_t i) {
 #endif
 }
 
-/* the row of position l (every head) into the cache before it is read, if there is one */
-static inline void prefetch_row(const ELEM *pool, const int32_t *slots, int64_t l, int64_t n) {
+/* heads h0 .. h1 - 1 of the row of position l into the cache before it is read, if there is one */
+static inline void prefetch_row(const ELEM *pool, const int32_t *slots, int64_t l, int64_t n, int h0, int h1) {
     if (l < n)
-        for (int c = 0; c < ROW * (int)sizeof(ELEM); c += 64)
+        for (int c = h0 * D * (int)sizeof(ELEM); c < h1 * D * (int)sizeof(ELEM); c += 64)
             __builtin_prefetch((const char *)(pool + (int64_t)slots[l] * ROW) + c);
 }
 
@@ -424,16 +424,20 @@ static inline ELEM store(float f) {
 
 /* q, out: (B * E, HKV * G, D), request b's queries at rows b * E + e; kb, vb: (slots, HKV, D); the slot
    of position l of request b is req_to_token[rows[b] * ctx + l]; query e sees l < lens[b] - E + 1 + e
-   (lens[b] >= E). */
+   (lens[b] >= E). A thread takes a request, or with fewer requests than threads one of its kv heads
+   (one request alone: 1.2-1.4x faster on 2 cores; a batch of 64 reads whole rows, 1.4x faster so). */
 void decode_attention(const ELEM *q, const ELEM *kb, const ELEM *vb, const int32_t *req_to_token,
                       const int64_t *rows, const int64_t *lens, int64_t B, int64_t ctx, float scale,
                       ELEM *out, int threads) {
+    const int split = B < threads;  /* a unit of work: request b, kv heads h0 .. h1 - 1 */
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t b = 0; b < B; b++) {
+    for (int64_t u = 0; u < (split ? B * HKV : B); u++) {
+        const int64_t b = split ? u / HKV : u;
+        const int h0 = split ? (int)(u %% HKV) : 0, h1 = split ? h0 + 1 : HKV;
         float qf[HKV][QR][D], acc[HKV][QR][D], s[HKV][QR][CHUNK], m[HKV][QR], sum[HKV][QR];
         const int32_t *slots = req_to_token + rows[b] * ctx;
         const int64_t n_all = lens[b];
-        for (int h = 0; h < HKV; h++)
+        for (int h = h0; h < h1; h++)
             for (int g = 0; g < QR; g++) {  /* row g: position g / G, head h * G + g %% G */
                 for (int d = 0; d < D; d++) {
                     qf[h][g][d] = load(q, ((b * E + g / G) * HKV * G + h * G + g %% G) * D + d) * scale;
@@ -445,9 +449,9 @@ void decode_attention(const ELEM *q, const ELEM *kb, const ELEM *vb, const int32
         for (int64_t l0 = 0; l0 < n_all; l0 += CHUNK) {
             int n = n_all - l0 < CHUNK ? (int)(n_all - l0) : CHUNK;
             for (int j = 0; j < n; j++) {  /* the chunk's scores: one K row (every head) at a time */
-                prefetch_row(kb, slots, l0 + j + AHEAD, n_all);
+                prefetch_row(kb, slots, l0 + j + AHEAD, n_all, h0, h1);
                 const ELEM *k = kb + (int64_t)slots[l0 + j] * ROW;
-                for (int h = 0; h < HKV; h++) {
+                for (int h = h0; h < h1; h++) {
                     float kf[D];
                     for (int d = 0; d < D; d++) kf[d] = load(k, h * D + d);
                     for (int g = 0; g < QR; g++) {
@@ -457,7 +461,7 @@ void decode_attention(const ELEM *q, const ELEM *kb, const ELEM *vb, const int32
                     }
                 }
             }
-            for (int h = 0; h < HKV; h++)  /* online softmax: rescale what is there to the new max */
+            for (int h = h0; h < h1; h++)  /* online softmax: rescale what is there to the new max */
                 for (int g = 0; g < QR; g++) {
                     int64_t seen = n_all - E + 1 + g / G - l0;  /* keys of the chunk row g sees (causal) */
                     int nv = seen < n ? (seen > 0 ? (int)seen : 0) : n;
@@ -471,9 +475,9 @@ void decode_attention(const ELEM *q, const ELEM *kb, const ELEM *vb, const int32
                     for (int d = 0; d < D; d++) acc[h][g][d] *= alpha;
                 }
             for (int j = 0; j < n; j++) {  /* the chunk's values */
-                prefetch_row(vb, slots, l0 + j + AHEAD, n_all);
+                prefetch_row(vb, slots, l0 + j + AHEAD, n_all, h0, h1);
                 const ELEM *v = vb + (int64_t)slots[l0 + j] * ROW;
-                for (int h = 0; h < HKV; h++) {
+                for (int h = h0; h < h1; h++) {
                     float vf[D];
                     for (int d = 0; d < D; d++) vf[d] = load(v, h * D + d);
                     for (int g = 0; g < QR; g++)
@@ -481,7 +485,7 @@ void decode_attention(const ELEM *q, const ELEM *kb, const ELEM *vb, const int32
                 }
             }
         }
-        for (int h = 0; h < HKV; h++)
+        for (int h = h0; h < h1; h++)
             for (int g = 0; g < QR; g++)
                 for (int d = 0; d < D; d++)
                     out[((b * E + g / G) * HKV * G + h * G + g %% G) * D + d] =
@@ -606,6 +610,7 @@ CPU_MATMUL_SRC = r"""
 #define TILE (CODES + 64)  /* then its 16 scales and 16 minimums, fp16 */
 #define MMAX 8             /* tokens a read of a tile serves */
 #define STEPS %(STEPS)d.0f     /* Q_STEPS */
+#define ALWAYS_INLINE __attribute__((always_inline))
 
 static inline float bf16_to_float(uint16_t h) {
     uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
@@ -620,7 +625,7 @@ static inline __m256i to_bf16(__m512 f) {  /* round to nearest even */
 }
 
 /* rows 16 rb .. 16 rb + 15 of tokens m0 .. m0 + mn - 1: vpdpbusd, 16 rows at once */
-static void row_block(const int8_t *xq, const int16_t *xw, const float *d, const float *dsum,
+static inline ALWAYS_INLINE void row_block(const int8_t *xq, const int16_t *xw, const float *d, const float *dsum,
                       const uint8_t *w, int64_t rb, int64_t m0, int mn, int64_t N, int64_t KB,
                       uint16_t *out) {
     __m512 acc[MMAX];
@@ -676,7 +681,7 @@ static inline __m256i nibble_dot(const __m256i c[8], const int32_t *x) {
 }
 
 /* 4-bit codes: the AVX512 path's integers, 8 rows (half a tile's vector) at a time */
-static void row_block(const int8_t *xq, const int16_t *xw, const float *d, const float *dsum,
+static inline ALWAYS_INLINE void row_block(const int8_t *xq, const int16_t *xw, const float *d, const float *dsum,
                       const uint8_t *w, int64_t rb, int64_t m0, int mn, int64_t N, int64_t KB,
                       uint16_t *out) {
     for (int h = 0; h < 2; h++) {  /* rows 16 rb + 8 h .. + 7: bytes 32 h .. 32 h + 31 of each vector */
@@ -713,7 +718,7 @@ static void row_block(const int8_t *xq, const int16_t *xw, const float *d, const
    summed into int32 (|32 * 255 * 32258| < 2^31). A group of 4 rows: its 16 bytes of a vector, widened, are
    those rows' codes of 4 inputs, times the 4 activations broadcast; vphaddd then adds each row's two pair
    sums, at the end of the tile */
-static void row_block(const int8_t *xq, const int16_t *xw, const float *d, const float *dsum,
+static inline ALWAYS_INLINE void row_block(const int8_t *xq, const int16_t *xw, const float *d, const float *dsum,
                       const uint8_t *w, int64_t rb, int64_t m0, int mn, int64_t N, int64_t KB,
                       uint16_t *out) {
     __m256 acc[MMAX][2];  /* rows 16 rb .. + 7 and 16 rb + 8 .. + 15 */
@@ -796,7 +801,12 @@ void q_matmul(const uint16_t *x, const uint8_t *w, int64_t M, int64_t N, int64_t
         #pragma omp for schedule(static)
         for (int64_t rb = 0; rb < N / 16; rb++)
             for (int64_t m0 = 0; m0 < M; m0 += MMAX)
-                row_block(xq, xw, d, dsum, w, rb, m0, M - m0 < MMAX ? (int)(M - m0) : MMAX, N, KB, out);
+                /* a copy of row_block for each count of tokens, its loops over them unrolled: one token
+                   1.4x faster (AVX2, 8-bit codes from the cache; 4-bit 1.2x), the same bits */
+                switch (M - m0 < MMAX ? (int)(M - m0) : MMAX) {
+#define TOKENS(mn) case mn: row_block(xq, xw, d, dsum, w, rb, m0, mn, N, KB, out); break;
+                TOKENS(1) TOKENS(2) TOKENS(3) TOKENS(4) TOKENS(5) TOKENS(6) TOKENS(7) TOKENS(8)
+                }
     }
     free(xq); free(xw); free(d); free(dsum);
 }

@@ -1823,6 +1823,16 @@ def test_kernel_decode_attention_cpu_matches_ref(G, D, E, dtype):
     assert cpp_kernel_serves("decode_attention_c")
     assert torch.equal(torch.ops.overlap_engine.decode_attention_c(q, k_cache, v_cache, req_to_token, rows,
                                                                    torch.tensor(seq_lens)), out)
+    threads = torch.get_num_threads()  # a request alone, its kv heads split over two threads: the same bits
+    try:
+        torch.set_num_threads(2)
+        for b in range(len(rows)):
+            alone = kernels.decode_attention_cpu(q[b * E:(b + 1) * E].contiguous(), k_cache, v_cache,
+                                                 req_to_token, rows[b:b + 1], torch.tensor(seq_lens[b:b + 1]),
+                                                 D**-0.5, oe.cpp_compiler())
+            assert torch.equal(alone, out[b * E:(b + 1) * E])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def cpp_kernel_serves(op: str) -> bool:
@@ -1835,8 +1845,8 @@ def cpp_kernel_serves(op: str) -> bool:
                     reason="the C matmul needs a C compiler, AVX512-VNNI or AVX2")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_kernel_q_matmul_cpu_matches_ref(bits):
-    """Every output within one bf16 rounding of the float64 spec: 1 to 17 tokens (more than a pass over
-    the tiles serves), an all-zero activation block, one with an outlier 100 times the rest, and 16 rows
+    """Every output within one bf16 rounding of the float64 spec: 1 to 9 tokens (the kernel has a copy for
+    each count up to 8) and 17 (more than a pass over the tiles serves), an all-zero activation block, one with an outlier 100 times the rest, and 16 rows
     of the largest codes times a block of equal activations (AVX2's int16 sums at their bound)."""
     g = torch.Generator().manual_seed(3)
     N, K = 48, 96
@@ -1846,7 +1856,7 @@ def test_kernel_q_matmul_cpu_matches_ref(bits):
     minimum = -scale * 2 ** (bits - 1) + torch.randn(N, K // 32, generator=g) * 1e-3
     tiles = kernels.pack_q_tiles(codes, scale, minimum, bits)
     assert tiles.shape == (N // 16, K // 32, bits * 64 + 64)
-    for M in (1, 5, 17):
+    for M in (*range(1, 10), 17):
         x = torch.randn(M, K, generator=g)
         x[0, 32:64] = 0
         x[-1, 70] = 100
