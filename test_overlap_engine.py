@@ -1846,8 +1846,9 @@ def cpp_kernel_serves(op: str) -> bool:
 @pytest.mark.parametrize("bits", [4, 8])
 def test_kernel_q_matmul_cpu_matches_ref(bits):
     """Every output within one bf16 rounding of the float64 spec: 1 to 9 tokens (the kernel has a copy for
-    each count up to 8) and 17 (more than a pass over the tiles serves), an all-zero activation block, one with an outlier 100 times the rest, and 16 rows
-    of the largest codes times a block of equal activations (AVX2's int16 sums at their bound)."""
+    each count up to 8) and 17 (more than a pass over the tiles serves), an all-zero activation block, one
+    with an outlier 100 times the rest, and 16 rows of the largest codes times a block of equal activations
+    (AVX2's int16 sums at their bound)."""
     g = torch.Generator().manual_seed(3)
     N, K = 48, 96
     codes = torch.randint(0, 2**bits, (N, K), generator=g)
