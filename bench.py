@@ -615,6 +615,7 @@ def engine_runs(path, kw, reqs, out_lens, args, compiled=False) -> tuple:
 
 
 def hf_runs(path, dtype, reqs, out_lens, batch, repeat) -> dict:
+    oe.transformers_without_hub_kernels()
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                               dtype=getattr(torch, dtype)).eval()

@@ -45,6 +45,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # triton reads it at import: kernels run on CPU tensors
 import kernels  # noqa: E402
 
+oe.transformers_without_hub_kernels()  # the oracle: transformers must not take kernels.py for the Hub's package
+
 settings.register_profile("ci", max_examples=30, deadline=None, derandomize=True, database=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 settings.register_profile("dev", parent=settings.get_profile("ci"), max_examples=400, derandomize=False)
