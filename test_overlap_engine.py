@@ -45,7 +45,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # triton reads it at import: kernels run on CPU tensors
 import kernels  # noqa: E402
 
-oe.transformers_without_hub_kernels()  # the oracle: transformers must not take kernels.py for the Hub's package
+oe.transformers_without_hub_kernels()  # the oracle: transformers must not take kernels.py for the Hub's
 
 settings.register_profile("ci", max_examples=30, deadline=None, derandomize=True, database=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
