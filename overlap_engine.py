@@ -4870,17 +4870,18 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
 def transformers_without_hub_kernels():
     """For a program that runs transformers beside this engine (the tests' oracle, bench.py's peer):
-    transformers 5.25 and later import the Hub's `kernels` package where it is installed (transformers
-    requires it), and under that name Python finds this repository's kernels.py (an ImportError of
-    CUDAProperties); and by default they fetch kernels from the Hub for a model's layers. Told the package
-    is absent and USE_HUB_KERNELS=NO, transformers runs its own code, offline, as before: it dequantizes a
-    GGUF itself. Call it before transformers imports its models."""
+    transformers 5.25 (pip's pick on 2026-12-03) requires the Hub's `kernels` package and imports it, and
+    under that name Python finds this repository's kernels.py (an ImportError of CUDAProperties); by
+    default it also fetches kernels from the Hub for a model's layers. Told the package is absent and
+    USE_HUB_KERNELS=NO, transformers runs its own code, offline, as before: it dequantizes a GGUF itself.
+    Call it before transformers imports its models."""
     os.environ["USE_HUB_KERNELS"] = "NO"
     try:
         import transformers.utils
         import transformers.utils.import_utils
     except ImportError:
         return
+
     def absent(*args, **kwargs):
         return False
     transformers.utils.is_kernels_available = transformers.utils.import_utils.is_kernels_available = absent
