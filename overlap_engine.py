@@ -425,14 +425,14 @@ class ScheduleBatch:
                              list(self.seq_lens), list(self.is_last_chunk), self.n_prefill,
                              self.logprob_slots, self.input_spans, self.verify_width)
 
-    def prepare_for_decode(self, use_future_map: bool):
+    def prepare_for_decode(self, use_future_map: bool, draft: bool = True):
         """Each request feeds its last token at position base = base_bound() and, speculating in a batch
-        that drafts, k drafts after it: slots up to base + width each. While a verify is in flight the
-        host knows base only as a bound (the accept count is on the device): the slots are those of the
-        most it can accept (SGLang's over-allocation), and the step reads the true base with the token
-        from the FutureMap (in overlap mode input_ids stays empty: the tokens are in flight)."""
+        that drafts (a mixed batch's rows do not), k drafts after it: slots up to base + width each. While
+        a verify is in flight the host knows base only as a bound (the accept count is on the device): the
+        slots are those of the most it can accept (SGLang's over-allocation), and the step reads the true
+        base with the token from the FutureMap (in overlap mode input_ids stays empty: it is in flight)."""
         sched, B, k = self.scheduler, len(self.reqs), self.scheduler.draft_tokens
-        drafting = [k > 0 and r.may_draft() for r in self.reqs]  # all feed 1 + k: so, only if half draft
+        drafting = [k > 0 and draft and r.may_draft() for r in self.reqs]  # all feed 1 + k: if half draft
         E = 1 + k if 2 * sum(drafting) >= B and sched.kv_available() >= self.decode_slots(1 + k) else 1
         base = [r.base_bound() for r in self.reqs]
         rows = int64([r.req_pool_idx for r in self.reqs])                                   # (B,)
@@ -652,16 +652,14 @@ class PrefillAdder:
     """
 
     def __init__(self, scheduler: Scheduler, running: list, mixed_decode_tokens: int = 0):
-        self.scheduler = scheduler
-        args = scheduler.server_args
+        self.scheduler, args = scheduler, scheduler.server_args
         running = [r for r in running if not r.finished()]  # finished ones leave at the next filter
         reserved = sum(self.decode_reserve(r) for r in running)
         # a mixed batch also carries one decode token per running request: they share every budget
         self.rem_total_tokens = scheduler.kv_available() - reserved - mixed_decode_tokens
         self.rem_input_tokens = args.max_prefill_tokens - mixed_decode_tokens
-        self.rem_chunk_tokens = None
-        if args.chunked_prefill_size > 0:
-            self.rem_chunk_tokens = max(args.chunked_prefill_size - mixed_decode_tokens, 0)
+        chunk = args.chunked_prefill_size
+        self.rem_chunk_tokens = max(chunk - mixed_decode_tokens, 0) if chunk > 0 else None
         self.rem_rows = min(scheduler.req_to_token_pool.available_size(),
                             args.max_running_requests - len(running))
         self.can_run_list: list[Req] = []
@@ -1332,16 +1330,16 @@ class Scheduler:
         self.running_batch.merge(done)
         last.joined_running = True
 
-    def update_running_batch(self, may_retract: bool = True) -> Optional[ScheduleBatch]:
+    def update_running_batch(self, mixing: bool = False) -> Optional[ScheduleBatch]:
         """The next decode batch: drop finished requests and those whose last token is already in flight
-        (they finish by length, so they never overshoot), make room (retracting unless may_retract is
-        False, as for a mixed batch's decode rows), allocate one slot each."""
+        (they finish by length, so they never overshoot), make room (retracting, unless they are a mixed
+        batch's decode rows, which also do not draft), allocate one slot each."""
         running = self.running_batch
         running.filter(Req.needs_decode)
         if running.is_empty() or (self.kv_available() < running.decode_slots(1)
-                                  and not (may_retract and self.retract_decode())):
+                                  and (mixing or not self.retract_decode())):
             return None
-        running.prepare_for_decode(use_future_map=self.enable_overlap)
+        running.prepare_for_decode(use_future_map=self.enable_overlap, draft=not mixing)
         return running
 
     def kv_available(self) -> int:
@@ -1426,9 +1424,10 @@ class Scheduler:
                     break
             if not n:
                 r.update_finish_state(self.tokenizer)
+            if self.draft_tokens and i >= batch.n_prefill:  # a decode row (in a mixed batch, without drafts)
+                r.note_verify(step, out["accept_len"][i] if batch.verify_width else 0)
             if batch.verify_width:
                 r.kv_committed_len = len(r.fill_ids) - 1  # what the device knew: the bound was not needed
-                r.note_verify(step, out["accept_len"][i])
                 if not r.finished():
                     self.settle_reserved_kv(r)
             if r.finished():
@@ -1507,10 +1506,11 @@ class Scheduler:
         fit, and lpm turns into fcfs above LPM_MAX_WAITING."""
         if not self.waiting and self.chunked_req is None:
             return None
-        mixed = 0  # decode rows to ride along (enable_mixed_chunk)
-        if self.server_args.enable_mixed_chunk:
-            mixed = sum(r.needs_decode() for r in self.running_batch.reqs)
-        adder = PrefillAdder(self, self.running_batch.reqs, mixed_decode_tokens=mixed)
+        # enable_mixed_chunk: decode rows ride along at host-known positions (none behind a verify in flight)
+        running = self.running_batch.reqs
+        known = not any((advance or 0) > 1 for r in running for advance, _ in r.planned_steps)
+        mixed = sum(map(Req.needs_decode, running)) if self.server_args.enable_mixed_chunk and known else 0
+        adder = PrefillAdder(self, running, mixed_decode_tokens=mixed)
         if self.chunked_req is not None and not adder.add_chunked_req(self.chunked_req):
             return None
         lpm = self.schedule_policy == "lpm" and len(self.waiting) <= LPM_MAX_WAITING
@@ -1550,7 +1550,7 @@ class Scheduler:
     def mix_running_batch_into(self, batch: ScheduleBatch):
         """enable_mixed_chunk: the running batch's next decode step joins this prefill batch (its KV was
         kept by the PrefillAdder); the running batch empties and is merged back from last_batch."""
-        running = self.update_running_batch(may_retract=False)
+        running = self.update_running_batch(mixing=True)
         if running is None:
             return
         batch.mix_with_running(running)
@@ -2261,10 +2261,6 @@ class ServerArgs:
         if (self.speculative_algorithm == "STANDALONE") != (self.speculative_draft_model_path is not None):
             raise ValueError("speculative_draft_model_path is needed by, and only by, speculative_algorithm="
                              "'STANDALONE'")
-        if self.speculative_algorithm and self.enable_mixed_chunk:  # its decode rows need host positions
-            raise ValueError("enable_mixed_chunk does not work with speculative_algorithm: a mixed batch "
-                             "attends its decode rows at host-known positions, and a verify in flight hides "
-                             "them")
         if self.speculative_algorithm == "STANDALONE" and self.tp_size > 1:
             raise ValueError("speculative_algorithm='STANDALONE' works with tp_size=1 only (NGRAM with any)")
 
@@ -2468,6 +2464,11 @@ def check_ledger(scheduler: Scheduler):
     owners = scheduler.row_owner
     assert len(free_rows) + len(owners) == scheduler.req_to_token_pool.size, "row ledger: a row leaked"
     assert not set(free_rows) & set(scheduler.row_owner), "row ledger: a row is both free and owned"
+    for r in owners.values():  # a decoding request holds no slot past what its planned steps write (so a
+        writes = sum(width for _, width in r.planned_steps)  # verify's unused reserve went back)
+        decoding = r.kv_committed_len == len(r.fill_ids) - 1 and None not in (a for a, _ in r.planned_steps)
+        assert not decoding or r.kv_allocated_len <= r.kv_committed_len + writes, \
+            f"request {r.rid} holds KV slots that no planned step writes"
     holders: dict[int, int] = {}
     for r in scheduler.row_owner.values():
         node = r.last_node

@@ -708,8 +708,6 @@ def workloads(draw):
         "speculative_algorithm": draw(st.sampled_from([None, None, "NGRAM", "STANDALONE"])),
         "speculative_num_draft_tokens": draw(st.sampled_from([1, 3, 5])),
     }
-    if config["speculative_algorithm"]:
-        config["enable_mixed_chunk"] = False  # refused with speculation (ValueError)
     return reqs, config
 
 
@@ -3716,21 +3714,29 @@ def cycling_ckpt(tmp_path_factory):
     return path
 
 
-def cycling_prompt(rng, lo=0, hi=8) -> list:
-    """Random tokens, then 8 of a cycle: the model's continuation is in its history from the start."""
-    cycle = [rng.randrange(252)]
+def cycling_prompt(rng, lo=0, hi=8, last=None) -> list:
+    """Random tokens, then 8 of a cycle (ending with `last` if given): the model's continuation is in its
+    history from the start."""
+    cycle = [rng.randrange(252) if last is None else (last // CYCLE) * CYCLE + (last - 1) % CYCLE]
     for _ in range(7):
         cycle.append(CYCLE_NEXT[cycle[-1]])
     return [rng.randrange(256) for _ in range(rng.randint(lo, hi))] + cycle
 
 
+# spec_workload's stop cases stop at output 3 (inside the first verify's accepted run): the last tokens of
+SPEC_STOPS = (61, 200)  # their prompts (61 -> 62, 63, 64: "a"; 200 -> 201, 202, 203: its stop id)
+SPEC_BANNED = 105  # the logit_bias case's third token (its prompt ends with 102), banned
+
+
 def spec_workload(seed: int) -> list:
     """(prompt, sampling params, logprob args) of a speculative engine's workload: greedy and sampled
     (temperature with top_k, top_p, min_p, seeds), max_new_tokens of 1 to 40 (landing inside accepted
-    runs), penalties and min_new_tokens (they do not draft), logit_bias, logprobs with top ones, n = 2,
-    stop ids and strings, EOS (a cycle that holds it), a grammar, and prompts that share a prefix."""
+    runs), penalties and min_new_tokens (they do not draft), logit_bias (banning a token its drafts
+    propose), logprobs with top ones, n = 2, a stop id and a stop string ("a", token 64) its cycle
+    reaches at its third token, EOS (a cycle that holds it), a grammar, and prompts that share a prefix
+    long enough that the later ones wait for it and hit the radix cache (IN_BATCH_PREFIX_MIN)."""
     rng = random.Random(seed)
-    shared = cycling_prompt(rng, 12, 12)
+    shared = cycling_prompt(rng, oe.IN_BATCH_PREFIX_MIN, oe.IN_BATCH_PREFIX_MIN)
     g = {"temperature": 0, "ignore_eos": True}
     t = {"temperature": 0.9, "sampling_seed": 7, "ignore_eos": True}
     cases = [({**g, "max_new_tokens": 40}, (False, 0, -1)), ({**g, "max_new_tokens": 7}, (True, 2, -1)),
@@ -3740,19 +3746,22 @@ def spec_workload(seed: int) -> list:
              ({**t, "max_new_tokens": 19, "min_p": 0.05, "n": 2}, (True, 0, -1)),
              ({**g, "max_new_tokens": 20, "frequency_penalty": 0.5, "repetition_penalty": 1.2},
               (True, 1, -1)),
-             ({**g, "max_new_tokens": 25, "logit_bias": {"11": 2.0}}, (False, 0, -1)),
+             ({**g, "max_new_tokens": 25, "logit_bias": {str(SPEC_BANNED): -100}}, (True, 2, -1)),
              ({"temperature": 0, "max_new_tokens": 30, "min_new_tokens": 9}, (False, 0, -1)),  # EOS after 9
              ({**g, "max_new_tokens": 30, "stop": ["a"]}, (False, 0, -1)),
              ({**g, "max_new_tokens": 25, "regex": "[a-z]{3,30}"}, (False, 0, -1))]
     wl = []
     for i, (sp, lp) in enumerate(cases):
         prompt = cycling_prompt(rng) if i % 3 else shared + cycling_prompt(rng)
+        if i == 7:
+            prompt = cycling_prompt(rng, last=SPEC_BANNED - 3)
         if i == 8:
             prompt = [rng.randrange(10), 252, 253, 254, 255, 256]  # its cycle holds EOS (257)
+        if i == 9:
+            prompt = cycling_prompt(rng, last=SPEC_STOPS[0])
         wl.append((prompt, sp, lp))
-    stop = wl[0][0][-1]  # a stop id the cycle reaches within 6 tokens
-    wl.append((cycling_prompt(rng), {**g, "ignore_eos": False, "max_new_tokens": 30,
-                                      "stop_token_ids": [CYCLE_NEXT[CYCLE_NEXT[stop]]]}, (False, 0, -1)))
+    stop = {**g, "ignore_eos": False, "max_new_tokens": 30, "stop_token_ids": [SPEC_STOPS[1] + 3]}
+    wl.append((cycling_prompt(rng, last=SPEC_STOPS[1]), stop, (False, 0, -1)))
     return wl
 
 
@@ -3765,26 +3774,43 @@ def run_spec_workload(engine, wl) -> list:
 
 SPEC_CONFIGS = {"default": {}, "chunked, small pool": {"chunked_prefill_size": 5, "max_total_tokens": 160,
                                                        "max_running_requests": 6,
-                                                       "schedule_conservativeness": 0.0}}
+                                                       "schedule_conservativeness": 0.0},
+                "mixed chunks": {"enable_mixed_chunk": True, "chunked_prefill_size": 16,
+                                 "max_running_requests": 4}}
 
 
 @pytest.mark.parametrize("config", SPEC_CONFIGS)
 @pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
 @pytest.mark.parametrize("loop", LOOPS)
-def test_speculative_decoding_gives_plain_decodings_tokens(cycling_ckpt, loop, algorithm, config):
+def test_speculative_decoding_gives_plain_decodings_tokens(cycling_ckpt, loop, algorithm, config,
+                                                           monkeypatch):
     """Speculative == plain decoding, token for token and logprob for logprob, in both loops: greedy and
     seeded sampling with top_k/top_p/min_p, penalties, logit_bias, logprobs, n, stops, EOS, a grammar,
-    radix hits; chunked prefill with a pool small enough to retract; max_new_tokens inside accepted runs.
-    Drafts are really accepted (runs of 1 to k), and STANDALONE with the model as its own draft accepts
-    every greedy draft."""
+    radix hits; chunked prefill with a pool small enough to retract; mixed chunks (their decode rows do
+    not draft); max_new_tokens inside accepted runs. Drafts are really accepted (runs of 1 to k; sampled
+    ones too), the stops fire, and STANDALONE with the model as its own draft accepts every greedy
+    draft. The ledger (debug_ledger) also checks, every iteration, that a verify's unused reserve went
+    back."""
     wl = spec_workload(seed=11)
     with make_engine(cycling_ckpt, "serial") as plain:
         want = run_spec_workload(plain, wl)
     kw = {"speculative_draft_model_path": cycling_ckpt} if algorithm == "STANDALONE" else {}
+    mixed, mix = [], oe.ScheduleBatch.mix_with_running
+    monkeypatch.setattr(oe.ScheduleBatch, "mix_with_running",
+                        lambda self, running: mixed.append(len(running.reqs)) or mix(self, running))
     with make_engine(cycling_ckpt, loop, speculative_algorithm=algorithm, **kw,
                      **SPEC_CONFIGS[config]) as e:
         got = run_spec_workload(e, wl)
         retractions = e.stats()["retractions"]
+    assert bool(mixed) == (config == "mixed chunks"), mixed  # decode rows rode along with prefill chunks
+    stops = [refs[0] for (_, sp, _), refs in zip(wl, want) if {"stop", "stop_token_ids"} & set(sp)]
+    assert [(o["meta_info"]["finish_reason"]["matched"], len(o["output_ids"])) for o in stops] == [
+        ("a", 3), (SPEC_STOPS[1] + 3, 3)], stops  # each stop fires inside an accepted run
+    banned = [o["output_ids"] for (_, sp, _), outs in zip(wl, got) for o in outs if "logit_bias" in sp]
+    assert len(banned[0]) == 25 and SPEC_BANNED not in banned[0]  # a drafted token that the bias bans
+    shared = [o["meta_info"]["cached_tokens"] for (p, _, _), outs in zip(wl, got) for o in outs
+              if p[:oe.IN_BATCH_PREFIX_MIN] == wl[0][0][:oe.IN_BATCH_PREFIX_MIN]]
+    assert max(shared) >= oe.IN_BATCH_PREFIX_MIN, shared  # radix hits under speculation
     for (p, sp, lp), outs, refs in zip(wl, got, want):
         for out, ref in zip(outs, refs):
             assert out["output_ids"] == ref["output_ids"], sp
@@ -3800,12 +3826,15 @@ def test_speculative_decoding_gives_plain_decodings_tokens(cycling_ckpt, loop, a
     no_drafts = [m for (_, sp, _), outs in zip(wl, got) for m in (o["meta_info"] for o in outs)
                  if {"frequency_penalty", "regex"} & set(sp)]
     assert all(m.get("spec_accept_rate", 0) == 0 for m in no_drafts) and drafting
+    sampled = [m for (_, sp, _), outs in zip(wl, got) for m in (o["meta_info"] for o in outs)
+               if sp.get("temperature") == 0.9]
+    assert sum(m.get("spec_accept_rate", 0) > 0 for m in sampled) >= 2, sampled  # sampled drafts accepted
     if algorithm == "STANDALONE":  # its own draft: every greedy draft is the target's own token
         greedy = [o["meta_info"] for (_, sp, _), outs in zip(wl, got) for o in outs
                   if sp["temperature"] == 0 and set(sp) <= {"temperature", "ignore_eos", "max_new_tokens"}
                   and sp["max_new_tokens"] > 1]
         assert greedy and all(m["spec_accept_rate"] == 1.0 for m in greedy), greedy
-    if config != "default":
+    if config == "chunked, small pool":
         assert retractions > 0
 
 
@@ -3932,8 +3961,7 @@ def test_speculative_arguments_are_checked(ckpt, tmp_path):
                "speculative_ngram_max_match_window_size": 3}, "min_match_window_size"),
              ({"speculative_algorithm": "STANDALONE"}, "speculative_draft_model_path"),
              ({"speculative_draft_model_path": ckpt}, "speculative_draft_model_path"),
-             ({"speculative_algorithm": "EAGLE"}, "speculative_algorithm"),
-             ({"speculative_algorithm": "NGRAM", "enable_mixed_chunk": True}, "enable_mixed_chunk")]
+             ({"speculative_algorithm": "EAGLE"}, "speculative_algorithm")]
     for kw, words in cases:
         with pytest.raises(ValueError, match=words):
             Engine(model_path=ckpt, **kw)
@@ -4600,6 +4628,8 @@ BAD_INVOCATIONS = [  # (arguments, what the one line must name)
     (["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "0"],
      "speculative_num_draft_tokens"),
     (["--speculative-algorithm", "MEDUSA"], "--speculative-algorithm"),
+    (["--speculative-algorithm", "NGRAM", "--speculative-ngram-min-match-window-size", "5",
+      "--speculative-ngram-max-match-window-size", "3"], "min_match_window_size"),
     pytest.param(["--model-path", "{bad_gguf}", "--prompt", "hi"], "cannot be read", marks=needs_gguf),
 ]
 
@@ -5827,13 +5857,16 @@ def test_two_servers_behind_sglang_router(chat_ckpt):
     """sglang-router (cache-aware) in front of two engines, as README "More than one server" runs it:
     concurrent requests spread over both, greedy text through the router equals a worker's, a client's
     400 comes back as a 400, and once a worker is killed its share of the requests is retried on the
-    other (the retry backoff outlasts the router's health check)."""
+    other (the retry backoff outlasts the router's health check). The second worker speculates (NGRAM,
+    with mixed chunks, from the command line): the same text, and meta_info's spec_* figures."""
     import concurrent.futures
     import signal
     pytest.importorskip("sglang_router")
     procs, router = [], None
     try:
-        workers = [start_server_process(chat_ckpt) for _ in range(2)]
+        workers = [start_server_process(chat_ckpt), start_server_process(
+            chat_ckpt, "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "3",
+            "--enable-mixed-chunk")]
         procs = [p for p, _ in workers]
         urls = [u for _, u in workers]
         port, metrics_port = oe.free_port(), oe.free_port()
@@ -5882,6 +5915,9 @@ def test_two_servers_behind_sglang_router(chat_ckpt):
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             got = list(pool.map(ask, range(16)))
         assert [s for s, _ in got] == [200] * 16 and [o["text"] for _, o in got] == want
+        metas = [o["meta_info"] for _, o in got]  # all from the speculating worker now
+        assert all(m["spec_verify_ct"] >= 1 and m["spec_accept_length"] >= 1
+                   and 0 <= m["spec_accept_rate"] <= 1 for m in metas), metas
     finally:
         if router is not None:
             router.terminate()
