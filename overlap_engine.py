@@ -223,12 +223,12 @@ class Req:
         return base + sum(advance for advance, _ in self.planned_steps if advance)
 
     def may_draft(self) -> bool:
-        """Speculative decoding drafts for it: no grammar, penalties or min_new_tokens window (their
-        logits need the exact position, which a draft in flight hides), not pausing after a miss, and after
-        misses again and again (a pause of 16 or more next), one probe in flight at a time."""
-        sp, in_flight = self.sampling_params, any((adv or 0) > 1 for adv, _ in self.planned_steps)
-        return (self.grammar is None and not sp.has_penalties() and len(self.output_ids) >= sp.min_new_tokens
-                and self.spec_verify_ct >= self.spec_resume_at and not (self.spec_pause >= 16 and in_flight))
+        """Speculative decoding drafts for it: no grammar (its masks need the host's matcher at each
+        position), not pausing after a miss, and after misses again and again (a pause of 16 or more
+        next), one probe in flight at a time."""
+        in_flight = any((adv or 0) > 1 for adv, _ in self.planned_steps)
+        return self.grammar is None and self.spec_verify_ct >= self.spec_resume_at and not (
+            self.spec_pause >= 16 and in_flight)
 
     def finished(self) -> bool:
         return self.finished_reason is not None
@@ -350,9 +350,8 @@ class Req:
 
 def top_logprobs(out: dict, kind: str, j: int, k: int) -> list:
     """Row j's k best (logprob, token id, None), best first, from a step's `kind`top_* results."""
-    if not k:
-        return []
-    return [(lp, t, None) for lp, t in zip(out[kind + "top_logprobs"][j][:k], out[kind + "top_ids"][j][:k])]
+    return [(lp, t, None) for lp, t in zip(out[kind + "top_logprobs"][j][:k], out[kind + "top_ids"][j][:k])
+            ] if k else []
 
 
 def int64(values) -> torch.Tensor:
@@ -499,8 +498,8 @@ class ScheduleBatch:
     def sampling_inputs(self, E: int = 1) -> dict:
         """Sampling tensors, made on the host, E rows a request (a verify's positions). Penalties,
         logit_bias and min_new_tokens add theirs only when a request of the batch uses them: the others
-        pay no (B, vocab) work; they touch a verify's first row only (the rest: its requests do not draft)
-        but for logit_bias."""
+        pay no (B, vocab) work. A verify's rows sample at positions only the device knows: there its
+        penalties see the drafts before each row, and its min_new_tokens window is decided."""
         reqs, params = self.reqs, [r.sampling_params for r in self.reqs]
         out_pos = [n - len(r.origin_input_ids) for n, r in zip(self.seq_lens, reqs)]  # the output it samples
         each = lambda xs: [x for x in xs for _ in range(E)]  # noqa: E731  (a verify: one a row)
@@ -523,20 +522,22 @@ class ScheduleBatch:
             s["reset_tokens"] = int64([[r.req_pool_idx, i, t] for r in new for i, t in enumerate(r.fill_ids)])
             s["reset_counts"] = int64([[r.req_pool_idx, t] for r in new for t in r.output_ids]).view(-1, 2)
         pen = [i for i, p in enumerate(params) if p.has_penalties() and self.is_last_chunk[i]]  # sampling
-        if pen:
-            s["penalized"] = int64([i * E for i in pen])
-            s["penalty_rows"] = int64([reqs[i].req_pool_idx for i in pen])
-            s["penalty_lens"] = int64([self.seq_lens[i] for i in pen])  # tokens held: the new one's position
+        if pen:  # penalty_lens: tokens held, the new one's position (a verify's: bounds; the device's exact)
+            s["penalized"] = int64([i * E + j for i in pen for j in range(E)])
+            s["penalty_rows"] = int64(each(reqs[i].req_pool_idx for i in pen))
+            s["penalty_lens"] = int64(each(self.seq_lens[i] for i in pen))
             s["penalty_len"] = max(self.seq_lens[i] for i in pen)
             for key in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
-                s[key] = f64([getattr(params[i], key) for i in pen])
+                s[key] = f64(each(getattr(params[i], key) for i in pen))
         bias = [(i * E + j, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()
                 for j in range(E)]
         if bias:
             s["bias_at"], s["bias"] = int64([b[:2] for b in bias]), f64([b[2] for b in bias])
-        # min_new_tokens: the tokens that would finish a request cannot be sampled while it is short
-        banned = [(i * E, t) for i, r in enumerate(reqs) if out_pos[i] - E + 1 < params[i].min_new_tokens
-                  and r.grammar is None for t in r.stop_ids]  # a grammar decides when it may stop
+        # min_new_tokens: the tokens that would finish a request cannot be sampled while it is short (its
+        # output position below it: adjust_logits decides on the device; a grammar decides when it may stop)
+        banned = [(i * E + j, t, p.min_new_tokens) for i, (r, p) in enumerate(zip(reqs, params))
+                  if len(r.output_ids) < p.min_new_tokens and r.grammar is None
+                  for j in range(E) for t in r.stop_ids]
         if banned:
             s["banned"] = int64(banned)
         return s
@@ -1143,6 +1144,9 @@ class ModelWorker:
         if E > 1:
             mine = self.drafter(self, batch, rows, base, E - 1)
             drafts = torch.where(to(batch.may_draft)[:, None], mine, drafts)
+            history = self.token_counts.tokens  # the drafts join it: row j's penalties hold those before it
+            at = (base[:, None] + 1 + torch.arange(E - 1, device=rows.device)).clamp(max=history.shape[1] - 1)
+            history[rows[:, None], at] = drafts.clamp(min=0)
         positions = (base[:, None] + torch.arange(E, device=rows.device)).flatten()           # (B * E,)
         loc = self.req_to_token_pool.req_to_token[rows.repeat_interleave(E), positions].long()
         self.verify_state = (drafts, base, positions)
@@ -1158,7 +1162,13 @@ class ModelWorker:
         if bitmask is not None:
             sampling["bitmask"] = to(bitmask)
         if batch.verify_width:  # the outputs its rows sample, from the true positions
-            sampling["out_pos"] = self.verify_state[2] + 1 - sampling["prompt_len"]
+            drafts, _, positions = self.verify_state
+            sampling["out_pos"] = positions + 1 - sampling["prompt_len"]
+            if "penalized" in sampling:  # row j holds the tokens up to it, and counts the drafts before it
+                idx, E = sampling["penalized"], batch.verify_width
+                sampling["penalty_lens"] = positions[idx] + 1
+                before = torch.arange(E - 1, device=idx.device) < (idx % E)[:, None]
+                sampling["drafts_held"] = torch.where(before, drafts[idx // E], -1)         # (P, E - 1)
         out = self.sample_tokens(logits[:R], sampling)
         if len(batch.prompt_logit_rows):
             out |= logprobs(logits[R:], to(batch.prompt_logit_ids), sampling["top_logprobs_num"], "input_",
@@ -1171,6 +1181,10 @@ class ModelWorker:
             if "history_idx" in sampling:  # speculating: a prompt's first token joins its history
                 idx = sampling["history_idx"]
                 self.token_counts.tokens[rows[idx], sampling["history_pos"]] = tokens[idx]
+        if "penalized" in sampling:  # what it sampled counts from the next step on (a verify's: if accepted)
+            idx, E, sampled = sampling["penalized"], batch.verify_width or 1, out["next_ids"]
+            kept = (idx % E <= out["accept_len"][idx // E]) if batch.verify_width else torch.ones_like(idx)
+            self.token_counts.add(sampling["penalty_rows"], sampling["penalty_lens"], sampled[idx], kept)
         if len(publish_idx):  # host-known: no sync (a device boolean mask would sync)
             sel = to(publish_idx)
             self.future_map.publish(rows[sel], tokens[sel], at[sel])
@@ -1201,8 +1215,6 @@ class ModelWorker:
         if "reset_rows" in s:
             counts.reset(s["reset_rows"], s["reset_tokens"], s["reset_counts"])
         next_ids = sample(logits, s, counts, self.race_rows)  # (B,)
-        if "penalized" in s:
-            counts.add(s["penalty_rows"], s["penalty_lens"], next_ids[s["penalized"]])
         out = {"next_ids": next_ids}
         if "logprob_idx" in s:
             idx = s["logprob_idx"]
@@ -1260,10 +1272,8 @@ class Scheduler:
         # new_token_ratio: the share of max_new_tokens reserved for running requests when admitting
         # new ones; it decays while decode goes well and jumps back up after a retraction (as in SGLang)
         c = args.schedule_conservativeness
-        self.init_new_token_ratio = min(0.7 * c, 1.0)
-        self.min_new_token_ratio = min(0.1 * c, 1.0)
-        self.new_token_ratio_decay = 0.001
-        self.new_token_ratio = self.init_new_token_ratio
+        self.init_new_token_ratio, self.min_new_token_ratio = min(0.7 * c, 1.0), min(0.1 * c, 1.0)
+        self.new_token_ratio_decay, self.new_token_ratio = 0.001, self.init_new_token_ratio
         self.stats = {"overshoot_tokens": 0, "stale_results": 0, "retractions": 0}
 
     # -- the two loops: each yields once per iteration to whoever drives it (Engine.step) -------------
@@ -1474,9 +1484,8 @@ class Scheduler:
         self.worker.poison_row(row)  # last: on a broken device stream it raises, with the books settled
 
     def cache_unfinished_req(self, r: Req):
-        """After each committed chunk of a prompt, the last one included, publish its KV to the radix
-        cache so later requests share it; the request then holds the tree's slots, locked, instead of
-        private ones."""
+        """After each committed chunk of a prompt, the last one included, publish its KV to the radix cache
+        so later requests share it; the request then holds the tree's slots, locked, not private ones."""
         if self.tree_cache.disable:
             return
         k, row = r.kv_committed_len, r.req_pool_idx
@@ -1702,22 +1711,6 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig, dtype=torch.float64) -> torch.Tensor:
-    """Inverse frequencies (head_dim/2,), with Llama 3's wavelength-dependent scaling if configured."""
-    D = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
-    sc = cfg.rope_scaling
-    if sc and sc.get("rope_type", sc.get("type")) == "llama3":
-        factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
-        old_len = sc["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_len / wavelen - lo) / (hi - lo)  # 0 at the low-frequency edge, 1 at the high one
-        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
-        mid = (wavelen <= old_len / lo) & (wavelen >= old_len / hi)
-        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    return inv_freq.to(dtype)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: (N, H, D); cos, sin: (N, 1, D). HF layout: rotate the two halves of the head dimension.
     x1, x2 = x.chunk(2, dim=-1)
@@ -1792,7 +1785,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        freqs = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim  # RoPE's (loading sets
+        self.register_buffer("inv_freq", 1.0 / cfg.rope_theta ** freqs, persistent=False)  # Llama 3's too)
 
     @torch.no_grad()
     def forward(self, input_ids, positions, attn, logit_rows) -> torch.Tensor:
@@ -1884,14 +1878,17 @@ def adjust_logits(logits: torch.Tensor, s: dict, counts: Optional[TokenCounts]) 
         held = torch.where(past_end, held[:, :1], held)  # padding repeats a held token: writes agree
         at = (idx[:, None], held)
         y, n = logits[at].double(), counts.counts[rows[:, None], held]                # (P, L) each
+        if "drafts_held" in s:  # a verify's row: the drafts before it are outputs too (frequency, presence)
+            n = n + (held[:, :, None] == s["drafts_held"][:, None, :]).sum(-1)
         rep = s["repetition_penalty"][:, None]
         y = torch.where(y > 0, y / rep, y * rep)  # a token held twice gets the same value twice
         logits[at] = (y - s["frequency_penalty"][:, None] * n - s["presence_penalty"][:, None] * (n > 0)
                       ).to(logits.dtype)
     if "bias" in s:
         logits.index_put_(tuple(s["bias_at"].T), s["bias"].to(logits.dtype), accumulate=True)
-    if "banned" in s:
-        logits[tuple(s["banned"].T)] = -math.inf
+    if "banned" in s:  # (row, token, min_new_tokens): masked while the row's output position is below it
+        rows, ids, until = s["banned"].T
+        logits[rows, ids] = torch.where(s["out_pos"][rows] < until, -math.inf, logits[rows, ids])
     if "bitmask" in s:  # a grammar's allowed tokens: bit t % 32 of word t // 32 (rows without one: all)
         bits = (s["bitmask"][:, :, None] >> torch.arange(32, device=logits.device)) & 1  # (B, W, 32)
         logits.masked_fill_(bits.view(len(logits), -1)[:, :logits.shape[1]] == 0, -math.inf)
@@ -1917,9 +1914,9 @@ class TokenCounts:
         self.counts.index_put_(tuple(counted.T), torch.ones_like(counted[:, 0], dtype=torch.int32),
                                accumulate=True)
 
-    def add(self, rows: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor):
-        self.tokens[rows, positions] = tokens
-        self.counts[rows, tokens] += 1  # a row appears once per step: no repeated index
+    def add(self, rows: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, kept: torch.Tensor):
+        self.tokens[rows, positions] = tokens  # kept: whether each counts (a verify's rows: if accepted)
+        self.counts.index_put_((rows, tokens), kept.to(torch.int32), accumulate=True)
 
 
 def logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int, kind: str = "",
@@ -4117,6 +4114,22 @@ def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str,
     rope_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     model.inv_freq = rope_inv_freq(cfg, rope_dtype).to(device)
     return model.eval()
+
+
+def rope_inv_freq(cfg: ModelConfig, dtype=torch.float64) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,), with Llama 3's wavelength-dependent scaling if configured."""
+    D = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    sc = cfg.rope_scaling
+    if sc and sc.get("rope_type", sc.get("type")) == "llama3":
+        factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+        old_len = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - lo) / (hi - lo)  # 0 at the low-frequency edge, 1 at the high one
+        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / lo) & (wavelen >= old_len / hi)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    return inv_freq.to(dtype)
 
 
 # -- speculative decoding's drafters, plugged into Part I's worker from outside: NGRAM's lookup (Part I's

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import gc
 import inspect
+import itertools
 import json
 import math
 import os
@@ -3714,6 +3715,11 @@ def cycling_ckpt(tmp_path_factory):
     return path
 
 
+def cycle_after(t: int, n: int) -> list:
+    """The n tokens that follow t around its cycle: the cycling model's greedy continuation, unturned."""
+    return list(itertools.accumulate(range(n), lambda t, _: CYCLE_NEXT[t], initial=t))[1:]
+
+
 def cycling_prompt(rng, lo=0, hi=8, last=None) -> list:
     """Random tokens, then 8 of a cycle (ending with `last` if given): the model's continuation is in its
     history from the start."""
@@ -3723,46 +3729,41 @@ def cycling_prompt(rng, lo=0, hi=8, last=None) -> list:
     return [rng.randrange(256) for _ in range(rng.randint(lo, hi))] + cycle
 
 
-# spec_workload's stop cases stop at output 3 (inside the first verify's accepted run): the last tokens of
-SPEC_STOPS = (61, 200)  # their prompts (61 -> 62, 63, 64: "a"; 200 -> 201, 202, 203: its stop id)
-SPEC_BANNED = 105  # the logit_bias case's third token (its prompt ends with 102), banned
+SPEC_G = {"temperature": 0, "ignore_eos": True}
+SPEC_T = {"temperature": 0.9, "sampling_seed": 7, "ignore_eos": True}
+SPEC_BANNED = 105  # the logit_bias case bans its third token (its prompt's cycle ends with 102)
+SPEC_CASES = {  # name: (sampling params, logprob args, the last token of its prompt's cycle; None: any)
+    "greedy": ({**SPEC_G, "max_new_tokens": 40}, (False, 0, -1), None),
+    "greedy, 7": ({**SPEC_G, "max_new_tokens": 7}, (True, 2, -1), None),
+    "greedy, 1": ({**SPEC_G, "max_new_tokens": 1}, (False, 0, -1), None),
+    "top_k": ({**SPEC_T, "max_new_tokens": 30, "top_k": 8}, (True, 3, 0), None),
+    "top_p": ({**SPEC_T, "max_new_tokens": 23, "top_p": 0.8}, (False, 0, -1), None),
+    "min_p, n": ({**SPEC_T, "max_new_tokens": 19, "min_p": 0.05, "n": 2}, (True, 0, -1), None),
+    "penalties": ({**SPEC_G, "max_new_tokens": 30, "frequency_penalty": 0.5, "repetition_penalty": 1.2},
+                  (True, 1, -1), None),
+    "logit_bias": ({**SPEC_G, "max_new_tokens": 25, "logit_bias": {str(SPEC_BANNED): -100}}, (True, 2, -1),
+                   SPEC_BANNED - 3),
+    # the cycle 252 .. 257 holds EOS (257): 254, 255, 256, then EOS, banned at output 3 < min_new_tokens
+    "min_new_tokens": ({"temperature": 0, "max_new_tokens": 30, "min_new_tokens": 4}, (False, 0, -1), 253),
+    "EOS": ({"temperature": 0, "max_new_tokens": 30}, (False, 0, -1), 254),  # 255, 256, EOS
+    "stop string": ({**SPEC_G, "max_new_tokens": 30, "stop": ["a"]}, (False, 0, -1), 61),  # 62, 63, 64: "a"
+    "regex": ({**SPEC_G, "max_new_tokens": 25, "regex": "[a-z]{3,30}"}, (False, 0, -1), None),
+    "stop id": ({**SPEC_G, "ignore_eos": False, "max_new_tokens": 30, "stop_token_ids": [203]},
+                (False, 0, -1), 200),  # 201, 202, 203
+}
 
 
 def spec_workload(seed: int) -> list:
-    """(prompt, sampling params, logprob args) of a speculative engine's workload: greedy and sampled
-    (temperature with top_k, top_p, min_p, seeds), max_new_tokens of 1 to 40 (landing inside accepted
-    runs), penalties and min_new_tokens (they do not draft), logit_bias (banning a token its drafts
-    propose), logprobs with top ones, n = 2, a stop id and a stop string ("a", token 64) its cycle
-    reaches at its third token, EOS (a cycle that holds it), a grammar, and prompts that share a prefix
-    long enough that the later ones wait for it and hit the radix cache (IN_BATCH_PREFIX_MIN)."""
+    """(prompt, sampling params, logprob args) of a speculative engine's workload, SPEC_CASES in order:
+    greedy and sampled (temperature with top_k, top_p, min_p, seeds), max_new_tokens of 1 to 40 (landing
+    inside accepted runs), penalties that turn the cycle aside, logit_bias banning a token its drafts
+    propose, logprobs with top ones, n = 2, a min_new_tokens window that bans the EOS a draft proposes,
+    and EOS, a stop string and a stop id inside the first verify's accepted run, a grammar, and prompts
+    that share a prefix long enough that the later ones wait for it and hit the radix cache."""
     rng = random.Random(seed)
     shared = cycling_prompt(rng, oe.IN_BATCH_PREFIX_MIN, oe.IN_BATCH_PREFIX_MIN)
-    g = {"temperature": 0, "ignore_eos": True}
-    t = {"temperature": 0.9, "sampling_seed": 7, "ignore_eos": True}
-    cases = [({**g, "max_new_tokens": 40}, (False, 0, -1)), ({**g, "max_new_tokens": 7}, (True, 2, -1)),
-             ({**g, "max_new_tokens": 1}, (False, 0, -1)),
-             ({**t, "max_new_tokens": 30, "top_k": 8}, (True, 3, 0)),
-             ({**t, "max_new_tokens": 23, "top_p": 0.8}, (False, 0, -1)),
-             ({**t, "max_new_tokens": 19, "min_p": 0.05, "n": 2}, (True, 0, -1)),
-             ({**g, "max_new_tokens": 20, "frequency_penalty": 0.5, "repetition_penalty": 1.2},
-              (True, 1, -1)),
-             ({**g, "max_new_tokens": 25, "logit_bias": {str(SPEC_BANNED): -100}}, (True, 2, -1)),
-             ({"temperature": 0, "max_new_tokens": 30, "min_new_tokens": 9}, (False, 0, -1)),  # EOS after 9
-             ({**g, "max_new_tokens": 30, "stop": ["a"]}, (False, 0, -1)),
-             ({**g, "max_new_tokens": 25, "regex": "[a-z]{3,30}"}, (False, 0, -1))]
-    wl = []
-    for i, (sp, lp) in enumerate(cases):
-        prompt = cycling_prompt(rng) if i % 3 else shared + cycling_prompt(rng)
-        if i == 7:
-            prompt = cycling_prompt(rng, last=SPEC_BANNED - 3)
-        if i == 8:
-            prompt = [rng.randrange(10), 252, 253, 254, 255, 256]  # its cycle holds EOS (257)
-        if i == 9:
-            prompt = cycling_prompt(rng, last=SPEC_STOPS[0])
-        wl.append((prompt, sp, lp))
-    stop = {**g, "ignore_eos": False, "max_new_tokens": 30, "stop_token_ids": [SPEC_STOPS[1] + 3]}
-    wl.append((cycling_prompt(rng, last=SPEC_STOPS[1]), stop, (False, 0, -1)))
-    return wl
+    return [((shared if i % 3 == 0 and last is None else []) + cycling_prompt(rng, last=last), sp, lp)
+            for i, (sp, lp, last) in enumerate(SPEC_CASES.values())]
 
 
 def run_spec_workload(engine, wl) -> list:
@@ -3784,13 +3785,15 @@ SPEC_CONFIGS = {"default": {}, "chunked, small pool": {"chunked_prefill_size": 5
 @pytest.mark.parametrize("loop", LOOPS)
 def test_speculative_decoding_gives_plain_decodings_tokens(cycling_ckpt, loop, algorithm, config,
                                                            monkeypatch):
-    """Speculative == plain decoding, token for token and logprob for logprob, in both loops: greedy and
-    seeded sampling with top_k/top_p/min_p, penalties, logit_bias, logprobs, n, stops, EOS, a grammar,
-    radix hits; chunked prefill with a pool small enough to retract; mixed chunks (their decode rows do
-    not draft); max_new_tokens inside accepted runs. Drafts are really accepted (runs of 1 to k; sampled
-    ones too), the stops fire, and STANDALONE with the model as its own draft accepts every greedy
-    draft. The ledger (debug_ledger) also checks, every iteration, that a verify's unused reserve went
-    back."""
+    """Speculative == plain decoding, token for token and logprob for logprob, in both loops, on
+    SPEC_CASES: greedy and seeded sampling with top_k/top_p/min_p, penalties, logit_bias, logprobs, n,
+    min_new_tokens, stops, EOS, a grammar, radix hits; chunked prefill with a pool small enough to
+    retract; mixed chunks (their decode rows do not draft); max_new_tokens inside accepted runs. Drafts
+    are really accepted (runs of 1 to k; sampled, penalized and min_new_tokens requests' too, all but the
+    grammar's), what each case sets up happens (the stops fire inside the first verify's run; the
+    penalties, the bias and the window each change a token its drafts propose), and STANDALONE with the
+    model as its own draft accepts every greedy draft. The ledger (debug_ledger) also checks, every
+    iteration, that a verify's unused reserve went back."""
     wl = spec_workload(seed=11)
     with make_engine(cycling_ckpt, "serial") as plain:
         want = run_spec_workload(plain, wl)
@@ -3803,11 +3806,16 @@ def test_speculative_decoding_gives_plain_decodings_tokens(cycling_ckpt, loop, a
         got = run_spec_workload(e, wl)
         retractions = e.stats()["retractions"]
     assert bool(mixed) == (config == "mixed chunks"), mixed  # decode rows rode along with prefill chunks
-    stops = [refs[0] for (_, sp, _), refs in zip(wl, want) if {"stop", "stop_token_ids"} & set(sp)]
-    assert [(o["meta_info"]["finish_reason"]["matched"], len(o["output_ids"])) for o in stops] == [
-        ("a", 3), (SPEC_STOPS[1] + 3, 3)], stops  # each stop fires inside an accepted run
-    banned = [o["output_ids"] for (_, sp, _), outs in zip(wl, got) for o in outs if "logit_bias" in sp]
-    assert len(banned[0]) == 25 and SPEC_BANNED not in banned[0]  # a drafted token that the bias bans
+    case = {name: (p, outs[0], refs[0]) for name, (p, _, _), outs, refs in zip(SPEC_CASES, wl, got, want)}
+    ends = {name: (ref["meta_info"]["finish_reason"]["matched"], len(ref["output_ids"]))
+            for name, (_, _, ref) in case.items() if name in ("EOS", "stop string", "stop id")}
+    assert ends == {"EOS": (257, 3), "stop string": ("a", 3), "stop id": (203, 3)}, ends
+    window = case["min_new_tokens"][2]["output_ids"]
+    assert window[:3] == [254, 255, 256] and window[3] != 257  # EOS, the cycle's next, banned at output 3
+    banned = case["logit_bias"][2]["output_ids"]
+    assert banned[:2] == [SPEC_BANNED - 2, SPEC_BANNED - 1] and SPEC_BANNED not in banned
+    p, _, ref = case["penalties"]
+    assert ref["output_ids"] != cycle_after(p[-1], len(ref["output_ids"]))  # the penalties turned it aside
     shared = [o["meta_info"]["cached_tokens"] for (p, _, _), outs in zip(wl, got) for o in outs
               if p[:oe.IN_BATCH_PREFIX_MIN] == wl[0][0][:oe.IN_BATCH_PREFIX_MIN]]
     assert max(shared) >= oe.IN_BATCH_PREFIX_MIN, shared  # radix hits under speculation
@@ -3821,14 +3829,9 @@ def test_speculative_decoding_gives_plain_decodings_tokens(cycling_ckpt, loop, a
     assert all(m.get("spec_verify_ct", 0) >= 1 for m in metas if m["completion_tokens"] > 1)
     assert sum(m.get("spec_accept_rate", 0) > 0.5 for m in metas) >= 4
     assert max(m.get("spec_accept_length", 0) for m in metas) > 3
-    drafting = [m for (_, sp, _), outs in zip(wl, got) for m in (o["meta_info"] for o in outs)
-                if not {"frequency_penalty", "regex", "min_new_tokens"} & set(sp)]
-    no_drafts = [m for (_, sp, _), outs in zip(wl, got) for m in (o["meta_info"] for o in outs)
-                 if {"frequency_penalty", "regex"} & set(sp)]
-    assert all(m.get("spec_accept_rate", 0) == 0 for m in no_drafts) and drafting
-    sampled = [m for (_, sp, _), outs in zip(wl, got) for m in (o["meta_info"] for o in outs)
-               if sp.get("temperature") == 0.9]
-    assert sum(m.get("spec_accept_rate", 0) > 0 for m in sampled) >= 2, sampled  # sampled drafts accepted
+    rates = {name: out["meta_info"].get("spec_accept_rate", 0) for name, (_, out, _) in case.items()}
+    assert rates["regex"] == 0  # a grammar's request decodes without drafts, in the same batches
+    assert all(rates[name] > 0 for name in ("top_k", "top_p", "penalties", "min_new_tokens")), rates
     if algorithm == "STANDALONE":  # its own draft: every greedy draft is the target's own token
         greedy = [o["meta_info"] for (_, sp, _), outs in zip(wl, got) for o in outs
                   if sp["temperature"] == 0 and set(sp) <= {"temperature", "ignore_eos", "max_new_tokens"}
@@ -3836,6 +3839,30 @@ def test_speculative_decoding_gives_plain_decodings_tokens(cycling_ckpt, loop, a
         assert greedy and all(m["spec_accept_rate"] == 1.0 for m in greedy), greedy
     if config == "chunked, small pool":
         assert retractions > 0
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_speculative_penalties_count_the_drafts_before_each_row(cycling_ckpt, loop):
+    """With k = 7 a verify's drafts go round the model's cycle of 6 and back, so row j's frequency and
+    presence penalties weigh tokens that the drafts before it hold: they count as outputs there (and
+    after the verify only the accepted ones count). Penalized requests draft, drafts are accepted, the
+    penalties turn the cycle aside, and the tokens and logprobs are plain decoding's. (Counting no
+    drafts, or every row's token after a verify, each gives other tokens here.)"""
+    rng = random.Random(4)
+    prompts = [cycling_prompt(rng) for _ in range(6)]
+    sps = [{"temperature": 0, "max_new_tokens": 60, "ignore_eos": True, **pen}
+           for pen in ({"frequency_penalty": 2.0}, {"frequency_penalty": 1.0, "presence_penalty": 1.0})] * 3
+    with make_engine(cycling_ckpt, "serial") as plain:
+        want = plain.generate(input_ids=prompts, sampling_params=sps, return_logprob=True)
+    with make_engine(cycling_ckpt, loop, speculative_algorithm="NGRAM", speculative_num_draft_tokens=7) as e:
+        got = e.generate(input_ids=prompts, sampling_params=sps, return_logprob=True)
+        e.check_invariants()
+    for out, ref in zip(got, want):
+        assert out["output_ids"] == ref["output_ids"]
+        assert_same_logprobs(out["meta_info"], ref["meta_info"], len(ref["output_ids"]), False)
+        assert out["meta_info"]["spec_accept_rate"] > 0
+    for p, ref in zip(prompts, want):  # turned aside: not the cycle that the prompt ends in
+        assert ref["output_ids"] != cycle_after(p[-1], 60)
 
 
 def test_drafting_pauses_grow_after_misses_and_a_hit_ends_them():
@@ -3867,15 +3894,15 @@ def test_drafting_pauses_grow_after_misses_and_a_hit_ends_them():
 
 def test_a_batch_verifies_only_when_half_of_its_requests_draft(cycling_ckpt):
     """A verify has one width, so every request of its batch feeds 1 + k tokens: a batch verifies only
-    when at least half of its requests draft. One drafting request beside three that cannot (penalties)
+    when at least half of its requests draft. One drafting request beside three that cannot (a grammar)
     decodes without drafts; two beside two verify, and their drafts are accepted."""
     rng = random.Random(2)
     prompts = [cycling_prompt(rng) for _ in range(4)]
     plain = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
-    penalized = {**plain, "frequency_penalty": 0.5}
+    constrained = {**plain, "regex": "[a-z]{3,30}"}
     for drafting in (1, 2):
         with make_engine(cycling_ckpt, "overlap", speculative_algorithm="NGRAM") as e:
-            rids = e.add_requests(prompts, [plain] * drafting + [penalized] * (4 - drafting))
+            rids = e.add_requests(prompts, [plain] * drafting + [constrained] * (4 - drafting))
             done = steps_until_done(e, rids, limit=200)
             e.check_invariants()
         rates = [done[r]["meta_info"].get("spec_accept_rate", 0) for r in rids[:drafting]]
