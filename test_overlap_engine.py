@@ -4125,15 +4125,17 @@ def test_tp2_gives_the_tokens_of_tp1(ckpt, loop, monkeypatch, loopback):
         assert rank["replicated_weights"] == one_mem[0]["replicated_weights"]
 
 
-def test_tp2_speculative_decoding_gives_the_tokens_of_tp1_without_it(cycling_ckpt, loopback):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_tp2_speculative_decoding_gives_the_tokens_of_tp1_without_it(cycling_ckpt, loopback, loop):
     """Speculating with two ranks: every rank drafts from the same history and verifies the same plan
-    (plan hashes compared every iteration), and the tokens are one rank's without speculation."""
+    (plan hashes compared every iteration), and the tokens are one rank's without speculation, penalized
+    ones too (each rank counts the same drafts)."""
     rng = random.Random(8)
     wl = [(cycling_prompt(rng), {"max_new_tokens": 20, "ignore_eos": True, "temperature": 0.9 * (i % 2),
-                                 "sampling_seed": i}) for i in range(4)]
-    with make_engine(cycling_ckpt, "overlap") as e:
+                                 "sampling_seed": i, "frequency_penalty": 0.5 * (i // 2)}) for i in range(4)]
+    with make_engine(cycling_ckpt, "serial") as e:
         plain = e.generate(input_ids=[p for p, _ in wl], sampling_params=[sp for _, sp in wl])
-    with make_engine(cycling_ckpt, "overlap", tp_size=2, dist_timeout=60, speculative_algorithm="NGRAM") as e:
+    with make_engine(cycling_ckpt, loop, tp_size=2, dist_timeout=60, speculative_algorithm="NGRAM") as e:
         spec = e.generate(input_ids=[p for p, _ in wl], sampling_params=[sp for _, sp in wl])
         e.check_invariants()
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
