@@ -226,9 +226,12 @@ class Req:
         """Speculative decoding drafts for it: no grammar (its masks need the host's matcher at each
         position), not pausing after a miss, and after misses again and again (a pause of 16 or more
         next), one probe in flight at a time."""
-        in_flight = any((adv or 0) > 1 for adv, _ in self.planned_steps)
         return self.grammar is None and self.spec_verify_ct >= self.spec_resume_at and not (
-            self.spec_pause >= 16 and in_flight)
+            self.spec_pause >= 16 and self.verify_planned())
+
+    def verify_planned(self) -> bool:
+        """A planned step drafts: until it commits, base_bound() is a bound (the device has the count)."""
+        return any((advance or 0) > 1 for advance, _ in self.planned_steps)
 
     def finished(self) -> bool:
         return self.finished_reason is not None
@@ -1144,9 +1147,6 @@ class ModelWorker:
         if E > 1:
             mine = self.drafter(self, batch, rows, base, E - 1)
             drafts = torch.where(to(batch.may_draft)[:, None], mine, drafts)
-            history = self.token_counts.tokens  # the drafts join it: row j's penalties hold those before it
-            at = (base[:, None] + 1 + torch.arange(E - 1, device=rows.device)).clamp(max=history.shape[1] - 1)
-            history[rows[:, None], at] = drafts.clamp(min=0)
         positions = (base[:, None] + torch.arange(E, device=rows.device)).flatten()           # (B * E,)
         loc = self.req_to_token_pool.req_to_token[rows.repeat_interleave(E), positions].long()
         self.verify_state = (drafts, base, positions)
@@ -1165,7 +1165,9 @@ class ModelWorker:
             drafts, _, positions = self.verify_state
             sampling["out_pos"] = positions + 1 - sampling["prompt_len"]
             if "penalized" in sampling:  # row j holds the tokens up to it, and counts the drafts before it
-                idx, E = sampling["penalized"], batch.verify_width
+                idx, E, history = sampling["penalized"], batch.verify_width, self.token_counts.tokens
+                at = positions.view(len(rows), E)[:, 1:].clamp(max=history.shape[1] - 1)  # where drafts sit
+                history[rows[:, None], at] = drafts.clamp(min=0)
                 sampling["penalty_lens"] = positions[idx] + 1
                 before = torch.arange(E - 1, device=idx.device) < (idx % E)[:, None]
                 sampling["drafts_held"] = torch.where(before, drafts[idx // E], -1)         # (P, E - 1)
@@ -1516,9 +1518,9 @@ class Scheduler:
         if not self.waiting and self.chunked_req is None:
             return None
         # enable_mixed_chunk: decode rows ride along at host-known positions (none behind a verify in flight)
-        running = self.running_batch.reqs
-        known = not any((advance or 0) > 1 for r in running for advance, _ in r.planned_steps)
-        mixed = sum(map(Req.needs_decode, running)) if self.server_args.enable_mixed_chunk and known else 0
+        running, mixed = self.running_batch.reqs, 0
+        if self.server_args.enable_mixed_chunk and not any(map(Req.verify_planned, running)):
+            mixed = sum(map(Req.needs_decode, running))
         adder = PrefillAdder(self, running, mixed_decode_tokens=mixed)
         if self.chunked_req is not None and not adder.add_chunked_req(self.chunked_req):
             return None
