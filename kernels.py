@@ -384,7 +384,7 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix
 # when the maximum grows (flash attention's online softmax), then the chunk's values. OpenMP splits
 # the (request, kv head) pairs over torch's threads; the .so links the libgomp that torch has loaded.
 # Compiled once per machine (head_dim and G are compile-time constants, so the inner loops are
-# vector code) with the C compiler Inductor would use, and cached under CPU_KERNEL_CACHE.
+# vector code) with the C compiler Inductor would use, and cached under cpu_kernel_cache().
 
 CPU_DECODE_SRC = r"""
 #include <stdint.h>
@@ -496,8 +496,14 @@ void decode_attention(const ELEM *q, const ELEM *kb, const ELEM *vb, const int32
 """
 
 CPU_KERNEL_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
-CPU_KERNEL_CACHE = os.path.join(os.environ.get("OVERLAP_ENGINE_CACHE") or os.path.expanduser(
-    "~/.cache/overlap_engine"), "kernels")
+
+
+def cpu_kernel_cache() -> str:
+    """Where built kernels are kept: overlap_engine's cache folder ($OVERLAP_ENGINE_CACHE, else
+    ~/.cache/overlap_engine), read at each build so that a process may point it elsewhere."""
+    root = os.environ.get("OVERLAP_ENGINE_CACHE") or os.path.expanduser("~/.cache/overlap_engine")
+    return os.path.join(root, "kernels")
+
 _cpu_kernels: dict = {}
 
 
@@ -515,16 +521,16 @@ def _cpu_flags() -> str:
 def build_c(stem: str, src: str, flags: list, compiler: str, symbol: str, argtypes: list, lang: str = "c",
             libs: tuple = ("-lm",)):
     """The function `symbol` of `src` (C, or `lang`) compiled with `flags` and linked with `libs` into
-    CPU_KERNEL_CACHE/<stem>_<hash>.so (once per source, flags, compiler and CPU), or None where it cannot
+    cpu_kernel_cache()/<stem>_<hash>.so (once per source, flags, compiler and CPU), or None where it cannot
     be built here."""
     import ctypes
     import hashlib
     import subprocess
     tag = hashlib.sha256((src + " ".join(flags) + compiler + _cpu_flags()).encode()).hexdigest()[:16]
-    so = os.path.join(CPU_KERNEL_CACHE, f"{stem}_{tag}.so")
+    so = os.path.join(cpu_kernel_cache(), f"{stem}_{tag}.so")
     try:
         if not os.path.exists(so):
-            os.makedirs(CPU_KERNEL_CACHE, exist_ok=True)
+            os.makedirs(os.path.dirname(so), exist_ok=True)
             c_path = so[:-3] + f".{os.getpid()}.{lang}"
             with open(c_path, "w") as f:
                 f.write(src)

@@ -2562,6 +2562,52 @@ class StepTimer:
             v.clear()
 
 
+def check_engine_args(kwargs: dict) -> ServerArgs:
+    """ServerArgs from keyword arguments, with unknown names refused and `auto` values resolved, except
+    attention_backend's (Engine._check_args). Nothing is built, fetched or written: the CLI refuses a bad
+    argument with this before anything that takes time."""
+    names = {f.name for f in dataclasses.fields(ServerArgs)}
+    for key in kwargs:
+        if key not in names:
+            raise ValueError(f"unknown engine argument {key!r}")
+    args = ServerArgs(**kwargs)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch sees no CUDA device")
+    c_fits = (args.device == "cpu" and args.dtype not in ("float64", "float16")
+              and cpp_compiler() is not None)
+    if args.attention_backend == "c" and not c_fits:
+        raise ValueError(f"attention_backend='c' needs device='cpu', a bf16 or float32 dtype (not "
+                         f"{args.dtype!r}) and a C compiler ($CXX, g++, c++, clang++)")
+    if (args.attention_backend == "triton" and args.device == "cpu" and torch.cuda.is_available()
+            and os.environ.get("TRITON_INTERPRET") != "1"):  # without a GPU, kernels.py sets it itself
+        raise ValueError("attention_backend='triton' on device='cpu' needs TRITON_INTERPRET=1 set "
+                         "before triton is imported: on a machine with a GPU, triton compiles its "
+                         "kernels for the GPU")
+    if args.enable_torch_compile and args.device != "cpu":
+        raise ValueError("enable_torch_compile is implemented for device='cpu' only (on a GPU the "
+                         "plan is CUDA graphs; see README)")
+    if args.enable_torch_compile and cpp_compiler() is None:
+        raise ValueError("enable_torch_compile needs a C++ compiler (Inductor builds C++ on a CPU): "
+                         "none found ($CXX, g++, c++, clang++)")
+    if args.quantization and args.dtype == "float64":
+        raise ValueError(f"quantization={args.quantization!r} needs 32- or 16-bit float activations, "
+                         "not dtype='float64'")
+    if args.quantization and args.device != "cpu":
+        raise ValueError(f"quantization={args.quantization!r} runs on the CPU only (torch's weight-pack "
+                         f"matmuls), not on device={args.device!r}")
+    if args.dtype == "auto":
+        # torch's weight-pack matmuls are several times slower with fp32 activations than with bf16
+        bf16 = args.device == "cuda" or bool(args.quantization) or cpu_has_native_bf16()
+        args.dtype = "bfloat16" if bf16 else "float32"
+    if args.device == "cuda" and args.tp_size // args.nnodes > torch.cuda.device_count():
+        raise ValueError(f"tp_size={args.tp_size} over nnodes={args.nnodes} needs "
+                         f"{args.tp_size // args.nnodes} GPUs per machine; torch sees "
+                         f"{torch.cuda.device_count()}")
+    return args
+
+
 class Engine:
     """The user-facing engine: `generate` for text, `add_request` + `step` for servers and tests.
 
@@ -2683,50 +2729,12 @@ class Engine:
 
     @staticmethod
     def _check_args(kwargs: dict) -> ServerArgs:
-        """ServerArgs from keyword arguments, with unknown names refused and `auto` values resolved."""
-        names = {f.name for f in dataclasses.fields(ServerArgs)}
-        for key in kwargs:
-            if key not in names:
-                raise ValueError(f"unknown engine argument {key!r}")
-        args = ServerArgs(**kwargs)
-        if args.device == "auto":
-            args.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if args.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' but torch sees no CUDA device")
-        c_fits = (args.device == "cpu" and args.dtype not in ("float64", "float16")
-                  and cpp_compiler() is not None)
+        """check_engine_args, then attention_backend `auto` resolved (which builds the C kernel once)."""
+        args = check_engine_args(kwargs)
         if args.attention_backend == "auto":
-            c = c_fits and c_kernel_builds()
+            c = (args.device == "cpu" and args.dtype not in ("float64", "float16")
+                 and cpp_compiler() is not None and c_kernel_builds())
             args.attention_backend = "triton" if args.device == "cuda" else "c" if c else "torch"
-        if args.attention_backend == "c" and not c_fits:
-            raise ValueError(f"attention_backend='c' needs device='cpu', a bf16 or float32 dtype (not "
-                             f"{args.dtype!r}) and a C compiler ($CXX, g++, c++, clang++)")
-        if (args.attention_backend == "triton" and args.device == "cpu" and torch.cuda.is_available()
-                and os.environ.get("TRITON_INTERPRET") != "1"):  # without a GPU, kernels.py sets it itself
-            raise ValueError("attention_backend='triton' on device='cpu' needs TRITON_INTERPRET=1 set "
-                             "before triton is imported: on a machine with a GPU, triton compiles its "
-                             "kernels for the GPU")
-        if args.enable_torch_compile and args.device != "cpu":
-            raise ValueError("enable_torch_compile is implemented for device='cpu' only (on a GPU the "
-                             "plan is CUDA graphs; see README)")
-        if args.enable_torch_compile and cpp_compiler() is None:
-            raise ValueError("enable_torch_compile needs a C++ compiler (Inductor builds C++ on a CPU): "
-                             "none found ($CXX, g++, c++, clang++)")
-        if args.quantization and args.dtype == "float64":
-            raise ValueError(f"quantization={args.quantization!r} needs 32- or 16-bit float activations, "
-                             "not dtype='float64'")
-        if args.quantization and args.device != "cpu":
-            raise ValueError(f"quantization={args.quantization!r} runs on the CPU only (torch's weight-pack "
-                             f"matmuls), not on device={args.device!r}")
-        if args.dtype == "auto":
-            # the weight-pack matmuls are slower with fp32 activations than with bf16: int8 5x, int4 23x
-            # for one token through SmolLM2's 210 weight matrices here
-            bf16 = args.device == "cuda" or bool(args.quantization) or cpu_has_native_bf16()
-            args.dtype = "bfloat16" if bf16 else "float32"
-        if args.device == "cuda" and args.tp_size // args.nnodes > torch.cuda.device_count():
-            raise ValueError(f"tp_size={args.tp_size} over nnodes={args.nnodes} needs "
-                             f"{args.tp_size // args.nnodes} GPUs per machine; torch sees "
-                             f"{torch.cuda.device_count()}")
         return args
 
     def _new_loop(self):
@@ -4350,13 +4358,26 @@ def load_hf_tokenizer(path: str, cfg: ModelConfig) -> Optional[Tokenizer]:
                      token_str(tk_cfg.get("bos_token")), token_str(tk_cfg.get("eos_token")), template)
 
 
+def check_checkpoint_path(path: str, key: str = "model_path") -> bool:
+    """What can be told of a checkpoint without reading its weights: a ValueError naming `key` unless
+    `path` is a .gguf file that opens as one or a directory with config.json. Whether it is a GGUF."""
+    is_gguf = path.endswith(".gguf")
+    if not os.path.isfile(path if is_gguf else os.path.join(path, "config.json")):
+        raise ValueError(f"{key}={path!r} is neither a .gguf file nor a directory with config.json")
+    if is_gguf:
+        with open(path, "rb") as f:
+            head = f.read(8)
+        if len(head) < 8 or head[:4] != b"GGUF" or struct.unpack("<I", head[4:])[0] not in (2, 3):
+            raise ValueError(f"{key}={path!r} cannot be read: not a little-endian GGUF file of version "
+                             "2 or 3")
+    return is_gguf
+
+
 def load_checkpoint(path: str, tp: Optional[TPShard] = None) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
     """(config, state dict, tokenizer) of a .gguf file or an HF directory (the state dict: this rank's
     shard). A path that is missing or cannot be read (a truncated file, a config without a key) raises
     ValueError naming it."""
-    is_gguf = path.endswith(".gguf")
-    if not os.path.isfile(path if is_gguf else os.path.join(path, "config.json")):
-        raise ValueError(f"model_path={path!r} is neither a .gguf file nor a directory with config.json")
+    is_gguf = check_checkpoint_path(path)
     from safetensors import SafetensorError
     try:
         return load_gguf_checkpoint(path, tp) if is_gguf else load_hf_dir(path, tp)
@@ -5164,6 +5185,12 @@ def main(argv=None):
         SamplingParams.from_dict(sp, vocab_size=1)  # before the model loads (no stop ids: any vocab)
         if not (_is_real(args.read_timeout) and args.read_timeout > 0):
             raise ValueError(f"--read-timeout={args.read_timeout}: must be a positive number of seconds")
+        # every argument is checked before anything takes time or writes: a fetch, a format check, a compile
+        check_engine_args(dict(engine_args))
+        for key in ("model_path", "speculative_draft_model_path"):
+            dummy = key == "model_path" and args.load_format == "dummy"  # a preset or a config's folder
+            if engine_args[key] is not None and not dummy:
+                check_checkpoint_path(engine_args[key], key)
         if args.node_rank > 0:  # a machine of tensor-parallel ranks that follow node 0: no prompts here
             if args.prompt or args.serve:
                 raise ValueError("--prompt and --serve belong on node 0; --node-rank > 0 only follows it")

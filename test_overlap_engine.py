@@ -9,6 +9,7 @@ Tiny random Llama checkpoints are written by the tests (float64, so near-ties ca
 the reference forward below is written independently of the engine: no KV cache, no batching.
 """
 import ast
+import atexit
 import collections
 import contextlib
 import dataclasses
@@ -22,8 +23,10 @@ import os
 import platform
 import random
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -47,6 +50,25 @@ if not torch.cuda.is_available():
 import kernels  # noqa: E402
 
 oe.transformers_without_hub_kernels()  # the oracle: transformers must not take kernels.py for the Hub's
+
+# The suite depends on nothing an earlier run left in the user's cache, and leaves nothing there but the
+# default model's file (fetched once, then read): format records and Inductor's and the C kernels' builds
+# go to a folder of this run's, which every engine and subprocess of the suite reads as cache_root().
+MODEL_CACHE = oe.cache_root()
+RECORDS = tempfile.mkdtemp(prefix="overlap-engine-tests-")
+os.environ["OVERLAP_ENGINE_CACHE"] = RECORDS
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(RECORDS, "inductor")  # read by the first compile
+atexit.register(shutil.rmtree, RECORDS, ignore_errors=True)
+
+
+def default_model() -> str:
+    """The default model's GGUF in the user's cache (fetched there once), linked into this run's cache
+    folder so that code which looks for it in cache_root() finds it without a second download."""
+    path = oe.default_model_path(MODEL_CACHE)
+    link = os.path.join(RECORDS, os.path.basename(path))
+    if not os.path.lexists(link):
+        os.symlink(path, link)
+    return path
 
 settings.register_profile("ci", max_examples=30, deadline=None, derandomize=True, database=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -2724,7 +2746,7 @@ def test_default_model_path_cached_and_offline(tmp_path, monkeypatch):
 def smollm():
     """(path, config, state_dict, tokenizer, extras) of the default model; one download, then the cache."""
     pytest.importorskip("gguf")
-    path = oe.default_model_path()
+    path = default_model()
     cfg, sd, reader = oe.load_gguf(path)
     return path, cfg, sd, *oe.gguf_tokenizer(reader)
 
@@ -4664,14 +4686,27 @@ BAD_INVOCATIONS = [  # (arguments, what the one line must name)
 
 
 @pytest.mark.parametrize("argv, named", BAD_INVOCATIONS, ids=lambda x: str(x)[:40])
-def test_cli_bad_input_is_one_line_and_exit_2(argv, named, tmp_path, capsys):
+def test_cli_bad_input_is_one_line_and_exit_2(argv, named, tmp_path, capsys, monkeypatch):
+    """Refused before anything takes time or writes, as on a fresh machine: with an empty cache folder,
+    no model fetch, no weight-format check, no kernel build, no Engine; the folder stays empty."""
     bad_gguf = tmp_path / "bad.gguf"
     bad_gguf.write_bytes(b"not a gguf file" * 8)  # a checkpoint that cannot be read
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("OVERLAP_ENGINE_CACHE", str(cache))
+
+    def reached(what):
+        def fail(*args, **kwargs):
+            raise AssertionError(f"{what} before the bad argument was refused")
+        return fail
+    for name in ("default_model_path", "one_request_format", "c_kernel_builds", "Engine"):
+        monkeypatch.setattr(oe, name, reached(name))
     with pytest.raises(SystemExit) as exit_:
         oe.main([a.format(bad_gguf=bad_gguf) for a in argv])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1, err
     assert err.startswith("overlap_engine: error: ") and named in err and "Traceback" not in err
+    assert os.listdir(cache) == []
 
 
 def test_cli_bad_input_in_a_real_process_has_no_traceback():
