@@ -37,8 +37,9 @@ if __name__ == "__main__" and sys.platform == "linux":  # overlap_engine's OPENM
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import kernels  # noqa: E402
 import overlap_engine as oe  # noqa: E402
+
+kernels = oe.load_kernels()
 
 # ----------------------------------------------------------------------------------------------
 # defaults (each one a command-line flag)
@@ -244,7 +245,7 @@ class SimWorker(oe.ModelWorker):
             return None
         return self.sample(batch, None, start)
 
-    def launch_sample(self, batch, bitmask, publish_idx):
+    def launch_sample(self, batch, kept, bitmask, publish_idx):
         return self.sample(batch, bitmask, self.forward_start)
 
     def sample(self, batch, bitmask, start):
@@ -263,9 +264,7 @@ class SimWorker(oe.ModelWorker):
             allowed[:, V - 2:] &= ~allowed[:, :V - 2].any(1, keepdim=True)  # the tiny model's <s>, </s>
             ahead = torch.where(allowed, (torch.arange(V)[None] - ids[:, None]) % V, V)  # (B, V)
             ids = (ids + ahead.min(1).values) % V
-        h.value = {"next_ids": ids}
-        if batch.verify_width:
-            h.value["accept_len"] = key % E
+        h.value = oe.StepOutput(next_ids=ids, accept_len=key % E if batch.verify_width else None)
         return h
 
     def write_row(self, row, slots):  # no device state to keep in a simulation
@@ -481,7 +480,7 @@ def engine_run(engine, reqs, out_lens, desc) -> dict:
     out_lens = out_lens if isinstance(out_lens, list) else [out_lens] * len(reqs)
     sps = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in out_lens]
     engine.flush_cache()  # a repeated run must not find its prompts already cached
-    engine.step_timer.clear()
+    engine.scheduler.clear_records()
     over0 = engine.scheduler.stats["overshoot_tokens"]
     times = [[] for _ in reqs]
     bar = tqdm(total=sum(out_lens), desc=desc, leave=False, unit="tok")
@@ -615,7 +614,6 @@ def engine_runs(path, kw, reqs, out_lens, args, compiled=False) -> tuple:
 
 
 def hf_runs(path, dtype, reqs, out_lens, batch, repeat) -> dict:
-    oe.transformers_without_hub_kernels()
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                               dtype=getattr(torch, dtype)).eval()
@@ -639,8 +637,8 @@ print(list(zip(range(3), llm.generate(llm.tokenize(b"a prompt of more than one t
 @functools.cache
 def llama_cpp_model_params(path: str):
     """llama_cpp's default model parameters, or, where its extra weight layouts (AMX, repacked Q4) crash
-    llama_decode on this machine (a probe in a child process: llama-cpp-python 0.3.36 on a Xeon with AMX
-    segfaults on any prompt of two tokens or more), the same without them; the bench says which."""
+    llama_decode on this machine (a probe in a child process: some builds segfault on any prompt of two
+    tokens or more on a CPU with AMX), the same without them; the bench says which."""
     import llama_cpp as lc
     params = lc.llama_model_default_params()
     probe = subprocess.run([sys.executable, "-c", LLAMA_PROBE, path], capture_output=True, timeout=120)
@@ -682,7 +680,7 @@ def llama_cpp_batched(path, reqs, out_lens, threads) -> dict | None:
     vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
     cp = lc.llama_context_default_params()
     # a KV stream per sequence (llama-server's default for parallel slots): with one unified cache every
-    # token attended to all the cells in use, and the prompts took 55 s here instead of a few
+    # token attends to all the cells in use, which makes a batch's prompts many times slower
     per_seq = -(-max(len(r) + n for r, n in zip(reqs, out_lens)) // 256) * 256
     cp.n_ctx, cp.n_seq_max, cp.kv_unified = per_seq * len(reqs), len(reqs), False
     cp.n_batch = cp.n_ubatch = 2048
@@ -905,7 +903,7 @@ def cmd_sampling(args):
         for name, (extra, logprob) in SAMPLING_SETUPS.items():
             captured = []
             worker.forward_step = lambda batch: captured.append(batch) or forward_step(batch)
-            e.step_timer.clear()
+            e.scheduler.clear_records()
             sp = {"max_new_tokens": steps + 2, "ignore_eos": True, "temperature": 0, **extra}
             rids = e.add_requests(reqs, [sp] * B, *logprob)
             while not (captured and captured[-1].forward_mode.is_decode() and len(captured[-1].seq_lens) == B
@@ -971,7 +969,10 @@ def cmd_grammar(args):
             logits = torch.randn(1, V)
             while steps < (8 if args.quick else 64) and not g.terminated():
                 fills.append(timed(lambda: g.fill_mask(bitmask, 0)))
-                s = {"bitmask": bitmask}
+                s = oe.SamplingInputs(temperature=torch.zeros(1, dtype=torch.float64), top_p=torch.ones(1),
+                                      top_k=torch.tensor([-1]), min_p=torch.zeros(1), seed=torch.zeros(1),
+                                      out_pos=torch.zeros(1), all_greedy=True, need_filter=False,
+                                      bitmask=bitmask)
                 applies.append(timed(lambda: oe.adjust_logits(logits, s, None)))
                 allowed = ((bitmask[0, :, None] >> torch.arange(32)) & 1).flatten()[:V].nonzero().flatten()
                 g.accept(int(allowed[steps % len(allowed)]))
@@ -1686,7 +1687,7 @@ def dummy_engine_run(path, serial, B, in_len, out_len, dtype, device, seed):
         e.generate(input_ids=random_requests(2, in_len, in_len, seed + 1, vocab),
                    sampling_params={**sp, "max_new_tokens": 4})  # warm-up: kernels compile here
         e.flush_cache()
-        e.step_timer.clear()
+        e.scheduler.clear_records()
         t0 = time.perf_counter()
         e.generate(input_ids=random_requests(B, in_len, in_len, seed, vocab), sampling_params=sp)
         wall = time.perf_counter() - t0

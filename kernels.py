@@ -19,11 +19,28 @@ kernel is decorated). Run the tests with `python -m pytest test_overlap_engine.p
 (CPU: fp32 and fp64 only, the interpreter has no 16-bit dot).
 """
 
+import importlib.machinery
+import importlib.util
 import os
+import sys
 
-import torch
+# overlap_engine loads this file under a private name (overlap_engine_kernels). Imported as plain `kernels`,
+# from a program that has this folder on sys.path, it is the Hugging Face Hub's package that is asked for
+# (transformers imports it by that name): it takes this module's place in sys.modules, so the importer
+# gets it. The rest of this file still runs, in a module nobody keeps.
+HANDED_OVER = False
+if __name__ == "kernels":
+    _here = os.path.dirname(os.path.realpath(__file__))
+    _elsewhere = [p for p in sys.path if os.path.realpath(p or os.getcwd()) != _here]
+    _hub = importlib.machinery.PathFinder.find_spec("kernels", _elsewhere)
+    if _hub is not None:
+        sys.modules["kernels"] = importlib.util.module_from_spec(_hub)
+        _hub.loader.exec_module(sys.modules["kernels"])
+        HANDED_OVER = True
 
-if not torch.cuda.is_available():
+import torch  # noqa: E402
+
+if not torch.cuda.is_available() and not HANDED_OVER:
     # the interpreter runs kernels with numpy on CPU tensors; triton reads this at decoration time
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -599,13 +616,10 @@ def decode_attention_cpu(q, k_cache, v_cache, req_to_token, req_pool_indices, se
 # come the tile's 16 scales and 16 minimums in fp16: weight = code * scale + minimum, so a block's dot
 # product is d * (scale * sum(code * xq) + minimum * sum(xq)), d the activations' scale. A tile is read
 # once for up to 8 tokens; OpenMP splits the 16-row tiles over torch's threads. With AVX512 a thread asks
-# the cache for the tile AHEAD tiles on as it reads one: the hardware's prefetch alone left the multiplies
-# waiting on memory (2-core Xeon with AMX, SmolLM2's 120 int4 layer matrices from memory: 5 tokens 5.8-7.4
-# against 8.0-11.6 ms, 1 token 3.5-4.8 against 4.8-6.2; in the chat's engine, steps alternating the two:
-# a verify 17.1 against 19.4 ms, a decode 10.6 against 11.6). Without VNNI, AVX2 makes the same int32
-# sums: vpmaddubsw and vpmaddwd from 4-bit codes, vpmaddwd from 8-bit codes widened to int16 times the
-# whole 15-bit activations; the float steps after them are the same, and so are the bits (its kernels do
-# not prefetch: not measured there).
+# the cache for the tile AHEAD tiles on as it reads one: the hardware's prefetch alone leaves the
+# multiplies waiting on memory. Without VNNI, AVX2 makes the same int32 sums: vpmaddubsw and vpmaddwd from
+# 4-bit codes, vpmaddwd from 8-bit codes widened to int16 times the whole 15-bit activations; the float
+# steps after them are the same, and so are the bits (its kernels do not prefetch).
 
 Q_BLOCK = 32  # inputs per weight scale and per activation scale
 Q_STEPS = 127 * 254  # an activation block's steps from 0 to its largest |x|: 15 bits, two int8 halves
@@ -909,9 +923,9 @@ def q_matmul_cpu(x, tiles, bits: int, compiler: str = "cc"):
 
 # The CPU kernels of overlap_engine's ops q_linear and decode_attention_c in C++ against torch's headers,
 # calling the C kernels above: a kernel written in Python costs the dispatcher a call back into Python,
-# about 15 us of the 20-30 a SmolLM2 matmul of one token takes (AMD EPYC with AVX2: 4.9 against 18.5 us
-# for a 16 x 32 weight), and a decode step makes 240 such calls. The ops' Python kernels stay where this
-# does not build. Each C kernel is handed over once it is built, keyed as _cpu_kernels keys it.
+# as much as a small model's one-token matmul itself, and a decode step makes hundreds of such calls. The
+# ops' Python kernels stay where this does not build. Each C kernel is handed over once it is built, keyed
+# as _cpu_kernels keys it.
 
 CPU_OPS_SRC = r"""
 /* built against torch %(TORCH)s */

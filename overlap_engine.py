@@ -29,14 +29,15 @@ NanoFlow (intra-device pipelining of host and device work).
     python -m pytest -q test_overlap_engine.py        # overlap == serial == a plain reference
 
 Reading guide. Part I is the lesson: everything one decode step passes through, with a plain model,
-on torch alone (and kernels.py's Triton kernels). Part II is the plumbing, plugged in from outside.
+on torch alone. Part II is the plumbing, plugged in from outside, and a few helpers of Part I's steps
+that are not the lesson (the sampler's per-row tensors, the logprobs' books), called by name.
 
     Part I
     Requests and batches      Req (its lengths, one table), ScheduleBatch, PrefillAdder
     KV memory, radix cache    ReqToTokenPool, TokenToKVPool, RadixCache
     FutureMap, device streams FutureMap, StepHandle, CpuDeviceStream, CudaDeviceStream, ModelWorker
     Scheduler, the two loops  the loops first, then one batch from its plan to its commit
-    Model and attention       a plain Llama (math only), sampling, NGRAM drafts, the torch and triton backends
+    Model and attention       a plain Llama (math only), sampling, NGRAM drafts, the torch attention backend
     Part II
     Engine API                ServerArgs, SamplingParams, Engine (builds and drives the scheduler)
     Tensor parallelism        apply_tp shards the built model; a process and a scheduler per rank
@@ -78,7 +79,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Callable, Iterator, Optional
 
 OPENMP_SPIN = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "30000"}  # run as a script; why: Part II
@@ -157,8 +158,10 @@ class Req:
     """
 
     def __init__(self, rid: str, input_ids: list, sp: SamplingParams, seed: int, eos_ids: tuple):
-        self.rid, self.origin_input_ids = rid, input_ids
-        self.sampling_params, self.seed = sp, seed  # seed: the sampling noise is f(seed, position)
+        self.rid = rid
+        self.origin_input_ids = input_ids
+        self.sampling_params = sp
+        self.seed = seed  # the sampling noise is f(seed, position)
         # the tokens that finish it; ignore_eos turns off stop_token_ids too, as in SGLang
         self.stop_ids = frozenset() if sp.ignore_eos else frozenset(eos_ids) | set(sp.stop_token_ids)
         self.output_ids: list[int] = []        # committed
@@ -171,23 +174,22 @@ class Req:
         self.kv_committed_len = 0
         self.epoch = 0
         self.cached_tokens = 0
-        self.text, self.prefix_offset, self.read_offset = "", 0, 0   # incremental detokenizer
-        self.streamed_text_len, self.streamed_ids_len = 0, 0          # what generate(stream=True) sent
-        # logprobs, committed with their tokens: (logprob, token id, None) each, as SGLang gives them
-        self.return_logprob, self.top_logprobs_num, self.logprob_start_len = False, 0, -1
-        self.token_ids_logprob: Optional[list] = None  # token ids whose logprobs each position reports
-        self.output_token_logprobs: list = []
-        self.output_top_logprobs: list = []
-        self.input_token_logprobs: list = []  # prompt tokens from logprob_start_len on
-        self.input_top_logprobs: list = []
-        self.output_token_ids_logprobs: list = []  # with token_ids_logprob: per position, those ids'
-        self.input_token_ids_logprobs: list = []
-        self.input_logprobs_done = False
+        self.text = ""  # committed text, grown by the incremental detokenizer
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.streamed_text_len = 0  # what generate(stream=True) has sent
+        self.streamed_ids_len = 0
+        self.logprobs: Optional[ReqLogprobs] = None  # the logprobs asked for, and those committed (Part II)
         self.shares_prefill_of: Optional[Req] = None  # n > 1: the sibling whose prompt KV it waits for
         self.planned_steps: deque = deque()  # (advance, width) of each planned, uncommitted sampling step
-        # speculative decoding: verify steps, drafts fed, accepted; where it drafts again, pause, last miss
-        self.spec_verify_ct, self.spec_drafted, self.spec_accepted = 0, 0, 0
-        self.spec_resume_at, self.spec_pause, self.spec_last_miss = 0, 1, -1
+        # speculative decoding: verify steps, drafts fed and accepted; when it drafts again, and its pauses
+        self.speculating = False  # its engine speculates (meta_info reports spec_* even before a verify)
+        self.spec_verify_ct = 0
+        self.spec_drafted = 0
+        self.spec_accepted = 0
+        self.spec_resume_at = 0
+        self.spec_pause = 1
+        self.spec_last_miss = -1
         self.grammar = None  # json_schema / regex / ebnf: Part II's matcher (ready, accept, fill_mask)
 
     @property
@@ -195,7 +197,7 @@ class Req:
         return self.origin_input_ids + self.output_ids
 
     def owes_input_logprobs(self) -> bool:
-        return self.return_logprob and self.logprob_start_len >= 0 and not self.input_logprobs_done
+        return self.logprobs is not None and self.logprobs.owes_input()
 
     def prefix_key(self) -> list:
         """The leading tokens whose cached KV it may reuse: all but the last (whose logits sample the next
@@ -203,13 +205,8 @@ class Req:
         ids = self.fill_ids  # built once: planning calls this for every waiting request
         n = len(ids) - 1
         if self.owes_input_logprobs():
-            n = min(n, max(self.logprob_start_len, 1) - 1)
+            n = min(n, max(self.logprobs.start_len, 1) - 1)
         return ids[:n]
-
-    def waits_for_sibling(self) -> bool:
-        """n > 1: the first sibling prefills the prompt once; the others wait to find it cached."""
-        s = self.shares_prefill_of
-        return s is not None and not s.finished() and s.kv_committed_len < len(s.origin_input_ids) - 1
 
     def planned_outputs(self) -> int:
         """Outputs sampled by the steps planned so far, at least (each samples one; a verify, 1 + k)."""
@@ -244,7 +241,8 @@ class Req:
         """Called at commit, after a token was appended: the grammar, EOS and stop ids, stop strings and
         regexes, then length (SGLang's order: a stop at the last allowed token is a stop). Text is decoded
         here only when stop strings need it; otherwise at finish or when streamed."""
-        sp, tok = self.sampling_params, self.output_ids[-1] if self.output_ids else None
+        sp = self.sampling_params
+        tok = self.output_ids[-1] if self.output_ids else None
         if self.grammar is not None and tok is not None:  # once per committed token, which it allowed
             assert self.grammar.accept(tok), f"the grammar refused token {tok}, which its mask allowed"
         by_text = (sp.stop or sp.stop_regex) and tokenizer is not None
@@ -269,7 +267,8 @@ class Req:
     def check_stop_strings(self, tokenizer: Tokenizer):
         """Decodes the new token and finishes at the first stop string or stop_regex match that ends in
         the new text; the match and what follows are cut off (no_stop_trim keeps the match)."""
-        sp, old_len = self.sampling_params, len(self.text)
+        sp = self.sampling_params
+        old_len = len(self.text)
         self.detokenize(tokenizer)
         start = max(0, old_len - max(map(len, sp.stop), default=1) + 1)
         hits = [(i, i + len(s), s) for s in sp.stop for i in [self.text.find(s, start)] if i >= 0]
@@ -278,87 +277,72 @@ class Req:
             hits += [(m.start(), m.end(), pattern)] if m else []
         if hits:
             i, end, s = min(hits)
-            self.text, self.finished_reason = self.text[:end if sp.no_stop_trim else i], {"type": "stop",
-                                                                                          "matched": s}
+            self.text = self.text[:end if sp.no_stop_trim else i]
+            self.finished_reason = {"type": "stop", "matched": s}
 
     def detokenize(self, tokenizer: Tokenizer, final: bool = False, upto: Optional[int] = None):
         """Incremental detokenizer: text grows only by complete characters (no dangling UTF-8 bytes)."""
-        ids, skip = self.output_ids[:upto], self.sampling_params.skip_special_tokens
+        ids = self.output_ids[:upto]
+        skip = self.sampling_params.skip_special_tokens
         prev = tokenizer.decode(ids[self.prefix_offset:self.read_offset], skip)
         new = tokenizer.decode(ids[self.prefix_offset:], skip)
         if len(new) > len(prev) and (final or not new.endswith("\ufffd")):
             self.text += new[len(prev):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
-
-    def add_input_logprobs(self, out: dict, start: int, count: int, first: int):
-        """Commits a prefill chunk's prompt logprobs: those of prompt tokens first.., from rows start.. of
-        the step's input_* results (the first prompt token has none: its entry is None)."""
-        if not self.input_token_logprobs and self.logprob_start_len == 0:
-            self.input_token_logprobs.append((None, self.origin_input_ids[0], None))
-            self.input_top_logprobs.append(None)
-            self.input_token_ids_logprobs.append(None)
-        assert first == self.logprob_start_len + len(self.input_token_logprobs) or not count, "chunk order"
-        for j, tok in zip(range(start, start + count), self.origin_input_ids[first:first + count]):
-            self.input_token_logprobs.append((out["input_logprobs"][j], tok, None))
-            self.input_top_logprobs.append(top_logprobs(out, "input_", j, self.top_logprobs_num))
-            self.input_token_ids_logprobs.append(self.given_ids_logprobs(out, "input_", j))
-
-    def add_output_logprob(self, out: dict, j: int):
-        self.output_token_logprobs.append((out["logprobs"][j], self.output_ids[-1], None))
-        self.output_top_logprobs.append(top_logprobs(out, "", j, self.top_logprobs_num))
-        self.output_token_ids_logprobs.append(self.given_ids_logprobs(out, "", j))
-
-    def note_verify(self, step: tuple, accepted: int):
-        """Speculation's books (meta_info's spec_*): one verify and, if the step drafted, its drafts and how
-        many were accepted. Keeping under half is a miss: drafting pauses 1, 4, 16 ... SPEC_MAX_PAUSE steps
-        while misses go on (a verify costs more than a decode); a hit ends the pauses. A miss right after
-        one was planned before that one was known (overlap mode), so it does not lengthen the pause."""
-        advance, width = step
-        self.spec_verify_ct += 1
-        if advance > 1:
-            self.spec_drafted += width - 1
-            self.spec_accepted += accepted
-            hit = 2 * accepted >= width - 1
-            if hit or self.spec_last_miss != self.spec_verify_ct - 1:
-                self.spec_resume_at = self.spec_verify_ct + (0 if hit else self.spec_pause)
-                self.spec_pause = 1 if hit else min(4 * self.spec_pause, SPEC_MAX_PAUSE)
-            self.spec_last_miss = -1 if hit else self.spec_verify_ct
-
-    def given_ids_logprobs(self, out: dict, kind: str, j: int) -> Optional[list]:
-        """Row j's (logprob, token id, None) of each id in token_ids_logprob (the row is padded past them)."""
-        ids = self.token_ids_logprob
-        return None if ids is None else [(lp, t, None) for lp, t in zip(out[kind + "ids_logprobs"][j], ids)]
-
-    def meta_info(self) -> dict:
-        meta = {"id": self.rid, "finish_reason": self.finished_reason,
-                "prompt_tokens": len(self.origin_input_ids), "completion_tokens": len(self.output_ids),
-                "cached_tokens": self.cached_tokens}
-        if self.return_logprob:
-            meta.update(output_token_logprobs=list(self.output_token_logprobs),
-                        output_top_logprobs=list(self.output_top_logprobs),
-                        input_token_logprobs=list(self.input_token_logprobs),
-                        input_top_logprobs=list(self.input_top_logprobs))
-            if self.token_ids_logprob is not None:
-                meta.update(output_token_ids_logprobs=list(self.output_token_ids_logprobs),
-                            input_token_ids_logprobs=list(self.input_token_ids_logprobs))
-        if self.spec_verify_ct:  # SGLang's: output tokens per verify, and the share of drafts accepted
-            meta.update(spec_verify_ct=self.spec_verify_ct,
-                        spec_accept_length=len(self.output_ids) / self.spec_verify_ct,
-                        spec_accept_rate=self.spec_accepted / self.spec_drafted if self.spec_drafted else 0.0)
-        return meta
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(ids)
 
     def output(self) -> dict:
-        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
-
-
-def top_logprobs(out: dict, kind: str, j: int, k: int) -> list:
-    """Row j's k best (logprob, token id, None), best first, from a step's `kind`top_* results."""
-    return [(lp, t, None) for lp, t in zip(out[kind + "top_logprobs"][j][:k], out[kind + "top_ids"][j][:k])
-            ] if k else []
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta_info(self)}
 
 
 def int64(values) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
+
+
+@dataclass(kw_only=True)
+class Penalties:
+    """The P logits rows of a step that apply penalties, and what adjust_logits reads for them."""
+    idx: torch.Tensor         # (P,) their logits rows
+    rows: torch.Tensor        # (P,) their requests' pool rows (TokenCounts' rows)
+    lens: torch.Tensor        # (P,) tokens each holds (a verify's: bounds here, exact on the device)
+    max_len: int              # the longest: the width read from TokenCounts
+    frequency: torch.Tensor   # (P,) frequency_penalty
+    presence: torch.Tensor    # (P,) presence_penalty
+    repetition: torch.Tensor  # (P,) repetition_penalty
+    drafts_held: Optional[torch.Tensor] = None  # a verify's (P, E - 1): the drafts before each row, else -1
+
+
+@dataclass(kw_only=True)
+class LogprobsAsked:
+    """The logprobs a step reports: of the sampled tokens at rows `idx`, of the prompt rows after them."""
+    idx: torch.Tensor                         # (R',) logits rows whose sampled token's logprob is reported
+    top_k: int                                # the best k of each row (the most any request asks; 0: none)
+    ids: Optional[torch.Tensor] = None        # (R', K) token_ids_logprob: the ids each row reports
+    input_ids: Optional[torch.Tensor] = None  # (M, K) the same for the prompt rows
+
+
+@dataclass(kw_only=True)
+class SamplingInputs:
+    """A step's sampling tensors, one row per logits row (a verify: E rows a request, row i * E + j its
+    output j), made on the host by Part II's sampling_inputs. The optional parts exist only when a
+    request of the batch uses them: the others pay no (rows, vocab) work."""
+    temperature: torch.Tensor  # (R,) float64; 0: greedy
+    top_p: torch.Tensor        # (R,)
+    top_k: torch.Tensor        # (R,) -1: off
+    min_p: torch.Tensor        # (R,)
+    seed: torch.Tensor         # (R,) the noise is a function of (seed, out_pos, token) only
+    out_pos: torch.Tensor      # (R,) the output position each row samples (a verify's: set on the device)
+    all_greedy: bool
+    need_filter: bool          # some row has top_k, top_p or min_p
+    prompt_len: Optional[torch.Tensor] = None  # a verify's (R,): out_pos from the device's positions
+    reset: Optional[tuple] = None    # rows just assigned: TokenCounts.reset's (rows, held, counted)
+    history: Optional[tuple] = None  # speculating: (batch index, position) of prefill tokens for the history
+    penalties: Optional[Penalties] = None
+    bias_at: Optional[torch.Tensor] = None  # (n, 2) (logits row, token) that logit_bias adds bias[n] to
+    bias: Optional[torch.Tensor] = None     # (n,)
+    banned: Optional[torch.Tensor] = None   # (n, 3) (logits row, token, min_new_tokens): a stop id held back
+    bitmask: Optional[torch.Tensor] = None  # (R, words) a grammar's allowed tokens, set by launch_sample
+    logprobs: Optional[LogprobsAsked] = None
 
 
 @dataclass(kw_only=True)
@@ -378,7 +362,7 @@ class ForwardBatch:
     prompt_logit_rows: torch.Tensor    # (M,) flat positions whose logits score the next prompt token
     prompt_logit_ids: torch.Tensor     # (M,) those prompt tokens (prompt logprobs)
     publish_idx: torch.Tensor          # (P,) batch positions whose sampled token goes to the FutureMap
-    sampling: dict                     # per-request tensors: temperature, ..., penalties, logprobs asked
+    sampling: SamplingInputs
     deferred: bool                     # a grammar constrains a row: the sample waits for its masks
     verify_width: int = 0              # speculating decode: tokens a request feeds, its last and drafts
     may_draft: Optional[torch.Tensor] = None  # (B,) its drafts count (else they are -1: never accepted)
@@ -402,15 +386,18 @@ class ScheduleBatch:
     """The requests of one step. The running (decode) batch lives on: filter, merge, prepare_for_decode."""
 
     def __init__(self, reqs: list, forward_mode: ForwardMode, scheduler: Scheduler):
-        self.reqs, self.forward_mode, self.scheduler = reqs, forward_mode, scheduler
+        self.reqs = reqs
+        self.forward_mode = forward_mode
+        self.scheduler = scheduler
         self.forward_batch: Optional[ForwardBatch] = None  # its step's plan, once prepared
         self.joined_running = False  # an extend batch's requests join the running batch once
         self.seq_lens: list = []
         self.is_last_chunk: list = []
         self.new_rows: list = []  # per request: it gets its row in this step (its first chunk)
         self.n_prefill = 0  # reqs[:n_prefill] feed prompt chunks, the others decode
-        self.logprob_slots: list = []
+        self.logprob_slots: list = []  # set by Part II's plan_logprobs
         self.input_spans: list = []
+        self.prompt_row_reqs: list = []
         self.verify_width = 0  # speculating decode: tokens each request feeds (its last and the drafts)
 
     def is_empty(self) -> bool:
@@ -428,28 +415,61 @@ class ScheduleBatch:
                              self.logprob_slots, self.input_spans, self.verify_width)
 
     def prepare_for_decode(self, use_future_map: bool, draft: bool = True):
-        """Each request feeds its last token at position base = base_bound() and, speculating in a batch
-        that drafts (a mixed batch's rows do not), k drafts after it: slots up to base + width each. While
-        a verify is in flight the host knows base only as a bound (the accept count is on the device): the
-        slots are those of the most it can accept (SGLang's over-allocation), and the step reads the true
-        base with the token from the FutureMap (in overlap mode input_ids stays empty: it is in flight)."""
-        sched, B, k = self.scheduler, len(self.reqs), self.scheduler.draft_tokens
-        drafting = [k > 0 and draft and r.may_draft() for r in self.reqs]  # all feed 1 + k: if half draft
-        E = 1 + k if 2 * sum(drafting) >= B and sched.kv_available() >= self.decode_slots(1 + k) else 1
+        """Each request feeds its last token, at the position of its next KV slot: one slot each. In
+        overlap mode that token is still in flight, so input_ids stays empty and the step gathers it from
+        the FutureMap on the device. Speculating, prepare_for_verify plans instead."""
+        if self.scheduler.draft_tokens:
+            return self.prepare_for_verify(use_future_map, draft)
+        sched = self.scheduler
+        B = len(self.reqs)
+        rows = int64([r.req_pool_idx for r in self.reqs])               # (B,)
+        positions = int64([r.kv_allocated_len for r in self.reqs])     # (B,) where each last token sits
+        loc = sched.alloc_token_slots(B)                                # (B,) its KV slot
+        sched.req_to_token_pool.req_to_token_host[rows, positions] = loc
+        for r in self.reqs:
+            r.kv_allocated_len += 1
+            r.planned_steps.append((1, 1))
+        self.seq_lens = [r.kv_allocated_len for r in self.reqs]
+        self.is_last_chunk = [True] * B
+        self.new_rows = [False] * B
+        self.n_prefill = 0
+        if use_future_map:
+            ids, future_rows = torch.empty(0, dtype=torch.int64), rows
+        else:
+            ids, future_rows = int64([r.output_ids[-1] for r in self.reqs]), None
+        self.forward_batch = self.build_forward_batch(
+            input_ids=ids, future_input_rows=future_rows, positions=positions, req_pool_indices=rows,
+            prefix_lens=[], extend_lens=[1] * B, out_cache_loc=loc, logit_rows=torch.arange(B),
+            req_to_token_writes=(rows, positions, loc))
+
+    def prepare_for_verify(self, use_future_map: bool, draft: bool):
+        """Speculating: each request feeds its last token at position base = base_bound() and, in a
+        batch that drafts (a mixed batch's rows do not), k drafts after it: slots up to base + width
+        each. While a verify is in flight the host knows base only as a bound (the accept count is on
+        the device): the slots are those of the most it can accept (SGLang's over-allocation), and the
+        step reads the true base with the token from the FutureMap."""
+        sched = self.scheduler
+        B = len(self.reqs)
+        k = sched.draft_tokens
+        drafting = [draft and r.may_draft() for r in self.reqs]
+        fits = sched.kv_available() >= self.decode_slots(1 + k)
+        E = 1 + k if 2 * sum(drafting) >= B and fits else 1  # every request feeds 1 + k if half draft
         base = [r.base_bound() for r in self.reqs]
-        rows = int64([r.req_pool_idx for r in self.reqs])                                   # (B,)
+        rows = int64([r.req_pool_idx for r in self.reqs])                             # (B,)
         new = [max(0, b + E - r.kv_allocated_len) for r, b in zip(self.reqs, base)]  # slots each takes
         loc = sched.alloc_token_slots(sum(new))
         write_rows = rows.repeat_interleave(int64(new))
-        cols = int64([r.kv_allocated_len for r in self.reqs]) if max(new) == 1 == min(new) else torch.cat(
-            [torch.arange(r.kv_allocated_len, r.kv_allocated_len + n) for r, n in zip(self.reqs, new)])
+        cols = torch.cat([torch.arange(r.kv_allocated_len, r.kv_allocated_len + n)
+                          for r, n in zip(self.reqs, new)])
         sched.req_to_token_pool.req_to_token_host[write_rows, cols] = loc
         for r, b, d in zip(self.reqs, base, drafting):
             r.kv_allocated_len = max(r.kv_allocated_len, b + E)
             r.planned_steps.append((E if d and E > 1 else 1, E))
-        self.seq_lens = [b + E for b in base]  # speculating: bounds (the device has the true lengths)
-        self.is_last_chunk, self.new_rows, self.n_prefill = [True] * B, [False] * B, 0
-        self.verify_width = E if k else 0
+        self.seq_lens = [b + E for b in base]  # bounds: the device has the true lengths
+        self.is_last_chunk = [True] * B
+        self.new_rows = [False] * B
+        self.n_prefill = 0
+        self.verify_width = E
         if use_future_map:
             ids, future_rows = torch.empty(0, dtype=torch.int64), rows
         else:
@@ -457,109 +477,30 @@ class ScheduleBatch:
         self.forward_batch = self.build_forward_batch(
             input_ids=ids, future_input_rows=future_rows, positions=int64(base), req_pool_indices=rows,
             prefix_lens=[], extend_lens=[E] * B, out_cache_loc=loc, logit_rows=torch.arange(B * E),
-            req_to_token_writes=(write_rows, cols, loc), verify_width=self.verify_width,
-            may_draft=torch.tensor(drafting) if k else None,
+            req_to_token_writes=(write_rows, cols, loc), verify_width=E, may_draft=torch.tensor(drafting),
             forward_mode=ForwardMode.TARGET_VERIFY if E > 1 else ForwardMode.DECODE)
 
     def decode_slots(self, width: int) -> int:
         """KV slots the next decode step takes if each request feeds `width` tokens (speculating, less)."""
-        return (sum(max(0, r.base_bound() + width - r.kv_allocated_len) for r in self.reqs)
-                if self.scheduler.draft_tokens else width * len(self.reqs))
+        if not self.scheduler.draft_tokens:
+            return width * len(self.reqs)
+        return sum(max(0, r.base_bound() + width - r.kv_allocated_len) for r in self.reqs)
 
-    def build_forward_batch(self, **fields) -> ForwardBatch:
-        """The step's plan: the fields above plus sampling tensors (one set per logits row: a verify has
-        E = 1 + k rows a request, row i * E + j sampling its output j of the step), the logprobs asked
-        for, and what to publish."""
+    def build_forward_batch(self, **plan) -> ForwardBatch:
+        """The step's plan: the fields above plus its sampling tensors (Part II's sampling_inputs: one set
+        per logits row, a verify's E = 1 + k a request), the logprobs asked for (plan_logprobs), and the
+        rows whose tokens the FutureMap gets."""
         E = self.verify_width or 1
-        sampling = self.sampling_inputs(E)
-        # output logprobs: for the rows that really sample (not a chunk in the middle of a prompt)
-        wanted = [i for i, r in enumerate(self.reqs) if r.return_logprob and self.is_last_chunk[i]]
-        self.logprob_slots = [-1] * len(self.reqs)
-        for j, i in enumerate(wanted):
-            self.logprob_slots[i] = j  # its rows j * E.. of the output logprobs
-        rows, ids = self.plan_prompt_logprobs(fields["prefix_lens"], fields["extend_lens"])
-        if wanted or rows:
-            sampling["logprob_idx"] = int64([i * E + j for i in wanted for j in range(E)])
-            sampling["top_logprobs_num"] = max(r.top_logprobs_num for r in self.reqs if r.return_logprob)
-        K = max((len(r.token_ids_logprob) for r in self.reqs if r.token_ids_logprob), default=0)
-        if K:  # token_ids_logprob: each row's ids, padded with 0 to (rows, K)
-            pad = [((r.token_ids_logprob or []) + [0] * K)[:K] for r in self.reqs]
-            sampling["ids_logprob"] = int64([pad[i] for i in wanted for _ in range(E)]).view(-1, K)
-            sampling["input_ids_logprob"] = int64([pad[i] for i in self.prompt_row_reqs]).view(-1, K)
-        last = [i for i, is_last in enumerate(self.is_last_chunk) if is_last]  # the rows that really sample
-        if self.scheduler.draft_tokens and not self.verify_width:  # their tokens join the history drafts
-            sampling["history_idx"] = int64(last)                 # come from (decode steps: on the device)
-            sampling["history_pos"] = int64([self.seq_lens[i] for i in last])
+        sampling = sampling_inputs(self, E)
+        rows, ids = plan_logprobs(self, sampling, plan["prefix_lens"], plan["extend_lens"], E)
         # overlap mode publishes each sampled token (not a mid-prompt chunk's) for the next step to gather
+        last = [i for i, is_last in enumerate(self.is_last_chunk) if is_last]
         publish = last if self.scheduler.enable_overlap else []
         deferred = any(r.grammar is not None and last for r, last in zip(self.reqs, self.is_last_chunk))
-        mode = fields.pop("forward_mode", self.forward_mode)
+        mode = plan.pop("forward_mode", self.forward_mode)
         return ForwardBatch(forward_mode=mode, seq_lens=self.seq_lens, sampling=sampling,
                             prompt_logit_rows=int64(rows), prompt_logit_ids=int64(ids),
-                            publish_idx=int64(publish), deferred=deferred, **fields)
-
-    def sampling_inputs(self, E: int = 1) -> dict:
-        """Sampling tensors, made on the host, E rows a request (a verify's positions). Penalties,
-        logit_bias and min_new_tokens add theirs only when a request of the batch uses them: the others
-        pay no (B, vocab) work. A verify's rows sample at positions only the device knows: there its
-        penalties see the drafts before each row, and its min_new_tokens window is decided."""
-        reqs, params = self.reqs, [r.sampling_params for r in self.reqs]
-        out_pos = [n - len(r.origin_input_ids) for n, r in zip(self.seq_lens, reqs)]  # the output it samples
-        each = lambda xs: [x for x in xs for _ in range(E)]  # noqa: E731  (a verify: one a row)
-        f64 = functools.partial(torch.tensor, dtype=torch.float64)
-        s = {"temperature": f64(each(p.temperature for p in params)),
-             "top_p": f64(each(p.top_p for p in params)), "min_p": f64(each(p.min_p for p in params)),
-             "top_k": int64(each(p.top_k for p in params)), "seed": int64(each(r.seed for r in reqs)),
-             # the noise is a function of (seed, out_pos) only; a verify's true ones are on the device
-             "out_pos": int64([n - E + j + 1 for n in out_pos for j in range(E)] if E > 1 else out_pos),
-             "all_greedy": all(p.temperature == 0 for p in params),
-             "need_filter": any(p.top_k != -1 or p.top_p < 1 or p.min_p > 0 for p in params)}
-        if self.verify_width:
-            s["prompt_len"] = int64(each(len(r.origin_input_ids) for r in reqs))
-        # penalties: their state lives on the device (TokenCounts), rebuilt where a request gets its row;
-        # speculating, TokenCounts' tokens are also the history that drafts come from
-        new = [r for r, p, first in zip(reqs, params, self.new_rows)
-               if first and (p.has_penalties() or self.scheduler.draft_tokens)]
-        if new:
-            s["reset_rows"] = int64([r.req_pool_idx for r in new])
-            s["reset_tokens"] = int64([[r.req_pool_idx, i, t] for r in new for i, t in enumerate(r.fill_ids)])
-            s["reset_counts"] = int64([[r.req_pool_idx, t] for r in new for t in r.output_ids]).view(-1, 2)
-        pen = [i for i, p in enumerate(params) if p.has_penalties() and self.is_last_chunk[i]]  # sampling
-        if pen:  # penalty_lens: tokens held, the new one's position (a verify's: bounds; the device's exact)
-            s["penalized"] = int64([i * E + j for i in pen for j in range(E)])
-            s["penalty_rows"] = int64(each(reqs[i].req_pool_idx for i in pen))
-            s["penalty_lens"] = int64(each(self.seq_lens[i] for i in pen))
-            s["penalty_len"] = max(self.seq_lens[i] for i in pen)
-            for key in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
-                s[key] = f64(each(getattr(params[i], key) for i in pen))
-        bias = [(i * E + j, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()
-                for j in range(E)]
-        if bias:
-            s["bias_at"], s["bias"] = int64([b[:2] for b in bias]), f64([b[2] for b in bias])
-        # min_new_tokens: the tokens that would finish a request cannot be sampled while it is short (its
-        # output position below it: adjust_logits decides on the device; a grammar decides when it may stop)
-        banned = [(i * E + j, t, p.min_new_tokens) for i, (r, p) in enumerate(zip(reqs, params))
-                  if len(r.output_ids) < p.min_new_tokens and r.grammar is None
-                  for j in range(E) for t in r.stop_ids]
-        if banned:
-            s["banned"] = int64(banned)
-        return s
-
-    def plan_prompt_logprobs(self, prefix_lens: list, extend_lens: list) -> tuple[list, list]:
-        """Prompt logprobs: a logits row at each fed position q whose next token q + 1 is a prompt token
-        its request asks about (from logprob_start_len on). Returns the rows' flat positions and tokens."""
-        rows, ids, start = [], [], 0
-        self.input_spans, self.prompt_row_reqs = [None] * len(self.reqs), []  # the request of each row
-        for i, (r, pre, ext) in enumerate(zip(self.reqs[:self.n_prefill], prefix_lens, extend_lens)):
-            if r.owes_input_logprobs():
-                lo = max(pre, max(r.logprob_start_len, 1) - 1)
-                n = max(0, min(pre + ext, len(r.origin_input_ids) - 1) - lo)
-                self.input_spans[i] = (len(rows), n, lo + 1)
-                rows += range(start + lo - pre, start + lo - pre + n)
-                ids += r.origin_input_ids[lo + 1:lo + 1 + n]
-                self.prompt_row_reqs += [i] * n
-            start += ext
-        return rows, ids
+                            publish_idx=int64(publish), deferred=deferred, **plan)
 
     def prepare_for_extend(self):
         """Each request's chunk gets KV slots; on its first chunk the request also gets a row, which
@@ -621,32 +562,6 @@ class ScheduleBatch:
             logit_rows=torch.tensor(extend_lens).cumsum(0) - 1)
 
 
-class WaitingQueue:
-    """The waiting requests in queue order (arrival; a retracted one goes back to the front). A request
-    leaves or joins either end in O(1), so aborting k of n waiting costs O(k), and a plan costs what it
-    reaches and admits, not the queue's length."""
-
-    def __init__(self):
-        self.reqs: OrderedDict[int, Req] = OrderedDict()  # id(Req) -> Req
-
-    def push(self, r: Req, front: bool = False):
-        self.reqs[id(r)] = r
-        if front:
-            self.reqs.move_to_end(id(r), last=False)
-
-    def discard(self, r: Req):
-        self.reqs.pop(id(r), None)
-
-    def sort(self, key: Callable):  # stable: the queue's order among equals
-        self.reqs = OrderedDict(sorted(self.reqs.items(), key=lambda item: key(item[1])))
-
-    def __len__(self) -> int:
-        return len(self.reqs)
-
-    def __iter__(self) -> Iterator[Req]:
-        return iter(self.reqs.values())
-
-
 class PrefillAdder:
     """Admits waiting requests into one prefill batch under the token budgets.
 
@@ -656,7 +571,8 @@ class PrefillAdder:
     """
 
     def __init__(self, scheduler: Scheduler, running: list, mixed_decode_tokens: int = 0):
-        self.scheduler, args = scheduler, scheduler.server_args
+        self.scheduler = scheduler
+        args = scheduler.server_args
         running = [r for r in running if not r.finished()]  # finished ones leave at the next filter
         reserved = sum(self.decode_reserve(r) for r in running)
         # a mixed batch also carries one decode token per running request: they share every budget
@@ -761,7 +677,8 @@ class TokenToKVPool:
     def alloc(self, n: int) -> Optional[torch.Tensor]:
         if n > len(self.free_slots):
             return None
-        out, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        out = self.free_slots[:n]
+        self.free_slots = self.free_slots[n:]
         return out
 
     def free(self, slots: torch.Tensor):
@@ -773,9 +690,12 @@ class TreeNode:
     _counter = itertools.count()
 
     def __init__(self, parent=None, key=(), value=None):
-        self.parent, self.key, self.value = parent, list(key), value  # value: (len(key),) host slots
+        self.parent = parent
+        self.key = list(key)
+        self.value = value  # (len(key),) host slots
         self.children: dict[int, TreeNode] = {}                       # first token of its key -> child
-        self.lock_ref, self.last_access = 0, next(TreeNode._counter)  # a logical clock: deterministic LRU
+        self.lock_ref = 0
+        self.last_access = next(TreeNode._counter)  # a logical clock: deterministic LRU
 
 
 def common_prefix_len(a, b) -> int:
@@ -791,10 +711,12 @@ class RadixCache:
     SGLang does, costs the cache's size at every step once a pool full of cached prompts evicts each step)."""
 
     def __init__(self, kv_pool: TokenToKVPool, disable: bool = False):
-        self.kv_pool, self.disable = kv_pool, disable
+        self.kv_pool = kv_pool
+        self.disable = disable
         self.root = TreeNode(key=(), value=torch.empty(0, dtype=torch.int64))
         self.root.lock_ref = 1  # the root is never evicted
-        self.evictable_size_, self.protected_size_ = 0, 0
+        self.evictable_size_ = 0
+        self.protected_size_ = 0
         self.leaf_heap: list = []  # (last_access, id, node): every unlocked leaf has an entry, stale ones too
 
     def match_prefix(self, key: list) -> tuple[torch.Tensor, TreeNode]:
@@ -815,10 +737,13 @@ class RadixCache:
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """child.key[:n] becomes a new parent of child; returns the new node."""
         mid = TreeNode(child.parent, child.key[:n], child.value[:n])
-        mid.lock_ref, mid.last_access = child.lock_ref, child.last_access
+        mid.lock_ref = child.lock_ref
+        mid.last_access = child.last_access
         mid.children = {child.key[n]: child}
         child.parent.children[child.key[0]] = mid
-        child.parent, child.key, child.value = mid, child.key[n:], child.value[n:]
+        child.parent = mid
+        child.key = child.key[n:]
+        child.value = child.value[n:]
         return mid
 
     def insert(self, key: list, value: torch.Tensor) -> int:
@@ -959,14 +884,27 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
+def map_tensors(x, fn: Callable):
+    """x with fn applied to every tensor in it: in a dataclass's fields and a tuple's items, nested."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, tuple):
+        return tuple(map_tensors(v, fn) for v in x)
+    if is_dataclass(x):
+        return replace(x, **{f.name: map_tensors(getattr(x, f.name), fn) for f in fields(x)})
+    return x
+
+
 class StepHandle:
     """A launched step: its result becomes readable on the host once `wait()` returns (copy_done)."""
 
     def __init__(self):
         self.done = threading.Event()      # CPU: set by the device thread when the step has run
-        self.value, self.error = None, None
+        self.value = None
+        self.error = None
         self.t_launch = time.perf_counter()
-        self.t_start = self.t_end = None   # CPU: when the device thread ran it (CUDA: see StepTimer)
+        self.t_start = None  # CPU: when the device thread ran it (CUDA: see TimedScheduler)
+        self.t_end = None
         self.copy_done = None              # CUDA: event recorded on the copy stream
 
     def wait(self):
@@ -985,7 +923,8 @@ class CpuDeviceStream:
 
     def __init__(self, jitter_ms: float = 0.0, seed: int = 0):
         self.queue: queue.Queue = queue.Queue()
-        self.jitter, self.rng = jitter_ms / 1e3, random.Random(seed)
+        self.jitter = jitter_ms / 1e3
+        self.rng = random.Random(seed)
         self.error: Optional[BaseException] = None
         self.thread = threading.Thread(target=self._run, name="overlap-engine-device", daemon=True)
         self.thread.start()
@@ -1010,7 +949,8 @@ class CpuDeviceStream:
                 h.t_end = time.perf_counter()
                 self._sleep()
             except BaseException as e:  # surfaces on the host at wait(); the thread lives on
-                h.error = self.error = e
+                h.error = e
+                self.error = e
             h.t_end = h.t_end or time.perf_counter()
             h.done.set()
 
@@ -1031,14 +971,16 @@ class CudaDeviceStream:
     """A forward stream for the steps and a copy stream for the non-blocking D2H of sampled tokens."""
 
     def __init__(self):
-        self.forward_stream, self.copy_stream = torch.cuda.Stream(), torch.cuda.Stream()
+        self.forward_stream = torch.cuda.Stream()
+        self.copy_stream = torch.cuda.Stream()
         self.error: Optional[BaseException] = None
 
     def launch(self, fn: Callable) -> StepHandle:
         if self.error is not None:  # as on the CPU stream: once broken, every later launch re-raises
             raise self.error
         h = StepHandle()
-        h.ev_start, h.ev_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        h.ev_start = torch.cuda.Event(enable_timing=True)
+        h.ev_end = torch.cuda.Event(enable_timing=True)
         self.forward_stream.wait_stream(torch.cuda.current_stream())  # the host's H2D copies come first
         try:
             with torch.cuda.stream(self.forward_stream):
@@ -1046,7 +988,8 @@ class CudaDeviceStream:
                 out = fn()
                 h.ev_end.record()
         except BaseException as e:  # surfaces on the host at wait(), like a CPU step's error
-            h.error = self.error = e
+            h.error = e
+            self.error = e
             h.done.set()
             return h
         if out is None:  # nothing to copy back: waiting on the handle waits for the forward stream
@@ -1054,8 +997,7 @@ class CudaDeviceStream:
             return h
         self.copy_stream.wait_stream(self.forward_stream)  # the next forward need not wait for this copy
         with torch.cuda.stream(self.copy_stream):
-            h.value = ({k: self.to_host(v) for k, v in out.items()} if isinstance(out, dict)
-                       else self.to_host(out))
+            h.value = map_tensors(out, self.to_host)
             h.copy_done = torch.cuda.Event()
             h.copy_done.record()
         return h
@@ -1074,45 +1016,94 @@ class CudaDeviceStream:
         torch.cuda.synchronize()
 
 
+@dataclass(kw_only=True)
+class Logprobs:
+    """Logprobs of some rows (a step's sampled tokens, or prompt tokens it scores), of the raw logits."""
+    token: torch.Tensor                   # (R,) of each row's token
+    top: Optional[torch.Tensor] = None    # (R, k) the k best, best first
+    top_ids: Optional[torch.Tensor] = None  # (R, k) their token ids
+    given: Optional[torch.Tensor] = None  # (R, K) of token_ids_logprob's ids
+
+
+@dataclass(kw_only=True)
+class StepOutput:
+    """What a step hands back to the host: device tensors until wait_for reads them (then lists)."""
+    next_ids: torch.Tensor                     # (R,) each logits row's sampled token
+    accept_len: Optional[torch.Tensor] = None  # a verify's (B,): drafts accepted per request
+    logprobs: Optional[Logprobs] = None        # of the rows LogprobsAsked.idx names
+    input_logprobs: Optional[Logprobs] = None  # of the prompt tokens (prompt_logit_ids)
+
+
+@dataclass
+class Verify:
+    """What a verify step's forward leaves for its sample, on the device."""
+    drafts: torch.Tensor     # (B, E - 1) the tokens fed after each request's last one; -1: no draft
+    base: torch.Tensor       # (B,) the position of each request's last token
+    positions: torch.Tensor  # (B * E,) the positions fed
+
+
+class Forwarded:
+    """A deferred step's forward results, filled in on the device stream and read by its sample there."""
+    logits: Optional[torch.Tensor] = None
+    verify: Optional[Verify] = None
+
+
 class ModelWorker:
-    """Runs steps on the device stream: resolve inputs, write req_to_token, forward, sample, publish."""
+    """Runs steps on the device stream: resolve inputs, write req_to_token, forward, sample, publish.
+    Part II hands it a drafter when speculating, and on a CPU its own way to race the sampled rows."""
 
-    def __init__(self, model: Callable, req_to_token_pool, future_map, attn_backend, stream, device):
-        self.model, self.req_to_token_pool, self.future_map = model, req_to_token_pool, future_map
-        self.attn, self.stream, self.device = attn_backend, stream, device
-        self.token_counts: Optional[TokenCounts] = None  # the penalties' per-row state, on the device
-        self.race_rows: Optional[Callable] = None  # how sample() races rows (None: race)
-        self.kept_logits: Optional[torch.Tensor] = None  # a deferred step's, until its sample runs
-        self.drafter: Optional[Callable] = None  # speculating: (worker, batch, rows, base, k) -> drafts
-        self.verify_state: Optional[tuple] = None  # a verify's (drafts, base, positions), for its sample
+    def __init__(self, model: Callable, req_to_token_pool, future_map, attn_backend, stream, device,
+                 drafter: Optional[Callable] = None, race_rows: Optional[Callable] = None):
+        self.model = model  # (input_ids, positions, attn, logit_rows) -> logits
+        self.req_to_token_pool = req_to_token_pool
+        self.future_map = future_map
+        self.attn = attn_backend
+        self.stream = stream
+        self.device = device
+        self.drafter = drafter  # speculating: (worker, batch, rows, base, k) -> (B, k) drafts
+        self.race_rows = race_rows  # how sample() races rows (None: race)
+        self.token_counts: Optional[TokenCounts] = None  # the penalties' per-row state, made on first use
 
-    def launch(self, batch: ForwardBatch) -> Optional[StepHandle]:
-        """Queues the step; of a deferred step (a grammar's) only its forward, launch_sample follows."""
-        if batch.deferred:
-            self.stream.launch(lambda: self.forward_logits(batch, keep=True))
-            return None
-        return self.stream.launch(lambda: self.forward_step(batch))
+    def launch(self, batch: ForwardBatch):
+        """Queues the step: a StepHandle for its result. A deferred step (a grammar's) queues its forward
+        only and returns a Forwarded that launch_sample hands to the sample queued behind it."""
+        if not batch.deferred:
+            return self.stream.launch(lambda: self.forward_step(batch))
+        kept = Forwarded()
 
-    def launch_sample(self, batch: ForwardBatch, bitmask: torch.Tensor, publish_idx) -> StepHandle:
+        def forward():
+            logits, verify = self.forward_logits(batch)
+            kept.logits = logits
+            kept.verify = verify
+        self.stream.launch(forward)
+        return kept
+
+    def launch_sample(self, batch: ForwardBatch, kept: Forwarded, bitmask: torch.Tensor,
+                      publish_idx: torch.Tensor) -> StepHandle:
         """A deferred step's sample, queued behind its forward (whose logits wait on the device);
         publish_idx: its rows that still publish (not those the commit in between finished)."""
-        return self.stream.launch(lambda: self.sample_step(batch, self.kept_logits, bitmask, publish_idx))
+        return self.stream.launch(
+            lambda: self.sample_step(batch, kept.logits, kept.verify, bitmask, publish_idx))
 
-    def forward_step(self, batch: ForwardBatch) -> dict:
+    def forward_step(self, batch: ForwardBatch) -> StepOutput:
         """Runs on the device stream; everything it touches on the device is ordered after earlier steps.
         Returns the step's result, still on the device: the sampled tokens and the logprobs asked for."""
-        return self.sample_step(batch, self.forward_logits(batch))
+        logits, verify = self.forward_logits(batch)
+        return self.sample_step(batch, logits, verify)
 
-    def forward_logits(self, batch: ForwardBatch, keep: bool = False) -> torch.Tensor:
+    def forward_logits(self, batch: ForwardBatch) -> tuple[torch.Tensor, Optional[Verify]]:
         """Writes req_to_token, resolves the inputs, runs the model: logits (R + M, vocab), R a row per
-        request (a verify: 1 + k) and M rows that score prompt tokens (prompt logprobs). keep: a deferred
-        sample reads them later."""
+        request (a verify: 1 + k) and M rows that score prompt tokens (prompt logprobs)."""
         to = functools.partial(to_device, device=self.device)
         rows = to(batch.req_pool_indices)
         write_rows, write_cols, write_slots = batch.req_to_token_writes
         self.req_to_token_pool.req_to_token[to(write_rows), to(write_cols)] = to(write_slots).to(torch.int32)
+        verify = None
         if batch.verify_width:  # speculating: where each request stands is the device's to know
-            input_ids, positions, loc = self.speculate(batch, rows)
+            input_ids, verify = self.speculate(batch, rows)
+            positions = verify.positions
+            loc = self.req_to_token_pool.req_to_token[rows.repeat_interleave(batch.verify_width), positions]
+            loc = loc.long()
             seq_lens = positions.view(len(rows), -1)[:, -1] + 1
         else:
             input_ids = to(batch.input_ids)  # (N,) or a mixed batch's prefill part; empty for overlap decode
@@ -1120,7 +1111,8 @@ class ModelWorker:
                 # the decode inputs of overlap mode: the previous step's tokens, materialized in the FutureMap
                 tails = self.future_map.resolve(to(batch.future_input_rows))
                 input_ids = torch.cat((input_ids, tails)) if len(batch.input_ids) else tails
-            positions, loc = to(batch.positions), to(batch.out_cache_loc)
+            positions = to(batch.positions)
+            loc = to(batch.out_cache_loc)
             seq_lens = to(torch.tensor(batch.seq_lens))
         self.attn.init_forward_metadata(ForwardMetadata(
             forward_mode=batch.forward_mode, req_pool_indices=rows, out_cache_loc=loc, seq_lens=seq_lens,
@@ -1130,97 +1122,107 @@ class ModelWorker:
         if len(batch.prompt_logit_rows):  # prompt logprobs: more rows through the LM head, for who asks
             logit_rows = torch.cat((logit_rows, batch.prompt_logit_rows))
         logits = self.model(input_ids, positions, self.attn, to(logit_rows))  # (R + M, vocab)
-        self.kept_logits = logits if keep else None
-        return logits
+        return logits, verify
 
-    def speculate(self, batch: ForwardBatch, rows: torch.Tensor) -> tuple:
+    def speculate(self, batch: ForwardBatch, rows: torch.Tensor) -> tuple[torch.Tensor, Verify]:
         """A speculating decode step's inputs, on the device: each request's last token at its position
         base (in overlap mode both from the FutureMap: the host does not know step n's accept count yet),
         then E - 1 drafts after it (the drafter's; -1, never accepted, where it has none or the request
-        does not draft); their positions and slots. A verify of E = 1 is a decode."""
-        E, to = batch.verify_width, functools.partial(to_device, device=self.device)
+        does not draft), and their positions. A verify of E = 1 is a decode (a draft model catches up)."""
+        E = batch.verify_width
+        to = functools.partial(to_device, device=self.device)
         if batch.future_input_rows is not None:
-            last, base = self.future_map.resolve(rows), self.future_map.positions_buf[rows]
+            last = self.future_map.resolve(rows)
+            base = self.future_map.positions_buf[rows]
         else:
-            last, base = to(batch.input_ids), to(batch.positions)
-        drafts = torch.full((len(rows), E - 1), -1, dtype=torch.int64, device=rows.device)   # (B, E - 1)
-        if E > 1:
-            mine = self.drafter(self, batch, rows, base, E - 1)
-            drafts = torch.where(to(batch.may_draft)[:, None], mine, drafts)
-        positions = (base[:, None] + torch.arange(E, device=rows.device)).flatten()           # (B * E,)
-        loc = self.req_to_token_pool.req_to_token[rows.repeat_interleave(E), positions].long()
-        self.verify_state = (drafts, base, positions)
-        return torch.cat((last[:, None], drafts.clamp(min=0)), 1).flatten(), positions, loc
+            last = to(batch.input_ids)
+            base = to(batch.positions)
+        drafts = self.drafter(self, batch, rows, base, E - 1)                          # (B, E - 1)
+        drafts = torch.where(to(batch.may_draft)[:, None], drafts, -1)
+        positions = (base[:, None] + torch.arange(E, device=rows.device)).flatten()   # (B * E,)
+        input_ids = torch.cat((last[:, None], drafts.clamp(min=0)), 1).flatten()
+        return input_ids, Verify(drafts, base, positions)
 
-    def sample_step(self, batch: ForwardBatch, logits: torch.Tensor, bitmask=None, publish_idx=None) -> dict:
+    def sample_step(self, batch: ForwardBatch, logits: torch.Tensor, verify: Optional[Verify],
+                    bitmask: Optional[torch.Tensor] = None, publish_idx=None) -> StepOutput:
         """Samples the step's tokens (a grammar's bitmask applied), adds the logprobs asked for, verifies
         the drafts, and publishes each request's next input (and its position) to the FutureMap."""
         publish_idx = batch.publish_idx if publish_idx is None else publish_idx
         to = functools.partial(to_device, device=self.device)
-        R, rows, self.kept_logits = len(batch.logit_rows), to(batch.req_pool_indices), None
-        sampling = {k: (to(v) if isinstance(v, torch.Tensor) else v) for k, v in batch.sampling.items()}
+        R = len(batch.logit_rows)
+        rows = to(batch.req_pool_indices)
+        s = map_tensors(batch.sampling, to)
         if bitmask is not None:
-            sampling["bitmask"] = to(bitmask)
-        if batch.verify_width:  # the outputs its rows sample, from the true positions
-            drafts, _, positions = self.verify_state
-            sampling["out_pos"] = positions + 1 - sampling["prompt_len"]
-            if "penalized" in sampling:  # row j holds the tokens up to it, and counts the drafts before it
-                idx, E, history = sampling["penalized"], batch.verify_width, self.token_counts.tokens
-                at = positions.view(len(rows), E)[:, 1:].clamp(max=history.shape[1] - 1)  # where drafts sit
-                history[rows[:, None], at] = drafts.clamp(min=0)
-                sampling["penalty_lens"] = positions[idx] + 1
-                before = torch.arange(E - 1, device=idx.device) < (idx % E)[:, None]
-                sampling["drafts_held"] = torch.where(before, drafts[idx // E], -1)         # (P, E - 1)
-        out = self.sample_tokens(logits[:R], sampling)
-        if len(batch.prompt_logit_rows):
-            out |= logprobs(logits[R:], to(batch.prompt_logit_ids), sampling["top_logprobs_num"], "input_",
-                            sampling.get("input_ids_logprob"))
-        if batch.verify_width:
-            out |= self.accept(rows, out["next_ids"], batch.verify_width)
-            tokens, at = out["bonus"], out["next_base"]
+            s.bitmask = to(bitmask)
+        if verify is not None:  # the outputs its rows sample, and the history they see, at true positions
+            self.see_drafts(s, verify, rows, batch.verify_width)
+        out = self.sample_tokens(logits[:R], s)
+        if s.logprobs is not None and len(batch.prompt_logit_rows):
+            ids = to(batch.prompt_logit_ids)
+            out.input_logprobs = logprobs(logits[R:], ids, s.logprobs.top_k, s.logprobs.input_ids)
+        if verify is not None:
+            out.accept_len, tokens, at = self.accept(rows, out.next_ids, verify)
         else:
-            tokens, at = out["next_ids"], to(torch.tensor(batch.seq_lens))
-            if "history_idx" in sampling:  # speculating: a prompt's first token joins its history
-                idx = sampling["history_idx"]
-                self.token_counts.tokens[rows[idx], sampling["history_pos"]] = tokens[idx]
-        if "penalized" in sampling:  # what it sampled counts from the next step on (a verify's: if accepted)
-            idx, E, sampled = sampling["penalized"], batch.verify_width or 1, out["next_ids"]
-            kept = (idx % E <= out["accept_len"][idx // E]) if batch.verify_width else torch.ones_like(idx)
-            self.token_counts.add(sampling["penalty_rows"], sampling["penalty_lens"], sampled[idx], kept)
+            tokens = out.next_ids
+            at = to(torch.tensor(batch.seq_lens))
+            if s.history is not None:  # speculating: a prompt's first token joins its history
+                idx, pos = s.history
+                self.token_counts.tokens[rows[idx], pos] = tokens[idx]
+        if s.penalties is not None:  # what it sampled counts from the next step on (a verify's: if accepted)
+            pen = s.penalties
+            E = batch.verify_width or 1
+            kept = torch.ones_like(pen.idx, dtype=torch.bool)
+            if verify is not None:
+                kept = pen.idx % E <= out.accept_len[pen.idx // E]
+            self.token_counts.add(pen.rows, pen.lens, out.next_ids[pen.idx], kept)
         if len(publish_idx):  # host-known: no sync (a device boolean mask would sync)
             sel = to(publish_idx)
             self.future_map.publish(rows[sel], tokens[sel], at[sel])
         return out
 
-    def accept(self, rows: torch.Tensor, next_ids: torch.Tensor, E: int) -> dict:
+    def see_drafts(self, s: SamplingInputs, verify: Verify, rows: torch.Tensor, E: int):
+        """A verify's rows sample outputs at positions the device knows: their out_pos, and with
+        penalties, row j holds the tokens up to it and counts the drafts before it as outputs."""
+        s.out_pos = verify.positions + 1 - s.prompt_len
+        if s.penalties is None:
+            return
+        pen = s.penalties
+        history = self.token_counts.tokens
+        at = verify.positions.view(len(rows), E)[:, 1:].clamp(max=history.shape[1] - 1)  # where drafts sit
+        history[rows[:, None], at] = verify.drafts.clamp(min=0)
+        pen.lens = verify.positions[pen.idx] + 1
+        before = torch.arange(E - 1, device=rows.device) < (pen.idx % E)[:, None]
+        pen.drafts_held = torch.where(before, verify.drafts[pen.idx // E], -1)            # (P, E - 1)
+
+    def accept(self, rows: torch.Tensor, next_ids: torch.Tensor, verify: Verify) -> tuple:
         """Verify: a request's drafts are accepted while each equals the token the target sampled at its
         position (with that position's own noise and filters: what plain decoding samples there), and
         the token sampled after the last accepted one (the bonus) comes with them: accept_len + 1 tokens.
-        Every sampled token goes into the request's history (past the accepted ones, to be overwritten);
-        the bonus, at position base + accept_len + 1, is the next step's input."""
-        drafts, base, _ = self.verify_state
+        Every sampled token goes into the request's history (past the accepted ones, to be overwritten).
+        Returns accept_len, the bonus (the next step's input) and its position base + accept_len + 1."""
+        E = verify.drafts.shape[1] + 1
         sampled = next_ids.view(-1, E)                                          # (B, E)
-        accept_len = (sampled[:, :-1] == drafts).cumprod(1).sum(1)              # (B,)
+        accept_len = (sampled[:, :-1] == verify.drafts).cumprod(1).sum(1)       # (B,)
         history = self.token_counts.tokens                                      # (rows, ctx)
-        at = (base[:, None] + 1 + torch.arange(E, device=base.device)).clamp(max=history.shape[1] - 1)
+        at = verify.base[:, None] + 1 + torch.arange(E, device=rows.device)
+        at = at.clamp(max=history.shape[1] - 1)
         history[rows[:, None], at] = sampled  # (the last column is past the context: a scratch)
-        return {"accept_len": accept_len, "bonus": sampled.gather(1, accept_len[:, None]).squeeze(1),
-                "next_base": base + accept_len + 1}
+        bonus = sampled.gather(1, accept_len[:, None]).squeeze(1)
+        return accept_len, bonus, verify.base + accept_len + 1
 
-    def sample_tokens(self, logits: torch.Tensor, s: dict) -> dict:
+    def sample_tokens(self, logits: torch.Tensor, s: SamplingInputs) -> StepOutput:
         """Each row's next token, and its logprobs where asked. With penalties, the rows requests just got
         are rebuilt first and what they sample is counted after: step n+1 sees step n's token, no sync."""
-        if self.token_counts is None and ("reset_rows" in s or "penalized" in s):  # made on first use:
-            rows, ctx = self.req_to_token_pool.req_to_token.shape     # most workloads never pay for it
+        if self.token_counts is None and (s.reset is not None or s.penalties is not None):
+            rows, ctx = self.req_to_token_pool.req_to_token.shape  # most workloads never pay for it
             self.token_counts = TokenCounts(rows, ctx, logits.shape[1], self.device)
-        counts = self.token_counts
-        if "reset_rows" in s:
-            counts.reset(s["reset_rows"], s["reset_tokens"], s["reset_counts"])
-        next_ids = sample(logits, s, counts, self.race_rows)  # (B,)
-        out = {"next_ids": next_ids}
-        if "logprob_idx" in s:
-            idx = s["logprob_idx"]
-            out |= logprobs(logits[idx], next_ids[idx], s["top_logprobs_num"], "", s.get("ids_logprob"))
+        if s.reset is not None:
+            self.token_counts.reset(*s.reset)
+        next_ids = sample(logits, s, self.token_counts, self.race_rows)  # (R,)
+        out = StepOutput(next_ids=next_ids)
+        if s.logprobs is not None:
+            idx = s.logprobs.idx
+            out.logprobs = logprobs(logits[idx], next_ids[idx], s.logprobs.top_k, s.logprobs.ids)
         return out
 
     def write_row(self, row: int, slots: torch.Tensor):
@@ -1244,7 +1246,6 @@ IN_BATCH_PREFIX_MIN = 32  # shared tokens that make a waiting request wait for a
 # lpm matches and sorts every waiting request at every plan: above this many it plans as fcfs, which
 # matches only the requests it reaches (SGLang's literal 128 in SchedulePolicy._determine_active_policy)
 LPM_MAX_WAITING = 128
-SPEC_MAX_PAUSE = 64  # speculative decoding: the longest a request pauses drafting after misses (steps)
 
 
 class Scheduler:
@@ -1254,9 +1255,13 @@ class Scheduler:
     """
 
     def __init__(self, args: ServerArgs, tokenizer, worker: ModelWorker, req_to_token_pool: ReqToTokenPool,
-                 kv_pool: TokenToKVPool):
-        self.server_args, self.tokenizer, self.worker = args, tokenizer, worker
-        self.req_to_token_pool, self.kv_pool = req_to_token_pool, kv_pool
+                 kv_pool: TokenToKVPool, vocab_size: int):
+        self.server_args = args
+        self.tokenizer = tokenizer
+        self.worker = worker
+        self.req_to_token_pool = req_to_token_pool
+        self.kv_pool = kv_pool
+        self.vocab_size = vocab_size  # the logits' width: a grammar's bitmask covers it
         self.tree_cache = RadixCache(kv_pool, disable=args.disable_radix_cache)
         self.enable_overlap = not args.disable_overlap_schedule
         self.draft_tokens = args.speculative_num_draft_tokens if args.speculative_algorithm else 0  # k
@@ -1266,16 +1271,17 @@ class Scheduler:
         self.running_batch = ScheduleBatch([], ForwardMode.DECODE, self)
         self.chunked_req: Optional[Req] = None  # a prompt in the middle of its chunked prefill
         self.last_batch: Optional[ScheduleBatch] = None  # the batch launched in the previous iteration
-        self.deferred: Optional[tuple] = None  # (ScheduleBatch, BatchSnapshot): forward queued, sample not
-        self.model_vocab_size = 0  # the logits' width, for grammar bitmasks (set by who builds it)
+        self.deferred: Optional[tuple] = None  # (ScheduleBatch, BatchSnapshot, Forwarded): sample not queued
         self.result_queue: deque = deque()   # (BatchSnapshot, StepHandle): launched, not yet committed
         self.finished_outputs: list[dict] = []
         self.row_owner: dict[int, Req] = {}  # request row -> the request holding it
         # new_token_ratio: the share of max_new_tokens reserved for running requests when admitting
         # new ones; it decays while decode goes well and jumps back up after a retraction (as in SGLang)
         c = args.schedule_conservativeness
-        self.init_new_token_ratio, self.min_new_token_ratio = min(0.7 * c, 1.0), min(0.1 * c, 1.0)
-        self.new_token_ratio_decay, self.new_token_ratio = 0.001, self.init_new_token_ratio
+        self.init_new_token_ratio = min(0.7 * c, 1.0)
+        self.min_new_token_ratio = min(0.1 * c, 1.0)
+        self.new_token_ratio_decay = 0.001
+        self.new_token_ratio = self.init_new_token_ratio
         self.stats = {"overshoot_tokens": 0, "stale_results": 0, "retractions": 0}
 
     # -- the two loops: each yields once per iteration to whoever drives it (Engine.step) -------------
@@ -1374,8 +1380,8 @@ class Scheduler:
         except BaseException:  # an interrupt or a broken stream: the plan's memory must not leak
             self.roll_back(batch)
             raise
-        if result is None:  # deferred: its forward runs; its sample waits for launch_deferred_sample
-            self.deferred = (batch, snapshot)
+        if batch.forward_batch.deferred:  # its forward runs; its sample waits for launch_deferred_sample
+            self.deferred = (batch, snapshot, result)
         else:
             self.result_queue.append((snapshot, result))
 
@@ -1386,8 +1392,10 @@ class Scheduler:
         wait for the forward). The other requests of the batch sample with it, unchanged."""
         if self.deferred is None:
             return
-        (batch, snapshot), self.deferred = self.deferred, None
-        words, E = -(-self.model_vocab_size // 32), snapshot.verify_width or 1
+        batch, snapshot, forwarded = self.deferred
+        self.deferred = None
+        words = -(-self.vocab_size // 32)
+        E = snapshot.verify_width or 1
         bitmask = torch.full((len(snapshot.reqs) * E, words), -1, dtype=torch.int32)  # all allowed
         for i, r in enumerate(snapshot.reqs):  # in a verify, its first row (a constrained one never drafts)
             if r.grammar is not None and snapshot.is_last_chunk[i] and not r.finished():
@@ -1397,7 +1405,7 @@ class Scheduler:
         publish = int64([i for i in batch.forward_batch.publish_idx.tolist()
                          if not snapshot.reqs[i].finished()])
         try:
-            result = self.worker.launch_sample(batch.forward_batch, bitmask, publish)
+            result = self.worker.launch_sample(batch.forward_batch, forwarded, bitmask, publish)
         except BaseException:
             self.roll_back(batch)
             raise
@@ -1417,27 +1425,28 @@ class Scheduler:
                 self.stats["overshoot_tokens" if overshoot else "stale_results"] += 1
                 continue
             r.kv_committed_len = batch.seq_lens[i]
-            if batch.input_spans[i] is not None:  # this chunk's prompt logprobs
-                r.add_input_logprobs(out, *batch.input_spans[i])
-                r.input_logprobs_done = batch.is_last_chunk[i]
+            if batch.input_spans[i] is not None:  # this chunk's prompt logprobs (Part II's books)
+                r.logprobs.commit_input(out, *batch.input_spans[i], done=batch.is_last_chunk[i])
             if not batch.is_last_chunk[i]:
                 self.cache_unfinished_req(r)  # a chunk in the middle of a prompt: share it already
                 continue                      # (its sample is meaningless)
-            step, E, slot = r.planned_steps.popleft(), batch.verify_width or 1, batch.logprob_slots[i]
+            step = r.planned_steps.popleft()
+            E = batch.verify_width or 1
+            slot = batch.logprob_slots[i]
             # a verify commits its accepted drafts and the bonus, up to the token that finishes it;
             # max_new_tokens 0: a prefill for its prompt logprobs alone (echo), no token
-            n = out["accept_len"][i] + 1 if batch.verify_width else int(r.sampling_params.max_new_tokens > 0)
+            n = out.accept_len[i] + 1 if batch.verify_width else int(r.sampling_params.max_new_tokens > 0)
             for j in range(n):
-                r.output_ids.append(out["next_ids"][i * E + j])
+                r.output_ids.append(out.next_ids[i * E + j])
                 if slot >= 0:
-                    r.add_output_logprob(out, slot * E + j)
+                    r.logprobs.commit_output(out, slot * E + j, r.output_ids[-1])
                 r.update_finish_state(self.tokenizer)
                 if r.finished():
                     break
             if not n:
                 r.update_finish_state(self.tokenizer)
             if self.draft_tokens and i >= batch.n_prefill:  # a decode row (in a mixed batch, without drafts)
-                r.note_verify(step, out["accept_len"][i] if batch.verify_width else 0)
+                note_verify(r, step, out.accept_len[i] if batch.verify_width else 0)
             if batch.verify_width:
                 r.kv_committed_len = len(r.fill_ids) - 1  # what the device knew: the bound was not needed
                 if not r.finished():
@@ -1448,10 +1457,10 @@ class Scheduler:
             elif i < batch.n_prefill:
                 self.cache_unfinished_req(r)  # a prompt just prefilled: share it
 
-    def wait_for(self, batch: BatchSnapshot, result: StepHandle) -> dict:
+    def wait_for(self, batch: BatchSnapshot, result: StepHandle) -> StepOutput:
         """The one place the host blocks on the device (sync point): the step's tokens and logprobs once
-        they are on the host (copy_done). Part II's StepTimer wraps it to time each step and each wait."""
-        return {k: v.tolist() for k, v in result.wait().items()}
+        they are on the host (copy_done), as lists. Part II's TimedScheduler times each wait and step."""
+        return map_tensors(result.wait(), torch.Tensor.tolist)
 
     def settle_reserved_kv(self, r: Req):
         """Speculating, at a verify's commit: the slots reserved past what the steps still planned can
@@ -1481,7 +1490,8 @@ class Scheduler:
             self.tree_cache.dec_lock_ref(r.last_node)
         self.req_to_token_pool.free(row)
         del self.row_owner[row]
-        r.req_pool_idx, r.last_node = None, None
+        r.req_pool_idx = None
+        r.last_node = None
         r.prefix_indices = torch.empty(0, dtype=torch.int64)
         self.worker.poison_row(row)  # last: on a broken device stream it raises, with the books settled
 
@@ -1498,7 +1508,8 @@ class Scheduler:
         self.tree_cache.dec_lock_ref(r.last_node)
         self.req_to_token_pool.req_to_token_host[row, :k] = slots
         self.worker.write_row(row, slots)  # after the in-flight step that may still read the old slots
-        r.last_node, r.prefix_indices = node, slots
+        r.last_node = node
+        r.prefix_indices = slots
 
     def insert_committed(self, r: Req, kv: torch.Tensor):
         """Inserts r's committed tokens, with their slots kv[:kv_committed_len], into the radix cache and
@@ -1518,7 +1529,8 @@ class Scheduler:
         if not self.waiting and self.chunked_req is None:
             return None
         # enable_mixed_chunk: decode rows ride along at host-known positions (none behind a verify in flight)
-        running, mixed = self.running_batch.reqs, 0
+        running = self.running_batch.reqs
+        mixed = 0
         if self.server_args.enable_mixed_chunk and not any(map(Req.verify_planned, running)):
             mixed = sum(map(Req.needs_decode, running))
         adder = PrefillAdder(self, running, mixed_decode_tokens=mixed)
@@ -1529,10 +1541,10 @@ class Scheduler:
             for r in self.waiting:
                 r.prefix_indices, r.last_node = self.tree_cache.match_prefix(r.prefix_key())
             self.waiting.sort(key=lambda r: -len(r.prefix_indices))
-        pending = self.prompts_being_prefilled(adder.can_run_list) if lpm else None
+        pending = prompts_being_prefilled(self, adder.can_run_list) if lpm else None
         admitted = []
         for r in self.waiting:
-            if r.waits_for_sibling() and not self.tree_cache.disable:
+            if waits_for_sibling(r) and not self.tree_cache.disable:
                 continue  # n > 1: it will find the prompt its first sibling is prefilling in the cache
             if r.grammar is not None and not r.grammar.ready():
                 continue  # its grammar still compiles, off this thread (SGLang's grammar queue)
@@ -1567,15 +1579,6 @@ class Scheduler:
         batch.mix_with_running(running)
         self.running_batch = ScheduleBatch([], ForwardMode.DECODE, self)
 
-    def prompts_being_prefilled(self, planned: list) -> RadixCache:
-        """A scratch tree of the prompts whose KV will soon be in the cache: those in in-flight prefills
-        and those already planned into this batch (a chunked prompt's next chunk)."""
-        pending = RadixCache(None)
-        in_flight = [r for snap, _ in self.result_queue for r in snap.reqs[:snap.n_prefill]]
-        for r in in_flight + planned:
-            pending.insert(r.fill_ids, torch.empty(len(r.fill_ids), dtype=torch.int64))
-        return pending
-
     def assign_row(self, r: Req):
         """A request's first chunk: a row of ReqToTokenPool (and of the FutureMap) that starts with the
         slots of its cached prefix."""
@@ -1584,7 +1587,8 @@ class Scheduler:
         r.req_pool_idx = row
         self.row_owner[row] = r
         self.req_to_token_pool.req_to_token_host[row, :len(r.prefix_indices)] = r.prefix_indices
-        r.kv_allocated_len = r.kv_committed_len = len(r.prefix_indices)
+        r.kv_allocated_len = len(r.prefix_indices)
+        r.kv_committed_len = len(r.prefix_indices)
 
     # -- rare cases: memory pressure, aborts -----------------------------------------------------------
 
@@ -1595,7 +1599,8 @@ class Scheduler:
         first, then the longest prompt. False: no decode step this iteration."""
         running = self.running_batch
         if self.chunked_req is not None and self.chunked_req.req_pool_idx is not None:
-            r, self.chunked_req = self.chunked_req, None
+            r = self.chunked_req
+            self.chunked_req = None
             self.retract(r)
         running.reqs.sort(key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
         while self.kv_available() < running.decode_slots(1):
@@ -1650,10 +1655,11 @@ class Scheduler:
         queues it to be recomputed from its committed tokens; its in-flight result becomes stale."""
         self.release_kv_cache(r, insert=False)
         r.epoch += 1
-        r.kv_allocated_len, r.kv_committed_len = 0, 0
+        r.kv_allocated_len = 0
+        r.kv_committed_len = 0
         r.planned_steps.clear()
-        if not r.input_logprobs_done:  # the recomputed prefill scores the prompt again
-            r.input_token_logprobs, r.input_top_logprobs = [], []
+        if r.logprobs is not None:  # the recomputed prefill scores the prompt again
+            r.logprobs.restart_input()
         self.waiting.push(r, front=True)
         self.stats["retractions"] += 1
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
@@ -1723,14 +1729,20 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.layer_id, self.H, self.Hkv, self.D, self.eps = layer_id, H, Hkv, D, cfg.rms_norm_eps
+        self.layer_id = layer_id
+        self.H = H
+        self.Hkv = Hkv
+        self.D = D
+        self.eps = cfg.rms_norm_eps
         # q, k and v side by side: one matmul (SGLang's QKVParallelLinear); loading stacks the three
         self.qkv_proj = nn.Linear(cfg.hidden_size, (H + 2 * Hkv) * D, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(H * D, cfg.hidden_size, bias=False)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
-            self.q_norm, self.k_norm = nn.Module(), nn.Module()
-            self.q_norm.weight, self.k_norm.weight = nn.Parameter(torch.ones(D)), nn.Parameter(torch.ones(D))
+            self.q_norm = nn.Module()
+            self.k_norm = nn.Module()
+            self.q_norm.weight = nn.Parameter(torch.ones(D))
+            self.k_norm.weight = nn.Parameter(torch.ones(D))
 
     def forward(self, x, cos, sin, attn) -> torch.Tensor:
         N, H, Hkv = x.shape[0], self.H, self.Hkv
@@ -1760,7 +1772,8 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
-        self.self_attn, self.mlp = LlamaAttention(cfg, layer_id), LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.mlp = LlamaMLP(cfg)
         self.eps = cfg.rms_norm_eps
         self.input_layernorm = nn.Module()
         self.input_layernorm.weight = nn.Parameter(torch.ones(cfg.hidden_size))
@@ -1800,8 +1813,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, attn)
         x = rms_norm(x[logit_rows], self.model.norm.weight, self.cfg.rms_norm_eps)
-        # logits in fp32, as SGLang keeps them: sampling reads all of them, and argmax over a bf16 row of
-        # 49k ran 4x slower here (5.6 ms against 1.5 ms at batch 64, conversion included)
+        # logits in fp32, as SGLang keeps them: sampling reads all of them, and a CPU's argmax over a bf16
+        # row of the whole vocabulary is slower than the conversion and an fp32 argmax together
         return self.lm_head(x).to(torch.promote_types(x.dtype, torch.float32))
 
 
@@ -1809,8 +1822,8 @@ class LlamaForCausalLM(nn.Module):
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mix on int32 tensors (2.5x faster than int64 with masks): products wrap modulo
-    2^32, and the mask makes >> a logical shift."""
+    """A 32-bit integer mix on int32 tensors (int32 work is cheaper than int64 with masks): products wrap
+    modulo 2^32, and the mask makes >> a logical shift."""
     x = (((x >> 16) & 0xFFFF) ^ x) * 0x45D9F3B
     x = (((x >> 16) & 0xFFFF) ^ x) * 0x45D9F3B
     return ((x >> 16) & 0xFFFF) ^ x
@@ -1827,26 +1840,29 @@ def sampling_noise(seed: torch.Tensor, out_pos: torch.Tensor, V: int) -> torch.T
     return u.log_().neg_()
 
 
-def sample(logits: torch.Tensor, sampling: dict, counts: Optional[TokenCounts] = None,
+def sample(logits: torch.Tensor, s: SamplingInputs, counts: Optional[TokenCounts] = None,
            race_rows: Optional[Callable] = None) -> torch.Tensor:
     """Greedy where temperature == 0; else argmax(p / E), E ~ Exp(1), which draws from p exactly
     (the exponential race), with p filtered by top_k, top_p and min_p; penalties and biases first.
     race_rows: how the rows race (race; Part II hands a CPU's worker its own)."""
-    if any(k in sampling for k in ("penalized", "bias", "banned", "bitmask")):
-        logits = adjust_logits(logits, sampling, counts)
+    adjusted = (s.penalties, s.bias, s.banned, s.bitmask)
+    if any(x is not None for x in adjusted):
+        logits = adjust_logits(logits, s, counts)
     greedy = logits.argmax(-1)
-    if sampling["all_greedy"]:
+    if s.all_greedy:
         return greedy
-    return torch.where(sampling["temperature"] == 0, greedy, (race_rows or race)(logits, sampling))
+    return torch.where(s.temperature == 0, greedy, (race_rows or race)(logits, s))
 
 
-def race(logits: torch.Tensor, s: dict, rows: slice = slice(None), filter: Optional[Callable] = None):
+def race(logits: torch.Tensor, s: SamplingInputs, rows: slice = slice(None),
+         filter: Optional[Callable] = None) -> torch.Tensor:
     """The exponential race of the batch's rows `rows` (logits holds theirs); filter: filter_probs."""
-    t, V = s["temperature"][rows], logits.shape[1]
+    t = s.temperature[rows]
+    V = logits.shape[1]
     probs = torch.softmax(logits.double() / torch.where(t > 0, t, 1.0)[:, None], dim=-1)  # (rows, V)
-    if s["need_filter"]:
-        probs = (filter or filter_probs)(probs, s["top_k"][rows], s["top_p"][rows], s["min_p"][rows])
-    noise = sampling_noise(s["seed"][rows], s["out_pos"][rows], V)                     # (rows, V)
+    if s.need_filter:
+        probs = (filter or filter_probs)(probs, s.top_k[rows], s.top_p[rows], s.min_p[rows])
+    noise = sampling_noise(s.seed[rows], s.out_pos[rows], V)                             # (rows, V)
     return (probs / noise).argmax(-1)
 
 
@@ -1873,26 +1889,27 @@ def adjust_logits(logits: torch.Tensor, s: dict, counts: Optional[TokenCounts]) 
     l - f * count - r * [count > 0]. logit_bias: added. min_new_tokens: the stop ids masked. A grammar:
     the tokens its bitmask does not allow masked."""
     logits = logits.clone()
-    if "penalized" in s:  # only the tokens a request holds are touched: (P, its length), not (P, vocab)
-        idx, rows, lens, L = s["penalized"], s["penalty_rows"], s["penalty_lens"], s["penalty_len"]
-        held = counts.tokens[rows, :L]                                                # (P, L)
-        past_end = torch.arange(L, device=held.device)[None] >= lens[:, None]
+    if s.penalties is not None:  # only the tokens a request holds are touched: (P, its length), not (P, V)
+        pen = s.penalties
+        held = counts.tokens[pen.rows, :pen.max_len]                                  # (P, L)
+        past_end = torch.arange(pen.max_len, device=held.device)[None] >= pen.lens[:, None]
         held = torch.where(past_end, held[:, :1], held)  # padding repeats a held token: writes agree
-        at = (idx[:, None], held)
-        y, n = logits[at].double(), counts.counts[rows[:, None], held]                # (P, L) each
-        if "drafts_held" in s:  # a verify's row: the drafts before it are outputs too (frequency, presence)
-            n = n + (held[:, :, None] == s["drafts_held"][:, None, :]).sum(-1)
-        rep = s["repetition_penalty"][:, None]
+        at = (pen.idx[:, None], held)
+        y = logits[at].double()                                                       # (P, L)
+        n = counts.counts[pen.rows[:, None], held]                                    # (P, L)
+        if pen.drafts_held is not None:  # a verify's row: the drafts before it are outputs too
+            n = n + (held[:, :, None] == pen.drafts_held[:, None, :]).sum(-1)
+        rep = pen.repetition[:, None]
         y = torch.where(y > 0, y / rep, y * rep)  # a token held twice gets the same value twice
-        logits[at] = (y - s["frequency_penalty"][:, None] * n - s["presence_penalty"][:, None] * (n > 0)
-                      ).to(logits.dtype)
-    if "bias" in s:
-        logits.index_put_(tuple(s["bias_at"].T), s["bias"].to(logits.dtype), accumulate=True)
-    if "banned" in s:  # (row, token, min_new_tokens): masked while the row's output position is below it
-        rows, ids, until = s["banned"].T
-        logits[rows, ids] = torch.where(s["out_pos"][rows] < until, -math.inf, logits[rows, ids])
-    if "bitmask" in s:  # a grammar's allowed tokens: bit t % 32 of word t // 32 (rows without one: all)
-        bits = (s["bitmask"][:, :, None] >> torch.arange(32, device=logits.device)) & 1  # (B, W, 32)
+        y = y - pen.frequency[:, None] * n - pen.presence[:, None] * (n > 0)
+        logits[at] = y.to(logits.dtype)
+    if s.bias is not None:
+        logits.index_put_(tuple(s.bias_at.T), s.bias.to(logits.dtype), accumulate=True)
+    if s.banned is not None:  # (row, token, min_new_tokens): masked while the row's output position is below
+        rows, ids, until = s.banned.T
+        logits[rows, ids] = torch.where(s.out_pos[rows] < until, -math.inf, logits[rows, ids])
+    if s.bitmask is not None:  # a grammar's allowed tokens: bit t % 32 of word t // 32 (all, without one)
+        bits = (s.bitmask[:, :, None] >> torch.arange(32, device=logits.device)) & 1  # (B, W, 32)
         logits.masked_fill_(bits.view(len(logits), -1)[:, :logits.shape[1]] == 0, -math.inf)
     return logits
 
@@ -1917,21 +1934,24 @@ class TokenCounts:
                                accumulate=True)
 
     def add(self, rows: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, kept: torch.Tensor):
-        self.tokens[rows, positions] = tokens  # kept: whether each counts (a verify's rows: if accepted)
+        """Sampled tokens join their rows' history; kept: whether each counts (a verify's: if accepted)."""
+        self.tokens[rows, positions] = tokens
         self.counts.index_put_((rows, tokens), kept.to(torch.int32), accumulate=True)
 
 
-def logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int, kind: str = "",
-             given: Optional[torch.Tensor] = None) -> dict:
+def logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int,
+             given: Optional[torch.Tensor] = None) -> Logprobs:
     """The model's own logprobs (log_softmax of the raw logits: before penalties, temperature and
     filters, as OpenAI and vLLM report them) of ids (R,) under logits (R, V), each row's k best, and
     those of the given token ids (R, K) (token_ids_logprob)."""
     lp = torch.log_softmax(logits, dim=-1)  # (R, V), fp32 or fp64: the model's logits are at least fp32
-    out = {kind + "logprobs": lp.gather(1, ids[:, None]).squeeze(1)}
+    out = Logprobs(token=lp.gather(1, ids[:, None]).squeeze(1))
     if k:
-        out[kind + "top_logprobs"], out[kind + "top_ids"] = lp.topk(k, dim=-1)
+        best = lp.topk(k, dim=-1)
+        out.top = best.values
+        out.top_ids = best.indices
     if given is not None:
-        out[kind + "ids_logprobs"] = lp.gather(1, given)  # (R, K)
+        out.given = lp.gather(1, given)  # (R, K)
     return out
 
 
@@ -1980,7 +2000,8 @@ class TorchAttnBackend:
     the buffer with a 2-D slot table)."""
 
     def __init__(self, kv_pool: TokenToKVPool, req_to_token_pool: ReqToTokenPool):
-        self.kv, self.meta = kv_pool, None
+        self.kv = kv_pool
+        self.meta = None
         self.req_to_token = req_to_token_pool.req_to_token  # (rows, ctx) on the device
 
     def init_forward_metadata(self, meta: ForwardMetadata):
@@ -1989,7 +2010,8 @@ class TorchAttnBackend:
             groups = self.group_by_length(meta.seq_lens_cpu)
             self.decode_groups = [self._decode_group(meta, g) for g in groups]
         else:  # per request, once per step (not once per layer): its rows of the batch, its slots, its mask
-            self.extend_reqs, start = [], 0
+            self.extend_reqs = []
+            start = 0
             for row, pre, ext in zip(meta.req_pool_indices_cpu, meta.prefix_lens_cpu, meta.extend_lens_cpu):
                 slots = self.req_to_token[row, :pre + ext].long()
                 self.extend_reqs.append((start, ext, slots, prefix_causal_mask(pre, ext, slots.device)))
@@ -2063,38 +2085,6 @@ def causal_attention(q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
     return o.transpose(0, 1)
 
 
-class TritonAttnBackend:
-    """Attention through kernels.py (split-K decode, extend over the cached prefix, KV store)."""
-
-    def __init__(self, kv_pool: TokenToKVPool, req_to_token_pool: ReqToTokenPool):
-        self.kv, self.meta = kv_pool, None
-        self.req_to_token = req_to_token_pool.req_to_token  # (rows, ctx) on the device
-        import kernels  # imported late: triton is only needed by this backend
-        self.kernels = kernels
-
-    def init_forward_metadata(self, meta: ForwardMetadata):
-        self.meta = meta
-        dev = meta.seq_lens.device
-        if meta.forward_mode.is_extend():
-            self.prefix_lens = to_device(torch.tensor(meta.prefix_lens_cpu, dtype=torch.int32), dev)  # (B,)
-            self.extend_lens = to_device(torch.tensor(meta.extend_lens_cpu, dtype=torch.int32), dev)  # (B,)
-        elif meta.forward_mode is ForwardMode.TARGET_VERIFY:  # an extend of E whose prefix the device knows
-            E = meta.extend_lens_cpu[0]
-            self.prefix_lens = (meta.seq_lens - E).to(torch.int32)
-            self.extend_lens = torch.full_like(self.prefix_lens, E)
-
-    def forward(self, q, k, v, layer_id: int) -> torch.Tensor:
-        m, kb, vb = self.meta, self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id]
-        self.kernels.store_kv(kb, vb, m.out_cache_loc, k, v)
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        if m.forward_mode.is_decode():
-            return self.kernels.decode_attention(q, kb, vb, self.req_to_token, m.req_pool_indices,
-                                                 m.seq_lens, scale)
-        return self.kernels.extend_attention(q, kb, vb, self.req_to_token, m.req_pool_indices,
-                                             self.prefix_lens, self.extend_lens, scale,
-                                             max_extend_len=max(m.extend_lens_cpu))  # host-known: no sync
-
-
 # ====================================================================================================
 # Part II: the plumbing. The Engine API and its argument checks, tensor parallelism, quantization,
 # compile, checkpoint loading, CPU tuning, the CLI and the server. Each changes Part I's objects from
@@ -2111,6 +2101,7 @@ import dataclasses
 import glob
 import hashlib
 import hmac
+import importlib.util
 import ipaddress
 import json
 import logging
@@ -2314,9 +2305,13 @@ def check_logprob_args(return_logprob, top_logprobs_num, logprob_start_len, toke
                          "integer >= 0")
     if token_ids_logprob is not None:
         ok = isinstance(token_ids_logprob, list) and 0 < len(token_ids_logprob) <= MAX_TOKEN_IDS_LOGPROB
-        if not ok or not all(_is_int(t) and 0 <= t < vocab_size for t in token_ids_logprob):
-            raise ValueError(f"token_ids_logprob={token_ids_logprob!r:.80} must be a list of 1 to "
-                             f"{MAX_TOKEN_IDS_LOGPROB} token ids in [0, {vocab_size})")
+        if not ok or not all(_is_int(t) for t in token_ids_logprob):
+            raise ValueError(f"token_ids_logprob={token_ids_logprob!r:.80} must be a flat list of integers "
+                             f"(1 to {MAX_TOKEN_IDS_LOGPROB} token ids)")
+        bad = [t for t in token_ids_logprob if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token_ids_logprob holds out-of-vocabulary token ids {bad[:8]}: the vocabulary "
+                             f"is [0, {vocab_size})")
         if not return_logprob:
             raise ValueError("token_ids_logprob needs return_logprob=True")
 
@@ -2449,6 +2444,242 @@ def partial_match_start(patterns: list, text: str, pos: int) -> int:
     return min((m.start() for m in found if m is not None), default=len(text))
 
 
+# -- what Part I's scheduler calls by name: its waiting queue, lpm's wait for a prefix being prefilled,
+# the pauses of speculative drafting --
+
+SPEC_MAX_PAUSE = 64  # speculative decoding: the longest a request pauses drafting after misses (steps)
+
+
+class WaitingQueue:
+    """The waiting requests in queue order (arrival; a retracted one goes back to the front). A request
+    leaves or joins either end in O(1), so aborting k of n waiting costs O(k), and a plan costs what it
+    reaches and admits, not the queue's length."""
+
+    def __init__(self):
+        self.reqs: OrderedDict[int, Req] = OrderedDict()  # id(Req) -> Req
+
+    def push(self, r: Req, front: bool = False):
+        self.reqs[id(r)] = r
+        if front:
+            self.reqs.move_to_end(id(r), last=False)
+
+    def discard(self, r: Req):
+        self.reqs.pop(id(r), None)
+
+    def sort(self, key: Callable):  # stable: the queue's order among equals
+        self.reqs = OrderedDict(sorted(self.reqs.items(), key=lambda item: key(item[1])))
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def __iter__(self) -> Iterator[Req]:
+        return iter(self.reqs.values())
+
+
+def prompts_being_prefilled(scheduler: Scheduler, planned: list) -> RadixCache:
+    """A scratch tree of the prompts whose KV will soon be in the cache: those in in-flight prefills
+    and those already planned into this batch (a chunked prompt's next chunk)."""
+    pending = RadixCache(None)
+    in_flight = [r for snap, _ in scheduler.result_queue for r in snap.reqs[:snap.n_prefill]]
+    for r in in_flight + planned:
+        pending.insert(r.fill_ids, torch.empty(len(r.fill_ids), dtype=torch.int64))
+    return pending
+
+
+
+def note_verify(r: Req, step: tuple, accepted: int):
+    """Speculation's books (meta_info's spec_*): one verify and, if the step drafted, its drafts and how
+    many were accepted. Keeping under half is a miss: drafting pauses 1, 4, 16 ... SPEC_MAX_PAUSE steps
+    while misses go on (a verify costs more than a decode); a hit ends the pauses. A miss right after
+    one was planned before that one was known (overlap mode), so it does not lengthen the pause."""
+    advance, width = step
+    r.spec_verify_ct += 1
+    if advance > 1:
+        r.spec_drafted += width - 1
+        r.spec_accepted += accepted
+        hit = 2 * accepted >= width - 1
+        if hit or r.spec_last_miss != r.spec_verify_ct - 1:
+            r.spec_resume_at = r.spec_verify_ct + (0 if hit else r.spec_pause)
+            r.spec_pause = 1 if hit else min(4 * r.spec_pause, SPEC_MAX_PAUSE)
+        r.spec_last_miss = -1 if hit else r.spec_verify_ct
+
+
+
+# -- the sampler's per-row tensors and the logprobs' books: Part I's step calls these by name --
+
+
+def sampling_inputs(batch: ScheduleBatch, E: int = 1) -> SamplingInputs:
+    """A batch's SamplingInputs, made on the host, E rows a request (a verify's positions). Penalties,
+    logit_bias and min_new_tokens add theirs only when a request of the batch uses them. A verify's rows
+    sample at positions only the device knows: there its penalties see the drafts before each row, and
+    its min_new_tokens window is decided (ModelWorker.see_drafts)."""
+    reqs = batch.reqs
+    params = [r.sampling_params for r in reqs]
+    out_pos = [n - len(r.origin_input_ids) for n, r in zip(batch.seq_lens, reqs)]  # the output it samples
+
+    def each(xs):  # a verify: one a row
+        return [x for x in xs for _ in range(E)]
+    f64 = functools.partial(torch.tensor, dtype=torch.float64)
+    s = SamplingInputs(
+        temperature=f64(each(p.temperature for p in params)), top_p=f64(each(p.top_p for p in params)),
+        top_k=int64(each(p.top_k for p in params)), min_p=f64(each(p.min_p for p in params)),
+        seed=int64(each(r.seed for r in reqs)),
+        # the noise is a function of (seed, out_pos) only; a verify's true ones are on the device
+        out_pos=int64([n - E + j + 1 for n in out_pos for j in range(E)] if E > 1 else out_pos),
+        all_greedy=all(p.temperature == 0 for p in params),
+        need_filter=any(p.top_k != -1 or p.top_p < 1 or p.min_p > 0 for p in params))
+    speculating = batch.scheduler.draft_tokens > 0
+    if batch.verify_width:
+        s.prompt_len = int64(each(len(r.origin_input_ids) for r in reqs))
+    # penalties: their state lives on the device (TokenCounts), rebuilt where a request gets its row;
+    # speculating, TokenCounts' tokens are also the history that drafts come from
+    new = [r for r, p, first in zip(reqs, params, batch.new_rows)
+           if first and (p.has_penalties() or speculating)]
+    if new:
+        s.reset = (int64([r.req_pool_idx for r in new]),
+                   int64([[r.req_pool_idx, i, t] for r in new for i, t in enumerate(r.fill_ids)]),
+                   int64([[r.req_pool_idx, t] for r in new for t in r.output_ids]).view(-1, 2))
+    last = [i for i, is_last in enumerate(batch.is_last_chunk) if is_last]  # the rows that really sample
+    if speculating and not batch.verify_width:  # their tokens join the history drafts come from
+        s.history = (int64(last), int64([batch.seq_lens[i] for i in last]))
+    pen = [i for i, p in enumerate(params) if p.has_penalties() and batch.is_last_chunk[i]]
+    if pen:  # lens: tokens held, the new one's position (a verify's: bounds; the device's exact)
+        s.penalties = Penalties(
+            idx=int64([i * E + j for i in pen for j in range(E)]),
+            rows=int64(each(reqs[i].req_pool_idx for i in pen)),
+            lens=int64(each(batch.seq_lens[i] for i in pen)),
+            max_len=max(batch.seq_lens[i] for i in pen),
+            frequency=f64(each(params[i].frequency_penalty for i in pen)),
+            presence=f64(each(params[i].presence_penalty for i in pen)),
+            repetition=f64(each(params[i].repetition_penalty for i in pen)))
+    bias = [(i * E + j, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()
+            for j in range(E)]
+    if bias:
+        s.bias_at = int64([b[:2] for b in bias])
+        s.bias = f64([b[2] for b in bias])
+    # min_new_tokens: the tokens that would finish a request cannot be sampled while it is short (its
+    # output position below it: adjust_logits decides on the device; a grammar decides when it may stop)
+    banned = [(i * E + j, t, p.min_new_tokens) for i, (r, p) in enumerate(zip(reqs, params))
+              if len(r.output_ids) < p.min_new_tokens and r.grammar is None
+              for j in range(E) for t in r.stop_ids]
+    if banned:
+        s.banned = int64(banned)
+    return s
+
+
+def plan_logprobs(batch: ScheduleBatch, s: SamplingInputs, prefix_lens: list, extend_lens: list,
+                  E: int) -> tuple[list, list]:
+    """The logprobs a step reports (s.logprobs), and where each request's land (batch.logprob_slots: its
+    rows in the output logprobs; batch.input_spans: its prompt logprobs). Output logprobs are for the rows
+    that really sample (not a chunk in the middle of a prompt); prompt logprobs take a logits row at each
+    fed position q whose next token q + 1 is a prompt token its request asks about. Returns those rows'
+    flat positions and tokens."""
+    reqs = batch.reqs
+    wanted = [i for i, r in enumerate(reqs) if r.logprobs is not None and batch.is_last_chunk[i]]
+    batch.logprob_slots = [-1] * len(reqs)
+    for j, i in enumerate(wanted):
+        batch.logprob_slots[i] = j  # its rows j * E.. of the output logprobs
+    rows, ids, start = [], [], 0
+    batch.input_spans = [None] * len(reqs)
+    batch.prompt_row_reqs = []  # the request of each prompt row
+    for i, (r, pre, ext) in enumerate(zip(reqs[:batch.n_prefill], prefix_lens, extend_lens)):
+        if r.owes_input_logprobs():
+            lo = max(pre, max(r.logprobs.start_len, 1) - 1)
+            n = max(0, min(pre + ext, len(r.origin_input_ids) - 1) - lo)
+            batch.input_spans[i] = (len(rows), n, lo + 1)
+            rows += range(start + lo - pre, start + lo - pre + n)
+            ids += r.origin_input_ids[lo + 1:lo + 1 + n]
+            batch.prompt_row_reqs += [i] * n
+        start += ext
+    if wanted or rows:
+        top_k = max(r.logprobs.top_k for r in reqs if r.logprobs is not None)
+        s.logprobs = LogprobsAsked(idx=int64([i * E + j for i in wanted for j in range(E)]), top_k=top_k)
+        K = max((len(r.logprobs.token_ids) for r in reqs if r.logprobs and r.logprobs.token_ids), default=0)
+        if K:  # token_ids_logprob: each row's ids, padded with 0 to (rows, K)
+            pad = [((r.logprobs and r.logprobs.token_ids or []) + [0] * K)[:K] for r in reqs]
+            s.logprobs.ids = int64([pad[i] for i in wanted for _ in range(E)]).view(-1, K)
+            s.logprobs.input_ids = int64([pad[i] for i in batch.prompt_row_reqs]).view(-1, K)
+    return rows, ids
+
+
+@dataclass
+class ReqLogprobs:
+    """The logprobs a request asks for (Engine.generate's arguments) and those committed so far, as SGLang
+    gives them: (logprob, token id, None) each; per position the top_k best, and those of token_ids."""
+    prompt: list = field(default_factory=list, repr=False)  # the request's origin_input_ids
+    top_k: int = 0                     # top_logprobs_num
+    start_len: int = -1                # logprob_start_len: the prompt's from this token on; -1: none
+    token_ids: Optional[list] = None   # token_ids_logprob: ids whose logprobs every position reports
+    output: list = field(default_factory=list)       # output_token_logprobs
+    output_top: list = field(default_factory=list)   # output_top_logprobs
+    output_ids: list = field(default_factory=list)   # output_token_ids_logprobs
+    input: list = field(default_factory=list)        # input_token_logprobs
+    input_top: list = field(default_factory=list)
+    input_ids: list = field(default_factory=list)
+    input_done: bool = False           # the prompt's are all committed
+
+    def owes_input(self) -> bool:
+        return self.start_len >= 0 and not self.input_done
+
+    def commit_input(self, out: StepOutput, start: int, count: int, first: int, done: bool):
+        """A prefill chunk's prompt logprobs: those of prompt tokens first.., from rows start.. of the step's
+        input_logprobs (the first prompt token has none: its entry is None)."""
+        if not self.input and self.start_len == 0:
+            self.input.append((None, self.prompt[0], None))
+            self.input_top.append(None)
+            self.input_ids.append(None)
+        assert first == self.start_len + len(self.input) or not count, "prompt logprobs out of chunk order"
+        for j, tok in zip(range(start, start + count), self.prompt[first:first + count]):
+            self.add(out.input_logprobs, j, tok, self.input, self.input_top, self.input_ids)
+        self.input_done = done
+
+    def commit_output(self, out: StepOutput, j: int, token: int):
+        self.add(out.logprobs, j, token, self.output, self.output_top, self.output_ids)
+
+    def add(self, lp: Logprobs, j: int, token: int, entries: list, tops: list, given: list):
+        """Row j of a step's logprobs (as lists) onto the three lists."""
+        entries.append((lp.token[j], token, None))
+        tops.append([(v, t, None) for v, t in zip(lp.top[j][:self.top_k], lp.top_ids[j][:self.top_k])]
+                    if self.top_k else [])
+        if self.token_ids is not None:  # the row is padded past them
+            given.append([(v, t, None) for v, t in zip(lp.given[j], self.token_ids)])
+        else:
+            given.append(None)
+
+    def restart_input(self):
+        """A retracted request's prefill runs again: so do the prompt logprobs not all committed."""
+        if not self.input_done:
+            self.input, self.input_top, self.input_ids = [], [], []
+
+    def meta(self) -> dict:
+        meta = {"output_token_logprobs": list(self.output), "output_top_logprobs": list(self.output_top),
+                "input_token_logprobs": list(self.input), "input_top_logprobs": list(self.input_top)}
+        if self.token_ids is not None:
+            meta.update(output_token_ids_logprobs=list(self.output_ids),
+                        input_token_ids_logprobs=list(self.input_ids))
+        return meta
+
+
+def meta_info(r: Req) -> dict:
+    """A request's meta_info, SGLang's: its id and finish reason, token counts, logprobs if asked, and
+    speculation's counts when it verified drafts."""
+    meta = {"id": r.rid, "finish_reason": r.finished_reason, "prompt_tokens": len(r.origin_input_ids),
+            "completion_tokens": len(r.output_ids), "cached_tokens": r.cached_tokens}
+    if r.logprobs is not None:
+        meta.update(r.logprobs.meta())
+    if r.speculating or r.spec_verify_ct:  # SGLang's: tokens per verify, the share of drafts accepted
+        length = len(r.output_ids) / r.spec_verify_ct if r.spec_verify_ct else 0.0
+        rate = r.spec_accepted / r.spec_drafted if r.spec_drafted else 0.0
+        meta.update(spec_verify_ct=r.spec_verify_ct, spec_accept_length=length, spec_accept_rate=rate)
+    return meta
+
+
+def waits_for_sibling(r: Req) -> bool:
+    """n > 1: the first sibling prefills the prompt once; the others wait to find it cached."""
+    s = r.shares_prefill_of
+    return s is not None and not s.finished() and s.kv_committed_len < len(s.origin_input_ids) - 1
+
+
 def check_ledger(scheduler: Scheduler):
     """The scheduler's books (Engine.check_invariants and debug_ledger): every KV slot is exactly one of
     free, owned by the radix tree, or private to a live request (its positions len(prefix_indices) to
@@ -2517,16 +2748,17 @@ class CtrlCHeld:
                 raise KeyboardInterrupt
 
 
-class StepTimer:
-    """The bench's records of each loop iteration and each step, taken from outside the loop: the Engine
-    times each iteration it drives, and StepTimer wraps the scheduler's one blocking call, wait_for, to
-    time the waits and each step's device span. Bounded: a long-lived engine must not grow."""
+class TimedScheduler(Scheduler):
+    """The Scheduler with the bench's records of each loop iteration and each step, taken from outside
+    the lesson: the Engine times each iteration it drives, and wait_for, the scheduler's one blocking
+    call, times the waits and each step's device span. Bounded: a long-lived engine must not grow."""
 
-    def __init__(self, scheduler: Scheduler, device: str):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.records = {k: deque(maxlen=100_000) for k in ("steps", "host_times", "iterations", "waits")}
-        self.wait_time, self.clock = 0.0, None  # host seconds blocked on results in this iteration
-        self.unwrapped_wait_for, scheduler.wait_for = scheduler.wait_for, self.wait_for
-        if device == "cuda":  # one event whose host time is known: the steps' events are placed from it
+        self.wait_time = 0.0  # host seconds blocked on results in this iteration
+        self.clock = None
+        if self.server_args.device == "cuda":  # one event whose host time is known: steps are placed from it
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             event.synchronize()
@@ -2535,15 +2767,16 @@ class StepTimer:
     @contextlib.contextmanager
     def time_iteration(self):
         """One iteration's span, and its host time: the span minus the time blocked on results."""
-        t0, self.wait_time = time.perf_counter(), 0.0
+        t0 = time.perf_counter()
+        self.wait_time = 0.0
         yield
         t1 = time.perf_counter()
         self.records["host_times"].append(t1 - t0 - self.wait_time)
         self.records["iterations"].append((t0, t1))
 
-    def wait_for(self, batch: BatchSnapshot, result: StepHandle) -> list:
+    def wait_for(self, batch: BatchSnapshot, result: StepHandle) -> StepOutput:
         t0 = time.perf_counter()
-        next_ids = self.unwrapped_wait_for(batch, result)
+        out = super().wait_for(batch, result)
         t1 = time.perf_counter()
         self.wait_time += t1 - t0
         self.records["waits"].append((t0, t1))
@@ -2555,11 +2788,19 @@ class StepTimer:
                                       "device_time": result.t_end - result.t_start,
                                       "t_launch": result.t_launch, "t_start": result.t_start,
                                       "t_end": result.t_end})
-        return next_ids
+        return out
 
-    def clear(self):
+    def clear_records(self):
         for v in self.records.values():
             v.clear()
+
+
+def check_context_length(asked: int, model_len: int):
+    """A context_length past the model's is refused unless SGLang's switch allows it (positions past the
+    ones the model was trained on are extrapolated: its output may degrade)."""
+    if asked > model_len and os.environ.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN") != "1":
+        raise ValueError(f"context_length={asked} is longer than the model's context length ({model_len} "
+                         "tokens); set SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 to use it anyway")
 
 
 def check_engine_args(kwargs: dict) -> ServerArgs:
@@ -2651,8 +2892,8 @@ class Engine:
         if args.tp_size > 1:  # rank 0 starts the other local ranks once its own shard has loaded
             self.tp = TPGroup(args, tp_rank, cfg)
             shard.group = self.tp.device_group
-        self.context_len = min(args.context_length or cfg.max_position_embeddings,
-                               cfg.max_position_embeddings)
+        self.context_len = args.context_length or cfg.max_position_embeddings
+        check_context_length(self.context_len, cfg.max_position_embeddings)
         self.kv_heads = tp_heads(cfg, shard)[1]  # this rank's KV heads
         self.max_total_tokens = args.max_total_tokens or self._profile_max_total_tokens(cfg, dtype)
         if self.tp is not None:  # every rank plans with the same pool: the smallest one
@@ -2661,7 +2902,7 @@ class Engine:
         kv_pool = TokenToKVPool(self.max_total_tokens, cfg.num_hidden_layers, self.kv_heads, cfg.head_dim,
                                 dtype, args.device)
         if args.speculative_algorithm == "STANDALONE":  # loaded (and checked) before any thread starts
-            drafter = StandaloneDrafter(args, cfg, dtype, kv_pool, req_to_token_pool)
+            draft_model = StandaloneDrafter(args, cfg, dtype, kv_pool, req_to_token_pool)
         compile_max_bs = args.torch_compile_max_bs if args.enable_torch_compile else 0
         if args.attention_backend == "triton":
             backend = TritonAttnBackend(kv_pool, req_to_token_pool)
@@ -2679,20 +2920,21 @@ class Engine:
             keep_freed_memory_in_process()  # before the device thread exists: it shares the host's arena
             stream = CpuDeviceStream(args.worker_jitter_ms, args.random_seed)
         self.future_map = FutureMap(args.max_running_requests, args.device, args.debug_future_map)
-        model = (CompiledDecode(self.model, compile_max_bs, verify=args.speculative_algorithm is not None)
-                 if compile_max_bs else self.model)
-        worker = ModelWorker(model, req_to_token_pool, self.future_map, backend, stream, args.device)
-        if args.device == "cpu":
-            worker.race_rows = race_in_blocks
+        model = self.model
+        if compile_max_bs:
+            model = CompiledDecode(model, compile_max_bs, verify=args.speculative_algorithm is not None)
+        drafter = None
         if args.speculative_algorithm == "NGRAM":
-            worker.drafter = functools.partial(ngram_drafter, lo=args.speculative_ngram_min_match_window_size,
-                                               hi=args.speculative_ngram_max_match_window_size)
+            drafter = functools.partial(ngram_drafter, lo=args.speculative_ngram_min_match_window_size,
+                                        hi=args.speculative_ngram_max_match_window_size)
         elif args.speculative_algorithm == "STANDALONE":
-            worker.drafter, worker.model = drafter, DraftsAlongside(worker.model, drafter, worker)
-        self.scheduler = Scheduler(args, self.tokenizer, worker, req_to_token_pool, kv_pool)
-        self.scheduler.model_vocab_size = cfg.vocab_size  # the width of a grammar's bitmask
+            drafter = draft_model
+            model = DraftsAlongside(model, draft_model)
+        worker = ModelWorker(model, req_to_token_pool, self.future_map, backend, stream, args.device,
+                             drafter=drafter, race_rows=race_in_blocks if args.device == "cpu" else None)
+        self.scheduler = TimedScheduler(args, self.tokenizer, worker, req_to_token_pool, kv_pool,
+                                        cfg.vocab_size)
         self._grammars: Optional[GrammarBackend] = None  # made for the first grammar (xgrammar)
-        self.step_timer = StepTimer(self.scheduler, args.device)
         self._loop = self._new_loop()
         self._rng = random.Random(args.random_seed)
         self._reqs: dict[str, Req] = {}
@@ -2725,7 +2967,7 @@ class Engine:
             self.generate(input_ids=[[1, 2, 3 + i] for i in range(n)], sampling_params=sp)
             print(f" {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         self.flush_cache()
-        self.step_timer.clear()  # the warm-up's steps are not the user's
+        self.scheduler.clear_records()  # the warm-up's steps are not the user's
 
     @staticmethod
     def _check_args(kwargs: dict) -> ServerArgs:
@@ -2767,7 +3009,8 @@ class Engine:
                 raise ValueError(f"input_ids contains token id {t}, outside the vocabulary [0, {V})")
         L = len(input_ids)
         if L >= self.context_len:
-            raise ValueError(f"input_ids has {L} tokens; the context length is {self.context_len}")
+            raise ValueError(f"input_ids: the input ({L} tokens) is longer than the model's context length "
+                             f"({self.context_len} tokens)")
         if L >= self.max_total_tokens:
             raise ValueError(f"input_ids has {L} tokens; the KV pool holds {self.max_total_tokens}")
         sp = SamplingParams.from_dict(sampling_params, V)
@@ -2782,8 +3025,10 @@ class Engine:
             raise ValueError(f"input_ids has {L} tokens and max_new_tokens={sp.max_new_tokens}: "
                              f"{L + sp.max_new_tokens} in all, more than the KV pool holds "
                              f"({self.max_total_tokens}); lower max_new_tokens or raise max_total_tokens")
-        if rid is not None and (not isinstance(rid, str) or not rid or rid in self._reqs):
-            raise ValueError(f"rid={rid!r:.80} must be a new non-empty string (a request of that id runs)")
+        if rid is not None and (not isinstance(rid, str) or not rid):
+            raise ValueError(f"rid={rid!r:.80} must be a non-empty string")
+        if rid in self._reqs:
+            raise ValueError(f"Duplicate request ID: rid={rid!r:.80} is already running")
         check_logprob_args(*logprob, vocab_size=V)
         if sp.grammar() is not None:  # parsed now (a ValueError names it); compiled off the scheduler's path
             if self.tokenizer is None:
@@ -2797,8 +3042,10 @@ class Engine:
         for i in range(sp.n):  # sibling i draws with a seed of its own, derived from the request's
             name = os.urandom(16).hex() if rid is None else f"{rid}_{i}" if i else rid
             r = Req(name, list(input_ids), sp, (seed + i * SIBLING_SEED_STEP) % 2**63, eos)
-            r.return_logprob, r.top_logprobs_num, r.logprob_start_len = logprob[:3]
-            r.token_ids_logprob = logprob[3] if len(logprob) > 3 else None
+            r.speculating = self.server_args.speculative_algorithm is not None
+            if logprob[0]:
+                r.logprobs = ReqLogprobs(prompt=r.origin_input_ids, top_k=logprob[1], start_len=logprob[2],
+                                         token_ids=logprob[3] if len(logprob) > 3 else None)
             reqs.append(r)
         return reqs
 
@@ -2899,7 +3146,7 @@ class Engine:
         try:
             with self._ctrl_c_held:
                 self._tp_send("step")  # tensor parallel: every rank runs this iteration, same inputs
-                with self.step_timer.time_iteration():
+                with self.scheduler.time_iteration():
                     next(self._loop)
                 self._check_iteration()
                 done = True
@@ -3007,7 +3254,7 @@ class Engine:
         if text_end == r.streamed_text_len and len(r.output_ids) == r.streamed_ids_len and not r.finished():
             return None
         chunk = {"text": r.text[r.streamed_text_len:text_end],
-                 "output_ids": r.output_ids[r.streamed_ids_len:], "meta_info": r.meta_info()}
+                 "output_ids": r.output_ids[r.streamed_ids_len:], "meta_info": meta_info(r)}
         r.streamed_text_len, r.streamed_ids_len = text_end, len(r.output_ids)
         return chunk
 
@@ -3147,9 +3394,9 @@ class Engine:
         return scheduler
 
     def stats(self) -> dict:
-        """Overshoot, stale and retraction counts, and StepTimer's per-step and per-iteration records, for
+        """Overshoot, stale and retraction counts, and TimedScheduler's records of steps and iterations, for
         the bench (a snapshot)."""
-        return {**self.scheduler.stats, **{k: list(v) for k, v in self.step_timer.records.items()}}
+        return {**self.scheduler.stats, **{k: list(v) for k, v in self.scheduler.records.items()}}
 
     def shutdown(self):
         """Stops the device stream; with tensor parallelism, tells the other ranks to stop and joins them."""
@@ -3556,13 +3803,10 @@ def plan_digest(scheduler: Scheduler) -> str:
 # cost M times one token's for M tokens. With bf16 activations on a CPU with AVX512-VNNI or AVX2, a
 # decode's one token and a verify's 1 + k go through kernels.q_matmul_cpu instead (integer dot products,
 # llama.cpp's scheme, with the activations rounded to 15 bits), called from the op q_linear's C++ kernel:
-# 5 tokens for 1.5 times one token's cost (2-core Intel Xeon with AMX: SmolLM2's int4 layers 6.3 against
-# torch's 12.9 ms, its int8 LM head 1.2 against 3.6; 2-core AMD EPYC with AVX2 only: its int8 layers 27.7
-# against 43.2), and one token faster too once no Python sat between the graph and the kernel (the EPYC:
-# the chat's int8 + compile 110 against 63 tok/s with torch's kernel, one run; 55-57 through the op's
-# Python kernel). Prefills keep torch's kernels (through C, SmolLM2's int4 answered the Paris prompt wrongly,
-# and int8 parted from the float model on "What is 12 times 12?": a prompt's prefill decides the first
-# token), or their float32 sums where bf16 is emulated (QuantizedLinear.float_sum_matmul).
+# it reads each weight once for all of a step's tokens, where torch's kernels read it once a token, and no
+# Python sits between a compiled graph and it. Prefills keep torch's kernels (their rounding is closer to
+# the float model's, and a prompt's prefill decides the first token), or their float32 sums where bf16 is
+# emulated (QuantizedLinear.float_sum_matmul).
 
 C_MATMUL_MAX_TOKENS = 8  # QuantizedLinear multiplies steps of up to this many tokens in C: a verify's 1 + k
 FLOAT_SUM_ROWS = 32  # from this many rows, int8 times bf16 rows sums in float32 where bf16 is emulated
@@ -3605,7 +3849,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor
 def c_matmul_builds(bits: int) -> bool:
     """Whether kernels.q_matmul_cpu is built here for `bits`-bit weights (a C compiler, AVX512-VNNI or
     AVX2); then also q_linear's C++ kernel, where it builds."""
-    import kernels
+    kernels = load_kernels()
     if cpp_compiler() is None or kernels.q_matmul_kernel(bits, cpp_compiler()) is None:
         return False
     kernels.q_linear_in_cpp(bits, cpp_compiler())  # else the op's Python kernel below serves
@@ -3643,7 +3887,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("tiles", None, persistent=False)
         if (dtype == torch.bfloat16 and K % INT4_GROUP_SIZE == 0 and N % 16 == 0
                 and c_matmul_builds(self.bits)):
-            import kernels
+            kernels = load_kernels()
             if mode == "int8":
                 q, scale = quantize_int8(w, INT4_GROUP_SIZE)
                 codes, minimum = q.int() + 128, -128 * scale
@@ -3656,10 +3900,9 @@ class QuantizedLinear(nn.Module):
         if self.tiles is not None and rows <= C_MATMUL_MAX_TOKENS:
             y = torch.ops.overlap_engine.q_linear(x, self.tiles, self.bits)
         elif x.dtype == torch.float32 and rows > 1 and self.unpacks:
-            # torch's float32 weight-only kernels take each row on its own where the CPU has no AVX512 (an
-            # AMD EPYC with AVX2: 1 ms a row for a 1536x576 weight, 50x a dense matmul); so from two rows
-            # on, the dense matmul of the weights the codes stand for (a 151-token prefill: 4 against 166
-            # ms; SmolLM2's 4 chat prompts, 16 tokens: int8 6-8 against 24 s, int4 11-13 against 29 s)
+            # torch's float32 weight-only kernels take each row on its own where the CPU has no AVX512,
+            # far slower than a dense matmul: from two rows on, a dense matmul of the weights the codes
+            # stand for
             y = x @ self.dequantized().T
         elif self.float_sums and rows >= FLOAT_SUM_ROWS:
             y = self.float_sum_matmul(x)
@@ -3671,11 +3914,9 @@ class QuantizedLinear(nn.Module):
 
     def float_sum_matmul(self, x, rows_at_once: int = 1024):
         """x (..., K) bf16 times the int8 codes in float32, then each output's scale: the sums torch's kernel
-        makes, in another order (1 output in 5,000 a bf16 step apart), where the CPU has no bf16 arithmetic
-        to make them (AVX2): about even at 32 rows, 1.2-1.5x faster from 64 (SmolLM2's int8 prefill of 115
-        tokens 400 against 550 ms, of 512 tokens 1.4 against 2.3 s; 2-core AMD EPYC). The codes are
-        converted `rows_at_once` output rows at a time, so that their float copy stays in cache (the LM
-        head's 28M codes at 115 rows: 0.47 of torch's time, 0.53 unsplit)."""
+        makes, in another order (a few outputs a bf16 step apart), where the CPU has no bf16 arithmetic to
+        make them (AVX2) and emulating it costs more than the conversion from FLOAT_SUM_ROWS rows on. The
+        codes are converted `rows_at_once` output rows at a time, so that their float copy stays in cache."""
         xf, N = x.reshape(-1, self.in_features).float(), self.out_features
         y = x.new_empty(xf.shape[0], N)
         for i in range(0, N, rows_at_once):
@@ -3703,8 +3944,8 @@ def int4_codes(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
 
 
 # The ops a compiled graph calls out to, defined on torch's dispatcher with their CPU kernel and a fake
-# (shapes only) for tracing. torch.library.custom_op would add a wrapper that costs ~12 us a call under
-# no_grad (8 against 20 us for a small matrix): a SmolLM2 bf16 step calls out 151 times, 1.8 ms.
+# (shapes only) for tracing: torch.library.custom_op would add a Python wrapper to each of a step's many
+# calls, a cost of the order of a small matmul's.
 OPS = torch.library.Library("overlap_engine", "FRAGMENT")
 
 
@@ -3724,7 +3965,7 @@ def cpu_op(schema: str, fake: Callable):
 def q_linear(x, tiles, bits):
     """x (..., K) bf16 times the weights in kernels.py's `tiles` (kernels.CPU_OPS_SRC's C++ kernel
     replaces this one where it builds)."""
-    import kernels
+    kernels = load_kernels()
     y = kernels.q_matmul_cpu(x.reshape(-1, x.shape[-1]).contiguous(), tiles, bits, cpp_compiler())
     return y.view(*x.shape[:-1], y.shape[-1])
 
@@ -3746,12 +3987,11 @@ def quantize_model(model: nn.Module, mode: str, source: dict, dtype: torch.dtype
 # -- oneDNN's prepacked bf16 weights: what Inductor's freezing does, done once at load --
 #
 # oneDNN multiplies a bf16 weight fastest in its own blocked layout; F.linear reorders the plain weight
-# into it at every call. Packed once, 121 matmuls of SmolLM2's shapes took 25.6 ms against 36.8 at batch
-# 64 and 18.1 against 25.9 at batch 1, with the same bits (2-core Intel Xeon with AMX); in float32 the
-# packed kernel was no faster and rounded differently, so only bf16 is packed. Inductor's freezing packs
-# the same way inside a compiled graph, but its opaque tensors keep that graph out of Inductor's on-disk
-# cache (every start compiled it again, ~40 s); packed here, the eager model gains too and a compiled
-# graph holds one call per layer, cached like any other.
+# into it at every call, so packing once saves that reorder, with the same bits. In float32 the packed
+# kernel is no faster and rounds differently, so only bf16 is packed. Inductor's freezing packs the same
+# way inside a compiled graph, but its opaque tensors keep that graph out of Inductor's on-disk cache
+# (every start would compile it again); packed here, the eager model gains too and a compiled graph holds
+# one call per layer, cached like any other.
 
 PACKED_WEIGHTS: dict[int, torch.Tensor] = {}  # handle -> oneDNN's packed weight; PackedLinear owns each
 _packed_handles = itertools.count()
@@ -3895,10 +4135,10 @@ class CompiledDecode:
     """enable_torch_compile: decode batches of up to max_bs requests run the model through torch.compile,
     the others the eager model. Inductor fuses each layer's small ops into a few C++ loops, and one call
     replaces the dispatch of a few thousand ops: at batch 1 that is most of a step. Batch 1 has a graph of
-    its own whose guards skip the modules, whose weights never change after loading (checking them cost
-    1.3 ms a step). The other batch sizes share one graph (dynamic shapes). Python floats are constants
-    of the graphs (the norms' eps; as inputs, each graph was traced twice, ~10 s). Inductor keeps what it
-    compiled on disk (Engine._compile_decode says where), so a later start loads the graphs in seconds."""
+    its own whose guards skip the modules, whose weights never change after loading (checking them would
+    cost a good part of a step). The other batch sizes share one graph (dynamic shapes). Python floats are
+    constants of the graphs (the norms' eps; as inputs, each graph would be traced twice). Inductor keeps
+    what it compiled on disk (Engine._compile_decode says where), so a later start loads the graphs."""
 
     def __init__(self, model: nn.Module, max_bs: int, verify: bool = False):
         self.eager, self.max_bs = model, max_bs
@@ -3933,6 +4173,42 @@ class CompiledDecode:
 DECODE_GATHER_BYTES = 4 << 20  # GroupedDecodeBackend reads the pool in groups of about this many bytes
 
 
+# -- attention on a GPU: kernels.py's Triton kernels behind Part I's backend interface --
+
+
+class TritonAttnBackend:
+    """Attention through kernels.py (split-K decode, extend over the cached prefix, KV store)."""
+
+    def __init__(self, kv_pool: TokenToKVPool, req_to_token_pool: ReqToTokenPool):
+        self.kv = kv_pool
+        self.meta = None
+        self.req_to_token = req_to_token_pool.req_to_token  # (rows, ctx) on the device
+        kernels = load_kernels()  # late: triton is only needed by this backend
+        self.kernels = kernels
+
+    def init_forward_metadata(self, meta: ForwardMetadata):
+        self.meta = meta
+        dev = meta.seq_lens.device
+        if meta.forward_mode.is_extend():
+            self.prefix_lens = to_device(torch.tensor(meta.prefix_lens_cpu, dtype=torch.int32), dev)  # (B,)
+            self.extend_lens = to_device(torch.tensor(meta.extend_lens_cpu, dtype=torch.int32), dev)  # (B,)
+        elif meta.forward_mode is ForwardMode.TARGET_VERIFY:  # an extend of E whose prefix the device knows
+            E = meta.extend_lens_cpu[0]
+            self.prefix_lens = (meta.seq_lens - E).to(torch.int32)
+            self.extend_lens = torch.full_like(self.prefix_lens, E)
+
+    def forward(self, q, k, v, layer_id: int) -> torch.Tensor:
+        m, kb, vb = self.meta, self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id]
+        self.kernels.store_kv(kb, vb, m.out_cache_loc, k, v)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        if m.forward_mode.is_decode():
+            return self.kernels.decode_attention(q, kb, vb, self.req_to_token, m.req_pool_indices,
+                                                 m.seq_lens, scale)
+        return self.kernels.extend_attention(q, kb, vb, self.req_to_token, m.req_pool_indices,
+                                             self.prefix_lens, self.extend_lens, scale,
+                                             max_extend_len=max(m.extend_lens_cpu))  # host-known: no sync
+
+
 class GroupedDecodeBackend(TorchAttnBackend):
     """The torch backend with decode in length-sorted groups of similar length whose padded K+V gather
     stays near DECODE_GATHER_BYTES: small groups waste little on padding, and each group's gathered K/V is
@@ -3958,7 +4234,7 @@ class FusedGatherDecodeBackend(GroupedDecodeBackend):
     reductions, and no copy of the batch's K/V is made (in eager, that copy and SDPA over it were a third
     of a batch-64 step). Slots past a request's length point at its first token, which stays in cache,
     and are masked out. The attention is a custom op around a compiled graph of its own: inlined into the
-    model's graph, Inductor recomputed the query's rotary for every key it met (4x slower). Batch 1
+    model's graph, Inductor would recompute the query's rotary for every key it meets. Batch 1
     (one request: one length group, no padding), the batches above max_bs and prefill attend as
     TorchAttnBackend does; for batch 1 the op's own dispatch cost more than it saved."""
 
@@ -3966,7 +4242,7 @@ class FusedGatherDecodeBackend(GroupedDecodeBackend):
         super().__init__(kv_pool, req_to_token_pool)
         self.max_bs = max_bs
         for buf in kv_pool.k_buffer + kv_pool.v_buffer:  # compile=dynamic makes every size symbolic: the
-            torch._dynamo.mark_static(buf)  # pool's are fixed, and as symbols they cost 4x in the kernel
+            torch._dynamo.mark_static(buf)  # pool's are fixed, and as symbols they slow the kernel down
 
     def init_forward_metadata(self, meta: ForwardMetadata):
         self.fused = meta.forward_mode.is_decode() and 1 < len(meta.seq_lens_cpu) <= self.max_bs
@@ -3990,14 +4266,13 @@ class CDecodeBackend(GroupedDecodeBackend):
     """attention_backend c, a CPU's default: decode attention (one query a request, or a verify's 1 + k, at
     every batch size, eager or compiled) through kernels.decode_attention_cpu, C that reads each request's
     K and V once, straight from the pool through req_to_token: no padding to the longest request, no
-    gathered copy. At batch 64, contexts 256-512, one layer: 0.83 ms against 2.69 for the fused-gather op
-    (2-core Intel Xeon). Prefill attends as GroupedDecodeBackend does. To a compiled graph the kernel is
-    one custom op per layer, like the fused-gather one."""
+    gathered copy. Prefill attends as GroupedDecodeBackend does. To a compiled graph the kernel is one
+    custom op per layer, like the fused-gather one."""
 
     def __init__(self, kv_pool: TokenToKVPool, req_to_token_pool: ReqToTokenPool, heads: int,
                  widths: tuple = (1,)):
         super().__init__(kv_pool, req_to_token_pool)
-        import kernels  # as in TritonAttnBackend: kernels.py imports triton
+        kernels = load_kernels()  # late, as in TritonAttnBackend: kernels.py imports triton
         kb = kv_pool.k_buffer[0]
         for E in widths:  # queries a request: a decode's 1, a verify's 1 + k (built now, not mid-step)
             shape = (kb.dtype, kb.shape[2], kb.shape[1], heads // kb.shape[1])
@@ -4026,7 +4301,7 @@ class CDecodeBackend(GroupedDecodeBackend):
 @functools.cache
 def c_kernel_builds() -> bool:
     """Whether the C compiler here builds kernels.py's CPU kernel (a small one, once per process)."""
-    import kernels
+    kernels = load_kernels()
     return kernels.cpu_kernel(torch.float32, 8, 1, 1, cpp_compiler()) is not None
 
 
@@ -4034,7 +4309,7 @@ def c_kernel_builds() -> bool:
         "-> Tensor", fake=lambda q, kb, vb, req_to_token, rows, lens: torch.empty_like(q))
 def decode_attention_c(q, kb, vb, req_to_token, rows, lens):
     """kernels.decode_attention_cpu (kernels.CPU_OPS_SRC's C++ kernel replaces this one where it builds)."""
-    import kernels
+    kernels = load_kernels()
     return kernels.decode_attention_cpu(q.contiguous(), kb, vb, req_to_token, rows, lens, q.shape[-1] ** -0.5,
                                         cpp_compiler())
 
@@ -4148,6 +4423,8 @@ def rope_inv_freq(cfg: ModelConfig, dtype=torch.float64) -> torch.Tensor:
 
 def ngram_drafter(worker: ModelWorker, batch: ForwardBatch, rows, base, k: int, lo: int, hi: int):
     """The drafter of speculative_algorithm NGRAM: Part I's prompt lookup in each request's history."""
+    if k == 0:
+        return base.new_empty((len(base), 0))
     L = max(batch.seq_lens)  # past every request's last token: the host's bound
     return ngram_drafts(worker.token_counts.tokens[rows, :L], base, k, lo, hi)
 
@@ -4172,11 +4449,12 @@ class StandaloneDrafter:
         self.attn = backend(pool, req_to_token_pool)
 
     def __call__(self, worker: ModelWorker, batch: ForwardBatch, rows, base, k: int) -> torch.Tensor:
+        """k drafts a request (B, k); k = 0 (a step that does not draft): the draft model catches up."""
         host = (batch.req_pool_indices.tolist(), batch.seq_lens)
         drafts = [self.catch_up(worker, rows, base, host)]
         for j in range(1, k):
             drafts.append(self.greedy(worker, rows, drafts[-1][:, None], base[:, None] + j, host))
-        return torch.stack(drafts, 1)                                                      # (B, k)
+        return torch.stack(drafts, 1)[:, :k]                                               # (B, k)
 
     def catch_up(self, worker: ModelWorker, rows, base, host: tuple) -> torch.Tensor:
         """Feeds the request's last two tokens (the one before the last may be an accepted draft the draft
@@ -4200,21 +4478,18 @@ class StandaloneDrafter:
 
 class DraftsAlongside:
     """The target model callable with the draft model beside it, so that the draft's KV keeps up with
-    the request: every prefill step also runs it over the same tokens (its KV at the same slots), and a
-    decode step that does not draft (E = 1) has it catch up on the last two tokens (a verify's drafts it
-    feeds itself)."""
+    the request: every prefill step also runs it over the same tokens (its KV at the same slots). In a
+    decode step the worker's call to the drafter feeds it (k = 0 where the step does not draft)."""
 
-    def __init__(self, model: Callable, drafter: StandaloneDrafter, worker: ModelWorker):
-        self.model, self.drafter, self.worker = model, drafter, worker
+    def __init__(self, model: Callable, drafter: StandaloneDrafter):
+        self.model = model
+        self.drafter = drafter
 
     def __call__(self, input_ids, positions, attn, logit_rows) -> torch.Tensor:
-        logits, meta = self.model(input_ids, positions, attn, logit_rows), attn.meta
-        if meta.forward_mode.is_extend():
-            self.drafter.attn.init_forward_metadata(meta)
+        logits = self.model(input_ids, positions, attn, logit_rows)
+        if attn.meta.forward_mode.is_extend():
+            self.drafter.attn.init_forward_metadata(attn.meta)
             self.drafter.model(input_ids, positions, self.drafter.attn, logit_rows[:1])
-        elif meta.forward_mode.is_decode():
-            self.drafter.catch_up(self.worker, meta.req_pool_indices, positions,
-                                  (meta.req_pool_indices_cpu, meta.seq_lens_cpu))
         return logits
 
 
@@ -4265,20 +4540,29 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
 
 
+class TooLong(ValueError):
+    """A text of more tokens than Tokenizer.encode's max_len: `tokens` of them."""
+
+    def __init__(self, tokens: int):
+        super().__init__(f"the text has {tokens} tokens")
+        self.tokens = tokens
+
+
 class Tokenizer:
-    """A thin wrapper over `tokenizers.Tokenizer`: encode adds no special tokens; decode keeps none."""
+    """A thin wrapper over `tokenizers.Tokenizer`: encode adds no special tokens (unless asked, as the
+    tokenizer's post-processor adds them); decode keeps none."""
 
     def __init__(self, tk, eos_token_ids=(), bos_token=None, eos_token=None, chat_template=None):
         self.tk, self.eos_token_ids = tk, tuple(eos_token_ids)
         self.bos_token, self.eos_token, self.chat_template = bos_token, eos_token, chat_template
 
-    def encode(self, text: str, max_len: Optional[int] = None) -> list[int]:
+    def encode(self, text: str, max_len: Optional[int] = None, special: bool = False) -> list[int]:
         """max_len: a text of more tokens is refused (ValueError) before its ids become a Python list.
-        encode_batch, because tokenizers' encode holds the GIL for the whole call (3 s for a 4 MB
-        prompt here) and encode_batch lets the other threads run meanwhile."""
-        enc = self.tk.encode_batch([text], add_special_tokens=False)[0]
+        encode_batch, because tokenizers' encode holds the GIL for the whole call (seconds, for a prompt of
+        megabytes) and encode_batch lets the other threads run meanwhile."""
+        enc = self.tk.encode_batch([text], add_special_tokens=special)[0]
         if max_len is not None and len(enc) > max_len:
-            raise ValueError(f"the text has {len(enc)} tokens, more than {max_len}")
+            raise TooLong(len(enc))
         return enc.ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
@@ -4410,8 +4694,8 @@ class GGUFFile:
     """A GGUF file's metadata (`fields`: key -> str, int, float, bool or list) and its tensors (`tensors`:
     name, tensor_type, and data as a read-only numpy view of the memory-mapped file: float and integer
     tensors in their dtype, block-quantized ones as bytes (rows, bytes a row), as gguf.quants.dequantize
-    reads them). gguf's GGUFReader reads the same through a numpy slice per value: 4.8 s for SmolLM2's
-    49,152 tokens and 48,900 merges on an AMD EPYC, against 0.2 s here."""
+    reads them). gguf's GGUFReader reads the same through a numpy slice per value, which takes seconds for
+    a vocabulary of tens of thousands of tokens and merges."""
 
     SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
                12: "<d"}  # GGUF's value types (struct formats); 8 is a string, 9 an array
@@ -4840,13 +5124,13 @@ def write_random_checkpoint(path: str, seed: int = 0, vocab: int = 258, hidden: 
 
 # Sampling on a CPU (the worker's race_rows): the batch races in blocks of rows, and a filter sorts only
 # each row's most likely tokens. Bit for bit what race and filter_probs give (tests check both).
-SAMPLE_BLOCK = 1 << 19  # logits raced at a time: 4 MB float64 temporaries, 10 rows of 49,152
+SAMPLE_BLOCK = 1 << 19  # logits raced at a time: float64 temporaries that stay in cache
 FILTER_CANDIDATES = 1024  # the most likely tokens a filter sorts before it sorts a whole row
 
 
-def race_in_blocks(logits: torch.Tensor, s: dict) -> torch.Tensor:
-    """race() over blocks of rows, filtered by filter_candidates: batch 256 in one piece took 5x as long
-    here, its temporaries out of cache."""
+def race_in_blocks(logits: torch.Tensor, s: SamplingInputs) -> torch.Tensor:
+    """race() over blocks of rows, filtered by filter_candidates: a large batch in one piece has its
+    temporaries out of cache."""
     n = max(1, SAMPLE_BLOCK // logits.shape[1])
     return torch.cat([race(logits[i:i + n], s, slice(i, i + n), filter_candidates)
                       for i in range(0, len(logits), n)])
@@ -4854,7 +5138,8 @@ def race_in_blocks(logits: torch.Tensor, s: dict) -> torch.Tensor:
 
 def filter_candidates(probs, top_k, top_p, min_p) -> torch.Tensor:
     """filter_probs, sorting the FILTER_CANDIDATES most likely of a row (ties in token order, as a stable
-    sort has them; a whole row of 49,152 cost 2 ms here) and redoing a row whole only if its filter keeps
+    sort has them; sorting whole rows of a large vocabulary costs more than the rest of the sample) and
+    redoing a row whole only if its filter keeps
     a token of the least probability among them: tokens past them could be kept too."""
     V = probs.shape[1]
     if FILTER_CANDIDATES >= V:
@@ -4892,8 +5177,8 @@ def keep_freed_memory_in_process() -> bool:
 @functools.cache
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU multiplies bf16 in hardware (x86 AMX or AVX512-BF16, Arm BF16), read from the
-    flags the OS reports. Where it does, bf16 matmuls ran 2.2x faster than fp32 here (AVX512-BF16);
-    without it, oneDNN emulates bf16 and float32 is the faster choice."""
+    flags the OS reports. Where it does, bf16 matmuls are faster than fp32; without it, oneDNN emulates
+    bf16 and float32 is the faster choice."""
     if sys.platform == "darwin":
         out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16"], capture_output=True, text=True)
         return out.stdout.strip() == "1"
@@ -4905,23 +5190,17 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return bool(flags & {"amx_bf16", "avx512_bf16", "bf16"})
 
 
-def transformers_without_hub_kernels():
-    """For a program that runs transformers beside this engine (the tests' oracle, bench.py's peer):
-    transformers 5.25 (pip's pick on 2026-12-03) requires the Hub's `kernels` package and imports it, and
-    under that name Python finds this repository's kernels.py (an ImportError of CUDAProperties); by
-    default it also fetches kernels from the Hub for a model's layers. Told the package is absent and
-    USE_HUB_KERNELS=NO, transformers runs its own code, offline, as before: it dequantizes a GGUF itself.
-    Call it before transformers imports its models."""
-    os.environ["USE_HUB_KERNELS"] = "NO"
-    try:
-        import transformers.utils
-        import transformers.utils.import_utils
-    except ImportError:
-        return
-
-    def absent(*args, **kwargs):
-        return False
-    transformers.utils.is_kernels_available = transformers.utils.import_utils.is_kernels_available = absent
+@functools.cache
+def load_kernels() -> types.ModuleType:
+    """kernels.py, from beside this file, under a private name (overlap_engine_kernels): the plain name
+    `kernels` belongs to the Hugging Face Hub's package, which transformers imports."""
+    name = "overlap_engine_kernels"
+    if name not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
 
 
 def cpu_name() -> str:
@@ -5099,8 +5378,8 @@ def one_request_defaults(given: dict, chat: bool = True, steps: tuple = (1,),
 
 # OPENMP_SPIN (at the top of the file): with the CPU device thread and the host each owning an OpenMP
 # thread pool, libgomp (PyTorch's OpenMP on Linux) counts more threads than cores and almost stops spinning
-# between parallel regions, so every small op of a step waits for a thread wake-up: ~60 us instead of ~5 us
-# for a (64, 576) multiply, some 50 ms of a SmolLM2 decode step at batch 64. A bounded active spin (then
+# between parallel regions, so every small op of a step waits for a thread wake-up, which costs more than
+# a small op itself and adds up over a step's hundreds of them. A bounded active spin (then
 # sleep: an idle pool rests) restores it. libgomp reads the variables once, when torch loads it: the
 # command line (and bench.py) sets them before its `import torch`; a library user sets them in the
 # environment. Importing this module changes nothing.
@@ -5547,6 +5826,18 @@ class SchedulerThread(threading.Thread):
         return {"dp_rank": 0, "num_reqs": len(s.row_owner) + len(s.waiting),
                 "num_waiting_reqs": len(s.waiting), "num_tokens": kv_tokens_used(s) + waiting}
 
+    def loads_entry(self) -> dict:
+        """SGLang's /v1/loads entry of this (the one) rank."""
+        s = self.engine.scheduler
+        used = kv_tokens_used(s)
+        waiting = sum(len(r.origin_input_ids) for r in s.waiting)
+        total = self.engine.max_total_tokens
+        return {"dp_rank": 0, "timestamp": time.time(), "num_running_reqs": len(s.row_owner),
+                "num_waiting_reqs": len(s.waiting), "num_used_tokens": used,
+                "num_total_tokens": used + waiting,
+                "max_total_num_tokens": total, "token_usage": used / total,
+                "max_running_requests": self.engine.server_args.max_running_requests}
+
     def abort_requests(self, rid: str, everything: bool) -> int:
         """POST /abort_request: the live requests whose id starts with rid (SGLang's rule), or all."""
         hits = [r for r in self.live if everything or rid and r.startswith(rid)]
@@ -5609,13 +5900,14 @@ OPENAI_SAMPLING = {"max_tokens": "max_new_tokens", "temperature": "temperature",
                                      "regex", "ebnf")}}
 
 
-def check_input_ids(ids: list) -> bool:
-    """/generate's input_ids: one prompt (a list of ints) or several (a list of lists of ints); True for
-    several. Anything else is a 400 that names what it holds (a float, a string, a bool)."""
+def check_input_ids(ids: list, field: str = "input_ids") -> bool:
+    """/generate's input_ids (or another field of ids): one prompt (a list of ints) or several (a list of
+    lists of ints); True for several. Anything else is a 400 that names what it holds (a float, a string,
+    a bool)."""
     batched = bool(ids) and all(isinstance(x, list) for x in ids)
     for x in itertools.chain.from_iterable(ids) if batched else ids:
         if not _is_int(x):
-            raise HTTPError(400, f"input_ids must be a list of token ids (int) or a list of such lists; "
+            raise HTTPError(400, f"{field} must be a list of token ids (int) or a list of such lists; "
                                  f"it holds {x!r:.40}, a {type(x).__name__}")
     return batched
 
@@ -5656,7 +5948,7 @@ def parse_body(raw: bytes, fields: dict, required: tuple) -> dict:
     for key, value in body.items():
         if key not in fields:
             raise HTTPError(400, f"unknown field {key!r}; known: {sorted(fields)}")
-        if key in DEFAULT_ONLY:
+        if key in DEFAULT_ONLY and fields[key] is object:  # an endpoint that implements it types it
             default = DEFAULT_ONLY[key]
             if not (value is None or type(value) is type(default) and value == default):
                 raise HTTPError(400, f"field {key!r}={value!r:.80} is not implemented by this engine; "
@@ -5696,493 +5988,680 @@ def response_format_grammar(fmt: Optional[dict]) -> dict:
     return {"json_schema": json.dumps(spec["schema"])}
 
 
+class Served:
+    """What the HTTP handlers share, kept on the app (request.app.state.served): the scheduler thread that
+    owns the engine, the served model's name and card, the worker threads that parse and tokenize bodies
+    (off the event loop: SGLang's TokenizerManager is a process of its own; two, so that one huge prompt
+    does not hold up every small one), and the deadline and key every request meets."""
+
+    def __init__(self, scheduler: SchedulerThread, read_timeout: float, api_key: Optional[str]):
+        self.scheduler = scheduler
+        self.engine = scheduler.engine
+        self.name = served_model_name(self.engine)
+        self.started = int(time.time())  # the model card's `created`
+        self.read_timeout = read_timeout
+        self.api_key = api_key
+        self.workers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="overlap-engine-tokenize")
+        self.info = {"model_path": self.engine.model_path, "tokenizer_path": self.engine.model_path,
+                     "served_model_name": self.name, "is_generation": True,
+                     "architectures": [architecture(self.engine)], "version": __version__}
+
+
+def served(request) -> Served:
+    return request.app.state.served
+
+
+# -- the handlers' plumbing: the key, the body, the worker threads, the scheduler --
+
+
+def check_api_key(request, key: str):
+    """`Authorization: Bearer <api_key>`, compared in constant time (as bytes: a header may hold any)."""
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    ok = scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("latin-1"), key.encode())
+    if not ok:  # the body is not read: the connection cannot carry another request
+        headers = request.headers
+        with_body = headers.get("content-length", "0") != "0" or "transfer-encoding" in headers
+        raise HTTPError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
+                        close=with_body)
+
+
+async def http_error(request, e: HTTPError):
+    """An HTTPError as OpenAI's error object (SGLang's clients read the same)."""
+    from fastapi.responses import JSONResponse
+    kind = "invalid_request_error" if e.status in (400, 401, 408) else "server_error"
+    code = "invalid_api_key" if e.status == 401 else e.status
+    headers = {"Connection": "close"} if e.close else {}
+    if e.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse({"error": {"message": str(e), "type": kind, "param": None, "code": code}},
+                        e.status, headers=headers or None)
+
+
+async def read_body(request) -> bytes:
+    """The body, as it arrives: refused once it passes MAX_BODY_BYTES (by its Content-Length before a byte
+    is read, a chunked one as soon as it passes; uvicorn then drops the rest as it comes, for read_timeout
+    at most: head_timeout_protocol), a 408 if it is not all there read_timeout seconds after its head, a
+    503 if the server stops meanwhile. A client gone midway (nothing was queued for it) ends in a 499 that
+    is never sent, without a traceback in the log."""
+    import asyncio
+    size = request.headers.get("content-length", "")
+    if size.isdigit() and int(size) > MAX_BODY_BYTES:  # refused before it is read into memory
+        raise HTTPError(400, f"the request body has {size} bytes; at most {MAX_BODY_BYTES} are accepted")
+    deadline = asyncio.get_running_loop().time() + served(request).read_timeout
+    chunks = []
+    received = 0
+    while True:
+        message = await next_message(request, deadline)
+        if message["type"] == "http.disconnect":
+            raise HTTPError(499, "the client disconnected before its body was read")
+        chunks.append(message.get("body", b""))
+        received += len(chunks[-1])
+        if received > MAX_BODY_BYTES:  # a chunked body: refused now, without waiting for the rest
+            raise HTTPError(400, f"the request body has more than {MAX_BODY_BYTES} bytes; at most "
+                                 f"{MAX_BODY_BYTES} are accepted")
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def next_message(request, deadline: float) -> dict:
+    """The next ASGI message of the body, looking four times a second whether the server stops."""
+    import asyncio
+    loop = asyncio.get_running_loop()
+    srv = served(request)
+    while True:
+        if srv.scheduler.stopping:
+            raise HTTPError(503, "the server is shutting down", close=True)
+        if loop.time() >= deadline:
+            raise HTTPError(408, f"the request body did not arrive within {srv.read_timeout:g} s", close=True)
+        try:
+            return await asyncio.wait_for(request.receive(), min(deadline - loop.time(), 0.25))
+        except asyncio.TimeoutError:
+            continue
+
+
+async def prepared(request, prepare: Callable) -> tuple:
+    """Reads the body here, then runs prepare(served, body bytes) on a worker thread: parsing, chat
+    templating and tokenizing (seconds, for a huge prompt) never hold up the event loop's other clients."""
+    import asyncio
+    raw = await read_body(request)
+    srv = served(request)
+    return await asyncio.get_running_loop().run_in_executor(srv.workers, prepare, srv, raw)
+
+
+def tokenize(srv: Served, text: str, special: bool = False) -> list:
+    """On a worker thread. A prompt longer than the context is refused before its ids are listed."""
+    if srv.engine.tokenizer is None:
+        raise HTTPError(400, "this checkpoint has no tokenizer: send token ids instead of text")
+    try:
+        return srv.engine.tokenizer.encode(text, max_len=srv.engine.context_len - 1, special=special)
+    except TooLong as e:
+        raise HTTPError(400, f"The input ({e.tokens} tokens) is longer than the model's context length "
+                             f"({srv.engine.context_len} tokens).") from None
+
+
+async def on_scheduler(request, fn: Callable):
+    """fn(engine) on the scheduler thread, which owns the engine; a 503 once a step has broken it."""
+    import asyncio
+    scheduler = served(request).scheduler
+    if scheduler.error is not None:
+        raise HTTPError(503, f"the engine cannot continue: {scheduler.error}")
+    return await asyncio.wrap_future(scheduler.call(fn))
+
+
+async def outputs(request, input_ids: list, sampling_params: list, stream: bool = True,
+                  logprob: tuple = (False, 0, -1), rids: Optional[list] = None, log: bool = True):
+    """Submits the requests (n for a prompt with n > 1) and yields (index, chunk) as text is committed;
+    aborts them if the client goes away first. logprob: Engine.add_requests' logprob arguments; rids:
+    one per prompt, or None; log: counted in /metrics."""
+    import asyncio
+    loop = asyncio.get_running_loop()
+    scheduler = served(request).scheduler
+    channel = RequestChannel(loop, stream)
+    scheduler.submit(input_ids, sampling_params, channel, logprob, rids, log)
+    left = None  # the requests not finished, once queued
+    next_check = loop.time() + 0.5
+    try:
+        while left is None or left:
+            try:
+                item = await asyncio.wait_for(channel.queue.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                item = None
+            if loop.time() >= next_check:  # twice a second: is the client still there?
+                next_check = loop.time() + 0.5
+                if await request.is_disconnected():
+                    raise HTTPError(499, "the client disconnected")
+            if item is None:
+                continue
+            if item[0] == "error":
+                raise HTTPError(item[1], item[2])
+            if item[0] == "queued":
+                left = item[1]
+                continue
+            _, index, chunk = item
+            left -= chunk["meta_info"]["finish_reason"] is not None
+            yield index, chunk
+    finally:
+        if left is None or left:  # the client went away (or the stream was cancelled): free its memory
+            scheduler.cancel(channel)
+
+
+async def collect(request, input_ids, sampling_params, **submit) -> list:
+    """Each prompt's whole output (n > 1: each choice's), in order."""
+    outs = {}
+    async for i, chunk in outputs(request, input_ids, sampling_params, False, **submit):
+        out = outs.setdefault(i, {"text": "", "output_ids": []})
+        out["text"] += chunk["text"]
+        out["output_ids"] += chunk["output_ids"]
+        out["meta_info"] = chunk["meta_info"]
+    return [outs[i] for i in sorted(outs)]
+
+
+def sse(events):
+    """Server-sent events of the dicts `events` yields, then [DONE]."""
+    from fastapi.responses import StreamingResponse
+
+    async def stream():
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event)}\n\n"
+        except HTTPError as e:  # the status line has gone out already: the error becomes an event
+            yield f"data: {json.dumps({'error': {'message': str(e), 'code': e.status}})}\n\n"
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+async def first_item(gen):
+    """Runs a stream up to its first output, so that a 400 is still an HTTP status, not an event."""
+    first = await gen.__anext__()
+
+    async def rest():
+        try:
+            yield first
+            async for item in gen:
+                yield item
+        finally:  # the client went away mid-stream: close the inner generators now (they abort)
+            await gen.aclose()
+    return rest()
+
+
+def request_ids(rid, prompts: int) -> Optional[list]:
+    """SGLang's rid: a string (a batch's prompt i gets f"{rid}_{i}") or one string per prompt."""
+    if rid is None or isinstance(rid, str):
+        return None if rid is None else [rid] if prompts == 1 else [f"{rid}_{i}" for i in range(prompts)]
+    if len(rid) != prompts or not all(isinstance(x, str) for x in rid):
+        raise HTTPError(400, f"field 'rid' must be a string or a list of {prompts} strings")
+    return rid
+
+
+def token_text(srv: Served, token: int) -> str:
+    tokenizer = srv.engine.tokenizer
+    return tokenizer.token_text(token) if tokenizer is not None else f"token_id:{token}"
+
+
+# -- the handlers: the server's state, and SGLang's /generate --
+
+
+async def health(request):
+    from fastapi.responses import JSONResponse
+    scheduler = served(request).scheduler
+    ok = scheduler.is_alive() and scheduler.error is None
+    return JSONResponse({"status": "ok" if ok else f"unavailable: {scheduler.error}"}, 200 if ok else 503)
+
+
+def model_card(srv: Served) -> dict:
+    return {"id": srv.name, "object": "model", "created": srv.started, "owned_by": "overlap_engine",
+            "root": srv.name, "parent": None, "max_model_len": srv.engine.context_len}
+
+
+async def list_models(request):
+    return {"object": "list", "data": [model_card(served(request))]}
+
+
+async def one_model(request):
+    from fastapi.responses import JSONResponse
+    srv = served(request)
+    wanted = request.path_params["model"]
+    if wanted != srv.name:
+        return JSONResponse({"error": {"message": f"The model '{wanted}' does not exist",
+                                       "type": "invalid_request_error", "param": "model",
+                                       "code": "model_not_found"}}, 404)
+    return model_card(srv)
+
+
+async def server_info(request):
+    srv = served(request)
+    engine = srv.engine
+    args = {f.name: getattr(engine.server_args, f.name) for f in dataclasses.fields(ServerArgs) if f.repr}
+    return {**args, **srv.info, "status": "ready",
+            "max_total_num_tokens": engine.max_total_tokens, "max_total_tokens": engine.max_total_tokens,
+            "max_req_input_len": engine.context_len - 1, "context_length": engine.context_len}
+
+
+async def model_info(request):
+    srv = served(request)
+    types = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral"}
+    return {**srv.info, "model_type": types.get(srv.info["architectures"][0], "llama"),
+            "load_format": srv.engine.server_args.load_format}
+
+
+async def get_load(request):
+    scheduler = served(request).scheduler
+    return [await on_scheduler(request, lambda e: scheduler.load())]
+
+
+async def loads(request):
+    """SGLang's /v1/loads: one entry per data-parallel rank (one here), with the pool's capacity and use."""
+    scheduler = served(request).scheduler
+    entry = await on_scheduler(request, lambda e: scheduler.loads_entry())
+    return {"timestamp": entry["timestamp"], "dp_rank_count": 1, "loads": [entry]}
+
+
+def tokenize_inputs(srv: Served, raw: bytes) -> dict:
+    """SGLang's /tokenize (and /v1/tokenize): a prompt's ids (a list of prompts: a list of id lists), their
+    counts, and the longest context; or, given messages, the ids of the chat as /v1/chat/completions
+    templates it. add_special_tokens: those the model's tokenizer adds to a prompt (a BOS token, for some)."""
+    body = parse_body(raw, {"model": str, "prompt": (str, list), "add_special_tokens": bool, "messages": list,
+                            "tools": list, "tool_choice": (str, dict), "chat_template_kwargs": dict}, ())
+    if ("prompt" in body) == ("messages" in body):
+        raise HTTPError(400, "give exactly one of 'prompt' and 'messages'")
+    if "messages" in body:
+        ids = tokenize(srv, chat_prompt(srv, body))
+        return {"tokens": ids, "count": len(ids), "max_model_len": srv.engine.context_len}
+    prompt = body["prompt"]
+    many = isinstance(prompt, list)
+    if many and not all(isinstance(p, str) for p in prompt):
+        raise HTTPError(400, "field 'prompt' must be a string or a list of strings")
+    special = body.get("add_special_tokens", True)
+    ids = [tokenize(srv, p, special) for p in (prompt if many else [prompt])]
+    counts = [len(x) for x in ids]
+    return {"tokens": ids if many else ids[0], "count": counts if many else counts[0],
+            "max_model_len": srv.engine.context_len}
+
+
+async def tokenize_text(request):
+    return await prepared(request, tokenize_inputs)
+
+
+def detokenize_inputs(srv: Served, raw: bytes) -> dict:
+    """SGLang's /detokenize: the text of a list of ids (a list of such lists: a list of texts)."""
+    body = parse_body(raw, {"model": str, "tokens": list, "skip_special_tokens": bool}, ("tokens",))
+    if srv.engine.tokenizer is None:
+        raise HTTPError(400, "this checkpoint has no tokenizer")
+    tokens = body["tokens"]
+    many = check_input_ids(tokens, "tokens")
+    V = srv.engine.model_config.vocab_size
+    for ids in tokens if many else [tokens]:
+        if not all(0 <= t < V for t in ids):
+            raise HTTPError(400, f"field 'tokens' holds an id outside the vocabulary [0, {V})")
+    skip = body.get("skip_special_tokens", True)
+    texts = [srv.engine.tokenizer.decode(ids, skip) for ids in (tokens if many else [tokens])]
+    return {"text": texts if many else texts[0]}
+
+
+async def detokenize_text(request):
+    return await prepared(request, detokenize_inputs)
+
+
+async def metrics(request):
+    from fastapi.responses import Response
+    scheduler = served(request).scheduler
+    if scheduler.error is None:  # the gauges, read where the engine lives
+        await on_scheduler(request, lambda e: scheduler.metrics.read_gauges(e))
+    return Response(scheduler.metrics.exposition(), media_type=scheduler.metrics.content_type)
+
+
+async def flush_cache(request):
+    try:
+        await on_scheduler(request, lambda e: e.flush_cache())
+    except AssertionError:
+        raise HTTPError(400, "the cache can be flushed only when no request is running") from None
+    return {"status": "flushed"}
+
+
+async def abort_request(request):
+    """SGLang's: aborts the requests whose rid starts with `rid` (its prefix rule: a batch's or an n > 1
+    request's derived ids go with it), or all with abort_all; their clients get finish_reason abort."""
+    from fastapi.responses import Response
+    body = await prepared(request, lambda srv, raw: parse_body(raw, {"rid": str, "abort_all": bool}, ()))
+    rid = body.get("rid") or ""
+    everything = bool(body.get("abort_all"))
+    scheduler = served(request).scheduler
+    await on_scheduler(request, lambda e: scheduler.abort_requests(rid, everything))
+    return Response(status_code=200)
+
+
+def generate_inputs(srv: Served, raw: bytes) -> tuple:
+    """/generate's body -> (body, input_ids, sampling params, logprob arguments, whether a list out,
+    request ids)."""
+    body = parse_body(raw, {
+        **SGLANG_FIELDS, "text": (str, list), "input_ids": list, "sampling_params": (dict, list),
+        "stream": bool, "return_logprob": bool, "top_logprobs_num": int, "logprob_start_len": int,
+        "token_ids_logprob": list, "return_text_in_logprobs": bool}, ())
+    text = body.get("text")
+    ids = body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise HTTPError(400, "give exactly one of 'text' and 'input_ids'")
+    if isinstance(text, list) and not (text and all(isinstance(t, str) for t in text)):
+        raise HTTPError(400, "field 'text' must be a string or a non-empty list of strings")
+    batched = isinstance(text, list) if text is not None else check_input_ids(ids)
+    given = text if text is not None else ids
+    prompts = given if batched else [given]
+    input_ids = [tokenize(srv, p) if isinstance(p, str) else p for p in prompts]
+    sp = body.get("sampling_params") or {}
+    sps = sp if isinstance(sp, list) else [sp] * len(prompts)
+    if len(sps) != len(prompts):
+        raise HTTPError(400, f"sampling_params has {len(sps)} entries for {len(prompts)} prompts")
+    logprob = tuple(d if body.get(k) is None else body[k] for k, d in (
+        ("return_logprob", False), ("top_logprobs_num", 0), ("logprob_start_len", -1),
+        ("token_ids_logprob", None)))
+    many = batched or any(isinstance(s, dict) and s.get("n", 1) != 1 for s in sps)  # a list out
+    return body, input_ids, sps, logprob, many, request_ids(body.get("rid"), len(prompts))
+
+
+async def generate(request):
+    body, input_ids, sps, logprob, many, rids = await prepared(request, generate_inputs)
+    srv = served(request)
+    shown = functools.partial(with_token_text, srv) if body.get("return_text_in_logprobs") else lambda o: o
+    submit = {"logprob": logprob, "rids": rids, "log": body.get("log_metrics") is not False}
+    if body.get("stream"):
+        async def chunks():
+            async for i, chunk in outputs(request, input_ids, sps, True, **submit):
+                yield {**shown(chunk), "index": i} if many else shown(chunk)
+        return sse(await first_item(chunks()))
+    outs = [shown(o) for o in await collect(request, input_ids, sps, **submit)]
+    return outs if many else outs[0]
+
+
+def with_token_text(srv: Served, out: dict) -> dict:
+    """return_text_in_logprobs: the third item of each logprob tuple is its token's text."""
+    def fill(entries):
+        return None if entries is None else [(lp, t, token_text(srv, t)) for lp, t, _ in entries]
+    meta = dict(out["meta_info"])
+    for key in ("output_token_logprobs", "input_token_logprobs"):
+        if key in meta:
+            meta[key] = fill(meta[key])
+    for key in ("output_top_logprobs", "input_top_logprobs", "output_token_ids_logprobs",
+                "input_token_ids_logprobs"):
+        if key in meta:
+            meta[key] = [fill(entries) for entries in meta[key]]
+    return {**out, "meta_info": meta}
+
+
+# -- the handlers: OpenAI's completions and chat completions --
+
+
+def finish_reason(meta: dict) -> Optional[str]:
+    reason = meta["finish_reason"]
+    return None if reason is None else reason["type"]  # stop | length | abort
+
+
+def matched_stop(meta: dict):
+    """SGLang's matched_stop: the stop string, regex or token id that ended the choice; None else."""
+    return (meta["finish_reason"] or {}).get("matched")
+
+
+def chat_logprobs(srv: Served, entries: list, tops: list) -> dict:
+    """OpenAI's chat logprobs of (logprob, token, None) entries and their top lists."""
+    def one(lp, tok):
+        data = srv.engine.tokenizer.token_bytes(tok) if srv.engine.tokenizer is not None else b""
+        return {"token": token_text(srv, tok), "logprob": lp, "bytes": list(data)}
+    return {"content": [{**one(lp, tok), "top_logprobs": [one(a, b) for a, b, _ in top]}
+                        for (lp, tok, _), top in zip(entries, tops)]}
+
+
+def completion_logprobs(srv: Served, entries: list, tops: list, offset: int) -> dict:
+    """OpenAI's completions logprobs: token strings, their logprobs, the top ones as {token: logprob}
+    (None for the first prompt token), and where each token starts in the choice's text."""
+    tokens = [token_text(srv, tok) for _, tok, _ in entries]
+    starts = itertools.accumulate((len(t) for t in tokens), initial=offset)
+    top = [None if top is None else {token_text(srv, t): lp for lp, t, _ in top} for top in tops]
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _, _ in entries], "top_logprobs": top,
+            "text_offset": list(starts)[:len(tokens)]}
+
+
+@dataclass
+class OpenAIReply:
+    """One OpenAI request's replies: its prompts' choices (n a prompt, choice p * n + j the j-th of
+    prompt p, OpenAI's order), as a whole response or as streamed chunks. echo: per prompt, the text that
+    completions puts before each of its choices' text (with the prompt's logprobs, when logprobs are on)."""
+    srv: Served
+    body: dict
+    input_ids: list
+    sp: dict
+    chat: bool
+    logprob: tuple
+    echo: Optional[list] = None
+
+    def __post_init__(self):
+        self.n = self.sp.get("n", 1)
+        self.kind = "chat.completion" if self.chat else "text_completion"
+        self.head = {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{os.urandom(8).hex()}",
+                     "created": int(time.time()), "model": self.body.get("model") or self.srv.name}
+        self.echo = self.echo or [""] * len(self.input_ids)
+        rids = request_ids(self.body.get("rid"), len(self.input_ids))
+        log = self.body.get("log_metrics") is not False
+        self.submit = {"logprob": self.logprob, "rids": rids, "log": log}
+
+    def choice(self, i: int, text: str, meta: dict, new_ids: list, first: bool, offset: int = 0) -> dict:
+        """Choice i with its new text (from `offset` in the choice's text); its logprobs those of the last
+        len(new_ids) tokens."""
+        lps = None
+        echoed = self.echo[i // self.n] if first else ""
+        if self.logprob[0]:
+            start = len(meta["output_token_logprobs"]) - len(new_ids)
+            entries = meta["output_token_logprobs"][start:]
+            tops = meta["output_top_logprobs"][start:]
+            if self.chat:
+                lps = chat_logprobs(self.srv, entries, tops)
+            else:
+                if echoed:
+                    entries = meta["input_token_logprobs"] + entries
+                    tops = meta["input_top_logprobs"] + tops
+                lps = completion_logprobs(self.srv, entries, tops, offset)
+        end = {"logprobs": lps, "finish_reason": finish_reason(meta), "matched_stop": matched_stop(meta)}
+        if not self.chat:
+            return {"index": i, "text": echoed + text, **end}
+        key = "delta" if self.body.get("stream") else "message"
+        message = {"role": "assistant", "content": text} if first else {"content": text}
+        return {"index": i, key: message, **end}
+
+    def usage(self, metas: list) -> dict:
+        prompt = sum(map(len, self.input_ids))  # n > 1: a prompt counts once
+        done = sum(m["completion_tokens"] for m in metas)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+    async def whole(self, request) -> dict:
+        outs = await collect(request, self.input_ids, [self.sp] * len(self.input_ids), **self.submit)
+        choices = [self.choice(i, o["text"], o["meta_info"], o["output_ids"], True)
+                   for i, o in enumerate(outs)]
+        usage = self.usage([o["meta_info"] for o in outs])
+        return {**self.head, "object": self.kind, "choices": choices, "usage": usage}
+
+    async def events(self, request):
+        """The stream's chunks: a choice's new text as it is committed; the usage last if asked."""
+        kind = self.kind + (".chunk" if self.chat else "")
+        sent = {}  # per choice: the characters of text sent so far
+        finals = {}
+        async for i, chunk in outputs(request, self.input_ids, [self.sp] * len(self.input_ids), True,
+                                      **self.submit):
+            meta = chunk["meta_info"]
+            c = self.choice(i, chunk["text"], meta, chunk["output_ids"], i not in sent, sent.get(i, 0))
+            sent[i] = sent.get(i, 0) + len(c["text"] if not self.chat else c["delta"]["content"])
+            yield {**self.head, "object": kind, "choices": [c]}
+            if meta["finish_reason"] is not None:
+                finals[i] = meta
+        if (self.body.get("stream_options") or {}).get("include_usage"):
+            yield {**self.head, "object": kind, "choices": [], "usage": self.usage(list(finals.values()))}
+
+    async def response(self, request):
+        if self.body.get("stream"):
+            return sse(await first_item(self.events(request)))
+        return await self.whole(request)
+
+
+def openai_logprobs(body: dict, key: str, top_key: Optional[str]) -> tuple:
+    """Engine logprob arguments from OpenAI's fields: completions' logprobs (int: how many top), chat's
+    logprobs (bool) with top_logprobs (int)."""
+    k = body.get(top_key or key) or 0
+    if not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise HTTPError(400, f"field {top_key or key!r}={k}: must be in [0, {MAX_TOP_LOGPROBS}]")
+    if top_key and body.get(top_key) is not None and not body.get(key):
+        raise HTTPError(400, f"field {top_key!r} needs {key!r}: true")
+    wanted = body.get(key) is not None and body.get(key) is not False
+    return wanted, k, 0 if wanted and body.get("echo") else -1
+
+
+def check_max_tokens(srv: Served, body: dict, input_ids: list):
+    """An explicit max_tokens must fit the context with its prompt: SGLang's 400 (a default is capped)."""
+    m = body.get("max_tokens")
+    C = srv.engine.context_len
+    for ids in input_ids if m is not None else ():
+        if len(ids) + m > C:
+            raise HTTPError(400, f"Requested token count exceeds the model's maximum context length of {C} "
+                                 f"tokens. You requested a total of {len(ids) + m} tokens: {len(ids)} tokens "
+                                 f"from the input messages and {m} tokens for the completion. Please reduce "
+                                 "the number of tokens in the input messages or the completion to fit within "
+                                 "the limit.")
+
+
+def completion_prompts(srv: Served, prompt) -> list:
+    """OpenAI's prompt: a string, a list of strings, a list of token ids or a list of such lists; the
+    prompts, each a string or a list of ids in the vocabulary."""
+    V = srv.engine.model_config.vocab_size
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return prompt
+    many = prompt and all(isinstance(p, list) for p in prompt)
+    for ids in prompt if many else [prompt]:
+        if not ids or not all(_is_int(t) and 0 <= t < V for t in ids):
+            raise HTTPError(400, "field 'prompt' must be a string, a list of strings, a list of token ids in "
+                                 f"[0, {V}) or a list of such lists: {json.dumps(prompt)[:80]}")
+    return prompt if many else [prompt]
+
+
+def completion_inputs(srv: Served, raw: bytes) -> OpenAIReply:
+    """/v1/completions' body -> its reply's inputs: ids per prompt, sampling params, logprob arguments,
+    echo text per prompt."""
+    fields = {**OPENAI_FIELDS, "prompt": (str, list), "logprobs": int, "echo": bool}
+    body = parse_body(raw, fields, ("prompt",))
+    prompts = completion_prompts(srv, body["prompt"])
+    input_ids = [tokenize(srv, p) if isinstance(p, str) else p for p in prompts]
+    check_max_tokens(srv, body, input_ids)
+    echo = None  # the prompt's text before each choice's: as given, special tokens included
+    tokenizer = srv.engine.tokenizer
+    if body.get("echo"):
+        echo = [p if isinstance(p, str) else "" if tokenizer is None
+                else tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
+    return OpenAIReply(srv, body, input_ids, openai_sampling(body, 16), False,
+                       openai_logprobs(body, "logprobs", None), echo)
+
+
+async def completions(request):
+    reply = await prepared(request, completion_inputs)
+    return await reply.response(request)
+
+
+def chat_prompt(srv: Served, body: dict) -> str:
+    """The templated chat. continue_final_message: a last assistant message is continued, not closed
+    (its text follows the generation prompt, as SGLang has it)."""
+    messages = chat_messages(body["messages"])
+    tokenizer = srv.engine.tokenizer
+    if tokenizer is None or not tokenizer.chat_template:
+        raise HTTPError(400, "this checkpoint has no chat template: use /v1/completions")
+    extra = body.get("chat_template_kwargs") or {}
+    reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(extra)
+    if reserved:
+        raise HTTPError(400, f"field 'chat_template_kwargs' may not set {sorted(reserved)}")
+    tail = ""
+    if body.get("continue_final_message") and messages[-1]["role"] == "assistant":
+        tail = messages[-1]["content"]
+        messages = messages[:-1]
+    try:
+        return tokenizer.apply_chat_template(messages, **extra) + tail
+    except Exception as e:  # the template's own error (roles that do not alternate), or its failure
+        raise HTTPError(400, f"the chat template refused these messages: {type(e).__name__}: {e}") from None
+
+
+def chat_inputs(srv: Served, raw: bytes) -> OpenAIReply:
+    """/v1/chat/completions' body -> its reply's inputs: the templated chat's ids, sampling params,
+    logprob arguments."""
+    fields = {**OPENAI_FIELDS, "messages": list, "max_completion_tokens": int, "logprobs": bool,
+              "top_logprobs": int, "continue_final_message": bool, "chat_template_kwargs": dict,
+              "echo": bool}  # sglang-router sends echo false to chat too
+    body = parse_body(raw, fields, ("messages",))
+    if body.get("echo"):
+        raise HTTPError(400, "field 'echo'=true is not implemented for chat; only false is accepted")
+    input_ids = [tokenize(srv, chat_prompt(srv, body))]
+    m = body.get("max_completion_tokens")
+    if m is not None and len(input_ids[0]) + m > srv.engine.context_len:  # SGLang's words for it
+        room = srv.engine.context_len - len(input_ids[0])
+        raise HTTPError(400, f"max_completion_tokens is too large: {m}. This model supports at most {room} "
+                             f"completion tokens after this prompt ({len(input_ids[0])} tokens of a context "
+                             f"of {srv.engine.context_len}).")
+    if body.get("max_tokens") is None and m is not None:
+        body["max_tokens"] = m
+    check_max_tokens(srv, body, input_ids)
+    return OpenAIReply(srv, body, input_ids, openai_sampling(body, None), True,
+                       openai_logprobs(body, "logprobs", "top_logprobs"))
+
+
+async def chat_completions(request):
+    reply = await prepared(request, chat_inputs)
+    return await reply.response(request)
+
+
+# (path, method, handler); OPEN_PATHS answer without the api_key
+ROUTES = [
+    ("/health", "GET", health),
+    ("/v1/models", "GET", list_models),
+    ("/v1/models/{model:path}", "GET", one_model),
+    ("/server_info", "GET", server_info),
+    ("/get_server_info", "GET", server_info),
+    ("/model_info", "GET", model_info),
+    ("/get_model_info", "GET", model_info),
+    ("/get_load", "GET", get_load),
+    ("/v1/loads", "GET", loads),
+    ("/tokenize", "POST", tokenize_text),
+    ("/v1/tokenize", "POST", tokenize_text),
+    ("/detokenize", "POST", detokenize_text),
+    ("/v1/detokenize", "POST", detokenize_text),
+    ("/metrics", "GET", metrics),
+    ("/flush_cache", "POST", flush_cache),
+    ("/abort_request", "POST", abort_request),
+    ("/generate", "POST", generate),
+    ("/v1/completions", "POST", completions),
+    ("/v1/chat/completions", "POST", chat_completions),
+]
+
+
 def build_app(scheduler: SchedulerThread, read_timeout: float = READ_TIMEOUT, api_key: Optional[str] = None):
-    """The FastAPI app: SGLang's /generate and OpenAI's /v1/completions and /v1/chat/completions.
-    read_timeout: seconds a request's body may take to arrive (a 408 after that); api_key: the bearer key
-    every endpoint but OPEN_PATHS asks for (None: none)."""
-    key_bytes = (api_key or "").encode()
+    """The FastAPI app: ROUTES' handlers, each behind the api_key check (but OPEN_PATHS), a dict or list
+    they return sent as JSON, an HTTPError as OpenAI's error object. read_timeout: seconds a request's
+    body may take to arrive (a 408 after that); api_key: the bearer key clients send (None: none)."""
     import asyncio
     from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-    engine, name = scheduler.engine, served_model_name(scheduler.engine)
-    started = int(time.time())  # the model card's `created`
-    # bodies are parsed, templated and tokenized here, off the event loop (SGLang's TokenizerManager is a
-    # process of its own); two threads, so that one huge prompt does not hold up every small one
-    workers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="overlap-engine-tokenize")
+    from fastapi.responses import JSONResponse, Response
+    srv = Served(scheduler, read_timeout, api_key)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield  # on the way out uvicorn has stopped accepting and closed the connections
         await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
-        workers.shutdown(wait=False, cancel_futures=True)
+        srv.workers.shutdown(wait=False, cancel_futures=True)
     app = FastAPI(title="overlap_engine", lifespan=lifespan)
+    app.state.served = srv
+    app.add_exception_handler(HTTPError, http_error)
 
-    def route(path: str, method: str = "POST"):
-        """A plain Starlette route: the handler gets the request and returns a dict, a list or a Response.
-        With an api_key, the key is checked first: a stranger's body is never read."""
-        def register(handler):
-            async def endpoint(request):
-                if api_key is not None and path not in OPEN_PATHS:
-                    check_api_key(request)
-                out = await handler(request)
-                return out if isinstance(out, Response) else JSONResponse(out)
-            app.add_route(path, endpoint, methods=[method])
-            return handler
-        return register
-
-    def check_api_key(request):
-        """`Authorization: Bearer <api_key>`, compared in constant time (as bytes: a header may hold any)."""
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        ok = scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("latin-1"), key_bytes)
-        if not ok:  # the body is not read: the connection cannot carry another request
-            headers = request.headers
-            with_body = headers.get("content-length", "0") != "0" or "transfer-encoding" in headers
-            raise HTTPError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
-                            close=with_body)
-
-    @app.exception_handler(HTTPError)
-    async def http_error(request, e: HTTPError):
-        kind = "invalid_request_error" if e.status in (400, 401, 408) else "server_error"
-        code = "invalid_api_key" if e.status == 401 else e.status
-        headers = {"Connection": "close"} if e.close else {}
-        if e.status == 401:
-            headers["WWW-Authenticate"] = "Bearer"
-        return JSONResponse({"error": {"message": str(e), "type": kind, "param": None, "code": code}},
-                            e.status, headers=headers or None)
-
-    async def read_body(request) -> bytes:
-        """The body, as it arrives: refused once it passes MAX_BODY_BYTES (by its Content-Length before a
-        byte is read, a chunked one as soon as it passes; uvicorn then drops the rest as it comes, for
-        read_timeout at most: head_timeout_protocol), a 408 if it is not all there read_timeout seconds
-        after its head, a 503 if the server stops meanwhile. A client gone midway (nothing was queued
-        for it) ends in a 499 that is never sent, without a traceback in the log."""
-        size = request.headers.get("content-length", "")
-        if size.isdigit() and int(size) > MAX_BODY_BYTES:  # refused before it is read into memory
-            raise HTTPError(400, f"the request body has {size} bytes; at most {MAX_BODY_BYTES} are accepted")
-        loop = asyncio.get_running_loop()
-        deadline, chunks, received = loop.time() + read_timeout, [], 0
-        while True:
-            message = await next_message(request, deadline)
-            if message["type"] == "http.disconnect":
-                raise HTTPError(499, "the client disconnected before its body was read")
-            chunks.append(message.get("body", b""))
-            received += len(chunks[-1])
-            if received > MAX_BODY_BYTES:  # a chunked body: refused now, without waiting for the rest
-                raise HTTPError(400, f"the request body has more than {MAX_BODY_BYTES} bytes; at most "
-                                     f"{MAX_BODY_BYTES} are accepted")
-            if not message.get("more_body", False):
-                return b"".join(chunks)
-
-    async def next_message(request, deadline: float) -> dict:
-        """The next ASGI message of the body, looking four times a second whether the server stops."""
-        loop = asyncio.get_running_loop()
-        while True:
-            if scheduler.stopping:
-                raise HTTPError(503, "the server is shutting down", close=True)
-            if loop.time() >= deadline:
-                raise HTTPError(408, f"the request body did not arrive within {read_timeout:g} s", close=True)
-            try:
-                return await asyncio.wait_for(request.receive(), min(deadline - loop.time(), 0.25))
-            except asyncio.TimeoutError:
-                continue
-
-    async def prepared(request, prepare: Callable) -> tuple:
-        """Reads the body here, then runs prepare(body bytes) on a worker thread: parsing, chat templating
-        and tokenizing (seconds, for a 4 MB prompt) never hold up the event loop's other clients."""
-        raw = await read_body(request)
-        return await asyncio.get_running_loop().run_in_executor(workers, prepare, raw)
-
-    def tokenize(text: str) -> list:
-        """On a worker thread. A prompt longer than the context is refused before its ids are listed."""
-        if engine.tokenizer is None:
-            raise HTTPError(400, "this checkpoint has no tokenizer: send token ids instead of text")
-        try:
-            return engine.tokenizer.encode(text, max_len=engine.context_len - 1)
-        except ValueError as e:
-            raise HTTPError(400, f"{e}: the context length is {engine.context_len}") from None
-
-    async def outputs(request, input_ids: list, sampling_params: list, stream: bool = True,
-                      logprob: tuple = (False, 0, -1), rids: Optional[list] = None, log: bool = True):
-        """Submits the requests (n for a prompt with n > 1) and yields (index, chunk) as text is
-        committed; aborts them if the client goes away first. logprob: Engine.add_requests' logprob
-        arguments; rids: one per prompt, or None; log: counted in /metrics."""
-        loop = asyncio.get_running_loop()
-        channel = RequestChannel(loop, stream)
-        scheduler.submit(input_ids, sampling_params, channel, logprob, rids, log)
-        left, next_check = None, loop.time() + 0.5  # left: the requests not finished, once queued
-        try:
-            while left is None or left:
-                try:
-                    item = await asyncio.wait_for(channel.queue.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    item = None
-                if loop.time() >= next_check:  # twice a second: is the client still there?
-                    next_check = loop.time() + 0.5
-                    if await request.is_disconnected():
-                        raise HTTPError(499, "the client disconnected")
-                if item is None:
-                    continue
-                if item[0] == "error":
-                    raise HTTPError(item[1], item[2])
-                if item[0] == "queued":
-                    left = item[1]
-                    continue
-                _, index, chunk = item
-                left -= chunk["meta_info"]["finish_reason"] is not None
-                yield index, chunk
-        finally:
-            if left is None or left:  # the client went away (or the stream was cancelled): free its memory
-                scheduler.cancel(channel)
-
-    async def collect(request, input_ids, sampling_params, **submit) -> list:
-        outs = {}
-        async for i, chunk in outputs(request, input_ids, sampling_params, False, **submit):
-            out = outs.setdefault(i, {"text": "", "output_ids": []})
-            out["text"] += chunk["text"]
-            out["output_ids"] += chunk["output_ids"]
-            out["meta_info"] = chunk["meta_info"]
-        return [outs[i] for i in sorted(outs)]
-
-    def sse(events):
-        async def stream():
-            try:
-                async for event in events:
-                    yield f"data: {json.dumps(event)}\n\n"
-            except HTTPError as e:  # the status line has gone out already: the error becomes an event
-                yield f"data: {json.dumps({'error': {'message': str(e), 'code': e.status}})}\n\n"
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(stream(), media_type="text/event-stream")
-
-    async def first_item(gen):
-        """Runs a stream up to its first output, so that a 400 is still an HTTP status, not an event."""
-        first = await gen.__anext__()
-
-        async def rest():
-            try:
-                yield first
-                async for item in gen:
-                    yield item
-            finally:  # the client went away mid-stream: close the inner generators now (they abort)
-                await gen.aclose()
-        return rest()
-
-    @route("/health", "GET")
-    async def health(request):
-        ok = scheduler.is_alive() and scheduler.error is None
-        return JSONResponse({"status": "ok" if ok else f"unavailable: {scheduler.error}"}, 200 if ok else 503)
-
-    async def on_scheduler(fn: Callable):
-        """fn(engine) on the scheduler thread, which owns the engine; a 503 once a step has broken it."""
-        if scheduler.error is not None:
-            raise HTTPError(503, f"the engine cannot continue: {scheduler.error}")
-        return await asyncio.wrap_future(scheduler.call(fn))
-
-    def model_card() -> dict:
-        return {"id": name, "object": "model", "created": started, "owned_by": "overlap_engine", "root": name,
-                "parent": None, "max_model_len": engine.context_len}
-
-    @route("/v1/models", "GET")
-    async def models(request):
-        return {"object": "list", "data": [model_card()]}
-
-    @route("/v1/models/{model:path}", "GET")
-    async def one_model(request):
-        wanted = request.path_params["model"]
-        if wanted != name:
-            return JSONResponse({"error": {"message": f"The model '{wanted}' does not exist",
-                                           "type": "invalid_request_error", "param": "model",
-                                           "code": "model_not_found"}}, 404)
-        return model_card()
-
-    info = {"model_path": engine.model_path, "tokenizer_path": engine.model_path, "served_model_name": name,
-            "is_generation": True, "architectures": [architecture(engine)], "version": __version__}
-
-    @route("/server_info", "GET")
-    @route("/get_server_info", "GET")
-    async def server_info(request):
-        args = {f.name: getattr(engine.server_args, f.name) for f in dataclasses.fields(ServerArgs) if f.repr}
-        return {**args, **info, "status": "ready",
-                "max_total_num_tokens": engine.max_total_tokens, "max_total_tokens": engine.max_total_tokens,
-                "max_req_input_len": engine.context_len - 1, "context_length": engine.context_len}
-
-    @route("/model_info", "GET")
-    @route("/get_model_info", "GET")
-    async def model_info(request):
-        types = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral"}
-        return {**info, "model_type": types.get(info["architectures"][0], "llama"),
-                "load_format": engine.server_args.load_format}
-
-    @route("/get_load", "GET")
-    async def get_load(request):
-        return [await on_scheduler(lambda e: scheduler.load())]
-
-    @route("/metrics", "GET")
-    async def metrics(request):
-        if scheduler.error is None:  # the gauges, read where the engine lives
-            await on_scheduler(lambda e: scheduler.metrics.read_gauges(e))
-        return Response(scheduler.metrics.exposition(), media_type=scheduler.metrics.content_type)
-
-    @route("/flush_cache")
-    async def flush_cache(request):
-        try:
-            await on_scheduler(lambda e: e.flush_cache())
-        except AssertionError:
-            raise HTTPError(400, "the cache can be flushed only when no request is running") from None
-        return {"status": "flushed"}
-
-    @route("/abort_request")
-    async def abort_request(request):
-        """SGLang's: aborts the requests whose rid starts with `rid` (its prefix rule: a batch's or an n > 1
-        request's derived ids go with it), or all with abort_all; their clients get finish_reason abort."""
-        body = await prepared(request, lambda raw: parse_body(raw, {"rid": str, "abort_all": bool}, ()))
-        rid, everything = body.get("rid") or "", bool(body.get("abort_all"))
-        await on_scheduler(lambda e: scheduler.abort_requests(rid, everything))
-        return Response(status_code=200)
-
-    def request_ids(rid, prompts: int) -> Optional[list]:
-        """SGLang's rid: a string (a batch's prompt i gets f"{rid}_{i}") or one string per prompt."""
-        if rid is None or isinstance(rid, str):
-            return None if rid is None else [rid] if prompts == 1 else [f"{rid}_{i}" for i in range(prompts)]
-        if len(rid) != prompts or not all(isinstance(x, str) for x in rid):
-            raise HTTPError(400, f"field 'rid' must be a string or a list of {prompts} strings")
-        return rid
-
-    def generate_inputs(raw: bytes) -> tuple:
-        """/generate's body -> (body, input_ids, sampling params, logprob arguments, whether a list out,
-        request ids)."""
-        body = parse_body(raw, {
-            **SGLANG_FIELDS, "text": (str, list), "input_ids": list, "sampling_params": (dict, list),
-            "stream": bool, "return_logprob": bool, "top_logprobs_num": int, "logprob_start_len": int,
-            "token_ids_logprob": list, "return_text_in_logprobs": bool}, ())
-        text, ids = body.get("text"), body.get("input_ids")
-        if (text is None) == (ids is None):
-            raise HTTPError(400, "give exactly one of 'text' and 'input_ids'")
-        if isinstance(text, list) and not (text and all(isinstance(t, str) for t in text)):
-            raise HTTPError(400, "field 'text' must be a string or a non-empty list of strings")
-        batched = isinstance(text, list) if text is not None else check_input_ids(ids)
-        given = text if text is not None else ids
-        prompts = given if batched else [given]
-        input_ids = [tokenize(p) if isinstance(p, str) else p for p in prompts]
-        sp = body.get("sampling_params") or {}
-        sps = sp if isinstance(sp, list) else [sp] * len(prompts)
-        if len(sps) != len(prompts):
-            raise HTTPError(400, f"sampling_params has {len(sps)} entries for {len(prompts)} prompts")
-        logprob = tuple(d if body.get(k) is None else body[k] for k, d in (
-            ("return_logprob", False), ("top_logprobs_num", 0), ("logprob_start_len", -1),
-            ("token_ids_logprob", None)))
-        many = batched or any(isinstance(s, dict) and s.get("n", 1) != 1 for s in sps)  # a list out
-        return body, input_ids, sps, logprob, many, request_ids(body.get("rid"), len(prompts))
-
-    @route("/generate")
-    async def generate(request):
-        body, input_ids, sps, logprob, many, rids = await prepared(request, generate_inputs)
-        shown = with_token_text if body.get("return_text_in_logprobs") else lambda out: out
-        submit = {"logprob": logprob, "rids": rids, "log": body.get("log_metrics") is not False}
-        if body.get("stream"):
-            async def chunks():
-                async for i, chunk in outputs(request, input_ids, sps, True, **submit):
-                    yield {**shown(chunk), "index": i} if many else shown(chunk)
-            return sse(await first_item(chunks()))
-        outs = [shown(o) for o in await collect(request, input_ids, sps, **submit)]
-        return outs if many else outs[0]
-
-    def token_text(token: int) -> str:
-        return engine.tokenizer.token_text(token) if engine.tokenizer is not None else f"token_id:{token}"
-
-    def with_token_text(out: dict) -> dict:
-        """return_text_in_logprobs: the third item of each logprob tuple is its token's text."""
-        def fill(entries):
-            return None if entries is None else [(lp, t, token_text(t)) for lp, t, _ in entries]
-        meta = dict(out["meta_info"])
-        for key in ("output_token_logprobs", "input_token_logprobs"):
-            if key in meta:
-                meta[key] = fill(meta[key])
-        for key in ("output_top_logprobs", "input_top_logprobs", "output_token_ids_logprobs",
-                    "input_token_ids_logprobs"):
-            if key in meta:
-                meta[key] = [fill(entries) for entries in meta[key]]
-        return {**out, "meta_info": meta}
-
-    def finish_reason(meta: dict) -> Optional[str]:
-        reason = meta["finish_reason"]
-        return None if reason is None else reason["type"]  # stop | length | abort
-
-    def matched_stop(meta: dict):
-        """SGLang's matched_stop: the stop string, regex or token id that ended the choice; None else."""
-        return (meta["finish_reason"] or {}).get("matched")
-
-    def chat_logprobs(entries: list, tops: list) -> dict:
-        """OpenAI's chat logprobs of (logprob, token, None) entries and their top lists."""
-        def one(lp, tok):
-            data = engine.tokenizer.token_bytes(tok) if engine.tokenizer is not None else b""
-            return {"token": token_text(tok), "logprob": lp, "bytes": list(data)}
-        return {"content": [{**one(lp, tok), "top_logprobs": [one(a, b) for a, b, _ in top]}
-                            for (lp, tok, _), top in zip(entries, tops)]}
-
-    def completion_logprobs(entries: list, tops: list, offset: int) -> dict:
-        """OpenAI's completions logprobs: token strings, their logprobs, the top ones as {token: logprob}
-        (None for the first prompt token), and where each token starts in the choice's text."""
-        tokens = [token_text(tok) for _, tok, _ in entries]
-        starts = itertools.accumulate((len(t) for t in tokens), initial=offset)
-        top = [None if top is None else {token_text(t): lp for lp, t, _ in top} for top in tops]
-        return {"tokens": tokens, "token_logprobs": [lp for lp, _, _ in entries], "top_logprobs": top,
-                "text_offset": list(starts)[:len(tokens)]}
-
-    async def openai_response(request, body, input_ids: list, sp, chat: bool, logprob: tuple,
-                              echo: Optional[list] = None):
-        """The OpenAI response (or its SSE stream) of the prompts' choices: n a prompt, choice p * n + j
-        the j-th of prompt p (OpenAI's order). echo: per prompt, the text that completions puts before
-        each of its choices' text (with the prompt's logprobs, when logprobs are on)."""
-        kind, n = "chat.completion" if chat else "text_completion", sp.get("n", 1)
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{os.urandom(8).hex()}", "created": int(time.time()),
-                "model": body.get("model") or name}
-        echo = echo or [""] * len(input_ids)
-        submit = {"logprob": logprob, "rids": request_ids(body.get("rid"), len(input_ids)),
-                  "log": body.get("log_metrics") is not False}
-
-        def choice(i, text, meta, new_ids, first, offset=0):
-            """Choice i with its new text (from `offset` in the choice's text); its logprobs those of the
-            last len(new_ids) tokens."""
-            lps, echoed = None, echo[i // n] if first else ""
-            if logprob[0]:
-                start = len(meta["output_token_logprobs"]) - len(new_ids)
-                entries, tops = meta["output_token_logprobs"][start:], meta["output_top_logprobs"][start:]
-                if chat:
-                    lps = chat_logprobs(entries, tops)
-                else:
-                    if echoed:
-                        entries = meta["input_token_logprobs"] + entries
-                        tops = meta["input_top_logprobs"] + tops
-                    lps = completion_logprobs(entries, tops, offset)
-            end = {"logprobs": lps, "finish_reason": finish_reason(meta), "matched_stop": matched_stop(meta)}
-            if not chat:
-                return {"index": i, "text": echoed + text, **end}
-            body_key = "delta" if body.get("stream") else "message"
-            message = {"role": "assistant", "content": text} if first else {"content": text}
-            return {"index": i, body_key: message, **end}
-
-        def usage(metas: list) -> dict:
-            prompt = sum(map(len, input_ids))  # n > 1: a prompt counts once
-            done = sum(m["completion_tokens"] for m in metas)
-            return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
-
-        if not body.get("stream"):
-            outs = await collect(request, input_ids, [sp] * len(input_ids), **submit)
-            choices = [choice(i, o["text"], o["meta_info"], o["output_ids"], True)
-                       for i, o in enumerate(outs)]
-            metas = [o["meta_info"] for o in outs]
-            return {**head, "object": kind, "choices": choices, "usage": usage(metas)}
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-
-        async def events():
-            sent, finals = {}, {}  # per choice: the characters of text sent so far
-            async for i, chunk in outputs(request, input_ids, [sp] * len(input_ids), True, **submit):
-                meta, first = chunk["meta_info"], i not in sent
-                c = choice(i, chunk["text"], meta, chunk["output_ids"], first, sent.get(i, 0))
-                sent[i] = sent.get(i, 0) + len(c["text"] if not chat else c["delta"]["content"])
-                yield {**head, "object": kind + ("" if not chat else ".chunk"), "choices": [c]}
-                if meta["finish_reason"] is not None:
-                    finals[i] = meta
-            if include_usage:
-                yield {**head, "object": kind + ("" if not chat else ".chunk"), "choices": [],
-                       "usage": usage(list(finals.values()))}
-        return sse(await first_item(events()))
-
-    def openai_logprobs(body: dict, key: str, top_key: Optional[str]) -> tuple:
-        """Engine logprob arguments from OpenAI's fields: completions' logprobs (int: how many top), chat's
-        logprobs (bool) with top_logprobs (int)."""
-        k = body.get(top_key or key) or 0
-        if not 0 <= k <= MAX_TOP_LOGPROBS:
-            raise HTTPError(400, f"field {top_key or key!r}={k}: must be in [0, {MAX_TOP_LOGPROBS}]")
-        if top_key and body.get(top_key) is not None and not body.get(key):
-            raise HTTPError(400, f"field {top_key!r} needs {key!r}: true")
-        wanted = body.get(key) is not None and body.get(key) is not False
-        return wanted, k, 0 if wanted and body.get("echo") else -1
-
-    def check_max_tokens(body: dict, input_ids: list):
-        """An explicit max_tokens must fit the context with its prompt: SGLang's 400 (a default is capped)."""
-        m, C = body.get("max_tokens"), engine.context_len
-        for ids in input_ids if m is not None else ():
-            if len(ids) + m > C:
-                raise HTTPError(400, f"Requested token count exceeds the model's maximum context length "
-                                     f"of {C} tokens. You requested a total of {len(ids) + m} tokens: "
-                                     f"{len(ids)} tokens from the input messages and {m} tokens for the "
-                                     "completion. Please reduce the number of tokens in the input messages "
-                                     "or the completion to fit within the limit.")
-
-    def completion_prompts(prompt) -> list:
-        """OpenAI's prompt: a string, a list of strings, a list of token ids or a list of such lists; the
-        prompts, each a string or a list of ids in the vocabulary."""
-        V = engine.model_config.vocab_size
-        if isinstance(prompt, str):
-            return [prompt]
-        if prompt and all(isinstance(p, str) for p in prompt):
-            return prompt
-        many = prompt and all(isinstance(p, list) for p in prompt)
-        for ids in prompt if many else [prompt]:
-            if not ids or not all(_is_int(t) and 0 <= t < V for t in ids):
-                raise HTTPError(400, "field 'prompt' must be a string, a list of strings, a list of token "
-                                     f"ids in [0, {V}) or a list of such lists: {json.dumps(prompt)[:80]}")
-        return prompt if many else [prompt]
-
-    def completion_inputs(raw: bytes) -> tuple:
-        """/v1/completions' body -> (body, input_ids per prompt, sampling params, logprob arguments, echo
-        text per prompt)."""
-        fields = {**OPENAI_FIELDS, "prompt": (str, list), "logprobs": int, "echo": bool}
-        body = parse_body(raw, fields, ("prompt",))
-        prompts = completion_prompts(body["prompt"])
-        input_ids = [tokenize(p) if isinstance(p, str) else p for p in prompts]
-        check_max_tokens(body, input_ids)
-        echo = None  # the prompt's text before each choice's: as given, special tokens included
-        if body.get("echo"):
-            echo = [p if isinstance(p, str) else "" if engine.tokenizer is None
-                    else engine.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
-        return body, input_ids, openai_sampling(body, 16), openai_logprobs(body, "logprobs", None), echo
-
-    @route("/v1/completions")
-    async def completions(request):
-        body, input_ids, sp, logprob, echo = await prepared(request, completion_inputs)
-        return await openai_response(request, body, input_ids, sp, False, logprob, echo)
-
-    def chat_prompt(body: dict) -> str:
-        """The templated chat. continue_final_message: a last assistant message is continued, not closed
-        (its text follows the generation prompt, as SGLang has it)."""
-        messages = chat_messages(body["messages"])
-        if engine.tokenizer is None or not engine.tokenizer.chat_template:
-            raise HTTPError(400, "this checkpoint has no chat template: use /v1/completions")
-        extra = body.get("chat_template_kwargs") or {}
-        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(extra)
-        if reserved:
-            raise HTTPError(400, f"field 'chat_template_kwargs' may not set {sorted(reserved)}")
-        tail = ""
-        if body.get("continue_final_message") and messages[-1]["role"] == "assistant":
-            messages, tail = messages[:-1], messages[-1]["content"]
-        try:
-            return engine.tokenizer.apply_chat_template(messages, **extra) + tail
-        except Exception as e:  # the template's own error (roles that do not alternate), or its failure
-            raise HTTPError(400, f"the chat template refused these messages: {type(e).__name__}: {e}"
-                            ) from None
-
-    def chat_inputs(raw: bytes) -> tuple:
-        """/v1/chat/completions' body -> (body, input_ids of the templated chat, sampling params, logprob
-        arguments)."""
-        fields = {**OPENAI_FIELDS, "messages": list, "max_completion_tokens": int, "logprobs": bool,
-                  "top_logprobs": int, "continue_final_message": bool, "chat_template_kwargs": dict,
-                  "echo": bool}  # sglang-router sends echo false to chat too
-        body = parse_body(raw, fields, ("messages",))
-        if body.get("echo"):
-            raise HTTPError(400, "field 'echo'=true is not implemented for chat; only false is accepted")
-        if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
-            body["max_tokens"] = body["max_completion_tokens"]
-        input_ids = [tokenize(chat_prompt(body))]
-        check_max_tokens(body, input_ids)
-        return body, input_ids, openai_sampling(body, None), openai_logprobs(body, "logprobs", "top_logprobs")
-
-    @route("/v1/chat/completions")
-    async def chat_completions(request):
-        body, input_ids, sp, logprob = await prepared(request, chat_inputs)
-        return await openai_response(request, body, input_ids, sp, True, logprob)
-
+    def endpoint(path: str, handler: Callable):
+        async def answer(request):
+            if api_key is not None and path not in OPEN_PATHS:
+                check_api_key(request, api_key)  # first: a stranger's body is never read
+            out = await handler(request)
+            return out if isinstance(out, Response) else JSONResponse(out)
+        return answer
+    for path, method, handler in ROUTES:
+        app.add_route(path, endpoint(path, handler), methods=[method])
     return app
 
 
@@ -6191,7 +6670,7 @@ def head_timeout_protocol(seconds: float):
     connection would stay open for good): a connection that has not sent a whole head `seconds` after it
     opened, or after the first byte that follows a response, gets a 408 and is closed. The same clock
     bounds the rest of a body refused before its end, which uvicorn reads and drops. Bodies have their
-    deadline in build_app's read_body; idle keep-alive connections uvicorn's own timeout_keep_alive."""
+    deadline in read_body; idle keep-alive connections uvicorn's own timeout_keep_alive."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
