@@ -2190,6 +2190,10 @@ class ServerArgs:
     speculative_draft_model_path: Optional[str] = arg(
         None, "STANDALONE: the draft model (an HF directory or .gguf with the target's vocabulary)")
     # serving
+    tool_call_parser: Optional[str] = arg(
+        None, "how tool calls are written and read: qwen25 (or qwen: <tool_call>{...}</tool_call>, also how "
+              "tools are shown to a chat template without a tools section) or llama3 (Llama 3's JSON); none: "
+              "llama3 for a Llama chat template with tools, else qwen25", (None, "qwen25", "qwen", "llama3"))
     api_key: Optional[str] = arg(None, "the server answers 401 to a request without `Authorization: Bearer "
                                        "<this key>` (GET /health and /metrics stay open)", secret=True)
     # tensor parallelism: one scheduler per rank, in lockstep
@@ -2289,7 +2293,7 @@ SAMPLING_EPS = 1e-6  # a temperature below this samples greedily
 MAX_TOP_LOGPROBS = 20  # top_logprobs_num at most (OpenAI's top_logprobs limit)
 MAX_TOKEN_IDS_LOGPROB = 1024  # token_ids_logprob: ids at most
 SIBLING_SEED_STEP = 0x9E3779B97F4A7C15  # n > 1: sibling i samples with seed + i * this (mod 2**63)
-GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")  # SGLang's names for a constrained request's grammar
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")  # SGLang's names for a grammar
 
 
 def check_logprob_args(return_logprob, top_logprobs_num, logprob_start_len, token_ids_logprob=None,
@@ -2336,7 +2340,8 @@ class SamplingParams:
     n: int = 1                     # samples of the prompt, which is prefilled once
     json_schema: Optional[str] = None  # a JSON schema (a string) the output must follow, or
     regex: Optional[str] = None        # a regular expression it must match, or
-    ebnf: Optional[str] = None         # an EBNF grammar (xgrammar's dialect): at most one of the three
+    ebnf: Optional[str] = None         # an EBNF grammar (xgrammar's dialect), or
+    structural_tag: Optional[str] = None  # xgrammar's structural tag (JSON): at most one of the four
     stop_regex: list = field(default_factory=list)  # regular expressions (Python's re): a match stops it
     no_stop_trim: bool = False     # keep the matched stop string, regex match or stop token in the text
     skip_special_tokens: bool = True   # special tokens are left out of the text
@@ -4093,8 +4098,11 @@ class GrammarBackend:
                 return self.xgr.Grammar.from_json_schema(source, any_whitespace=self.any_whitespace)
             if kind == "regex":
                 return self.xgr.Grammar.from_regex(source)
+            if kind == "structural_tag":
+                json.loads(source)
+                return self.xgr.Grammar.from_structural_tag(source)
             return self.xgr.Grammar.from_ebnf(source)
-        except (RuntimeError, ValueError) as e:  # xgrammar raises RuntimeError with its parser's message
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's RuntimeError has its parser's words
             raise ValueError(f"sampling parameter {kind}: not a valid {kind.replace('_', ' ')}: "
                              f"{str(e).splitlines()[-1][:300]}") from None
 
@@ -5401,7 +5409,7 @@ CLI_GROUPS = {
     "speculative decoding": ("speculative_algorithm", "speculative_num_draft_tokens",
                              "speculative_ngram_min_match_window_size",
                              "speculative_ngram_max_match_window_size", "speculative_draft_model_path"),
-    "serving": ("api_key",),
+    "serving": ("api_key", "tool_call_parser"),
     "tensor parallelism": ("tp_size", "nnodes", "node_rank", "dist_init_addr", "dist_timeout"),
     "debugging": ("debug_future_map", "debug_ledger", "worker_jitter_ms", "debug_tp_plan"),
 }
@@ -5915,13 +5923,20 @@ def check_input_ids(ids: list, field: str = "input_ids") -> bool:
 def chat_messages(messages: list) -> list:
     """OpenAI's messages with each content as one string: a list of content parts is joined, its text
     parts with a space between (as SGLang joins them for a template that reads strings; OpenAI names no
-    separator); any other part type (an image, audio) is a 400 naming the type."""
+    separator); any other part type (an image, audio) is a 400 naming the type. An assistant's message
+    with tool_calls may have no content; a tool's names the call it answers (tool_call_id)."""
     shape = "messages must be a non-empty list of {'role': str, 'content': str or a list of text parts}"
     if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
         raise HTTPError(400, shape)
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         content = m.get("content")
+        if m["role"] == "assistant" and m.get("tool_calls") is not None:
+            check_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+            if content is None:
+                content = ""
+        if m["role"] == "tool" and not isinstance(m.get("tool_call_id", ""), str):
+            raise HTTPError(400, f"messages[{i}].tool_call_id must be a string")
         if isinstance(content, list) and all(isinstance(part, dict) for part in content):
             for part in content:
                 if part.get("type") != "text":
@@ -5934,6 +5949,17 @@ def chat_messages(messages: list) -> list:
             raise HTTPError(400, shape)
         out.append({**m, "content": content})
     return out
+
+
+def check_tool_calls(calls, where: str):
+    """An assistant message's tool_calls, as OpenAI returns them."""
+    ok = isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict)
+        and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments", ""), (str, dict)) for c in calls)
+    if not ok:
+        raise HTTPError(400, f"{where} must be a list of {{'id': ..., 'type': 'function', 'function': "
+                             "{'name': str, 'arguments': str}}")
 
 
 def parse_body(raw: bytes, fields: dict, required: tuple) -> dict:
@@ -5986,6 +6012,407 @@ def response_format_grammar(fmt: Optional[dict]) -> dict:
         raise HTTPError(400, "response_format must be {'type': 'text'}, {'type': 'json_object'} or "
                              "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}")
     return {"json_schema": json.dumps(spec["schema"])}
+
+
+# -- tool calling: OpenAI's tools shown to the model, its calls constrained and read back --
+#
+# A chat template with a tools section (Qwen2.5/3, Llama 3.1+, ...) gets the tools as transformers passes
+# them; one without gets them in a system message, written in the format the parser reads. The reply's
+# text is split into content and calls by ToolCallParser, the same code streamed or not, so the streamed
+# deltas add up to the whole message. tool_choice "required" or a named function is decoded under a
+# structural tag (xgrammar): the calls are well-formed, their arguments valid for their schemas.
+
+TOOL_FORMATS = {"qwen25": "qwen25", "qwen": "qwen25", "llama3": "llama3"}  # SGLang's parser names
+TOOL_CALL_START = "<tool_call>"  # qwen25's markers around each call's JSON
+TOOL_CALL_END = "</tool_call>"
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's rule for a function's name
+
+
+@dataclass
+class ToolChoice:
+    """A chat request's tools, checked: the function definitions, what tool_choice asks (none, auto,
+    required, or one name), whether calls may come several at once, and the calls' format."""
+    functions: list               # each {"name", "description", "parameters", "strict"}
+    choice: str                   # none | auto | required | named
+    name: Optional[str]           # the named function
+    parallel: bool
+    fmt: str                      # qwen25 | llama3
+
+    def constraint(self, any_whitespace: bool) -> Optional[str]:
+        """The structural tag that decodes the calls (required, named, or auto with a strict function),
+        or None: each call's opening words and name are fixed, its arguments follow its schema."""
+        if self.choice in ("none", "auto") and not (self.choice == "auto" and any(
+                f["strict"] for f in self.functions)):
+            return None
+        wanted = [f for f in self.functions if self.choice != "named" or f["name"] == self.name]
+        tags = [self.tag(f, any_whitespace) for f in wanted]
+        if self.choice == "auto":
+            trigger = TOOL_CALL_START if self.fmt == "qwen25" else "{"
+            fmt = {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "at_least_one": False,
+                   "stop_after_first": not self.parallel}
+        else:
+            separator = "\n" if self.fmt == "qwen25" else "; "
+            fmt = {"type": "tags_with_separator", "tags": tags, "separator": separator, "at_least_one": True,
+                   "stop_after_first": not self.parallel or self.choice == "named"}
+        return json.dumps({"type": "structural_tag", "format": fmt})
+
+    def tag(self, f: dict, any_whitespace: bool) -> dict:
+        import xgrammar as xgr
+        schema = f["parameters"] or {"type": "object"}
+        args = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=any_whitespace))
+        name = json.dumps(f["name"])
+        if self.fmt == "qwen25":
+            begin, end = f'{TOOL_CALL_START}\n{{"name": {name}, "arguments": ', f"}}\n{TOOL_CALL_END}"
+        else:
+            begin, end = f'{{"name": {name}, "parameters": ', "}"
+        return {"type": "tag", "begin": begin, "content": {"type": "grammar", "grammar": args}, "end": end}
+
+
+def check_tools(body: dict, parser: Optional[str], template: str, family: str) -> Optional[ToolChoice]:
+    """The tools of a chat body, each field checked (a 400 names it); None when none are given or
+    tool_choice is none. parser: --tool-call-parser; else llama3 for a Llama template that has a tools
+    section, qwen25 otherwise."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    functions = []
+    for i, t in enumerate(tools or []):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise HTTPError(400, f"{where} must be {{'type': 'function', 'function': {{'name': ..., ...}}}}")
+        fn = t["function"]
+        name, params = fn.get("name"), fn.get("parameters")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise HTTPError(400, f"{where}.function.name={name!r:.80} must be 1 to 64 of a-z, A-Z, 0-9, _, "
+                                 ". or -")
+        if params is not None and not (isinstance(params, dict) and params.get("type", "object") == "object"):
+            raise HTTPError(400, f"{where}.function.parameters must be a JSON schema of an object "
+                                 f"({{'type': 'object', 'properties': ...}}), got {json.dumps(params)[:80]}")
+        if params is not None:
+            try:
+                import xgrammar as xgr
+                xgr.Grammar.from_json_schema(json.dumps(params))
+            except (RuntimeError, ValueError, TypeError) as e:
+                raise HTTPError(400, f"{where}.function.parameters is not a JSON schema xgrammar reads: "
+                                     f"{str(e).splitlines()[-1][:200]}") from None
+        if not isinstance(fn.get("description", ""), str) or not isinstance(fn.get("strict", False), bool):
+            raise HTTPError(400, f"{where}.function: description must be a string and strict a bool")
+        functions.append({"name": name, "description": fn.get("description"), "parameters": params,
+                          "strict": bool(fn.get("strict"))})
+    if len({f["name"] for f in functions}) < len(functions):
+        raise HTTPError(400, "tools: two functions have the same name")
+    name = None
+    if isinstance(choice, dict):
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if name not in {f["name"] for f in functions}:
+            raise HTTPError(400, f"tool_choice.function.name={name!r:.80} is not among the tools' names")
+        choice = "named"
+    elif choice is None:
+        choice = "auto" if functions else "none"
+    elif choice not in ("none", "auto", "required"):
+        raise HTTPError(400, f"tool_choice={choice!r:.80} must be 'none', 'auto', 'required' or "
+                             "{'type': 'function', 'function': {'name': ...}}")
+    if choice != "none" and not functions:
+        raise HTTPError(400, f"tool_choice={choice!r} needs tools")
+    if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
+        raise HTTPError(400, "parallel_tool_calls must be a bool")
+    if choice == "none":
+        return None
+    fmt = TOOL_FORMATS[parser] if parser else "qwen25"
+    if not parser and "tools" in template and family == "llama":
+        fmt = "llama3"
+    return ToolChoice(functions, choice, name, body.get("parallel_tool_calls") is not False, fmt)
+
+
+def tools_system_text(tools: ToolChoice) -> str:
+    """The tools as a system message tells them to a chat template without a tools section."""
+    if tools.fmt == "qwen25":
+        how = (f'write each call on its own lines as\n{TOOL_CALL_START}\n{{"name": "<function name>", '
+               f'"arguments": {{<the arguments as JSON>}}}}\n{TOOL_CALL_END}')
+    else:
+        how = 'answer with the call alone, as JSON: {"name": "<function name>", "parameters": {<arguments>}}'
+    listing = "\n".join(json.dumps(function_definition(f)) for f in tools.functions)
+    return (f"These functions can be called. Each line below is one, its arguments given as a JSON "
+            f"schema:\n{listing}\nTo call a function, {how}.")
+
+
+def tool_messages(messages: list, tools: Optional[ToolChoice], template: str) -> tuple[list, dict]:
+    """The chat's messages for the template, and the template's extra arguments. A template with a tools
+    section gets `tools` (OpenAI's definitions) and the assistants' calls with their arguments as dicts,
+    as transformers hands them; one without gets the tools in a system message and earlier calls as the
+    text the model would have written."""
+    with_section = "tools" in template
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if m["role"] == "assistant" else None
+        if calls:
+            calls = [{**c, "function": {**c["function"], "arguments": parsed_arguments(c["function"])}}
+                     for c in calls]
+            if with_section:
+                m = {**m, "content": m["content"] or "", "tool_calls": calls}
+            else:
+                fmt = tools.fmt if tools else "qwen25"
+                text = "\n".join(tool_call_text(c["function"], fmt) for c in calls)
+                m = {k: v for k, v in m.items() if k != "tool_calls"}
+                m["content"] = ((m["content"] or "") + "\n" + text).lstrip("\n")
+        out.append(m)
+    if tools is None:
+        return out, {}
+    if with_section:
+        definitions = [{"type": "function", "function": function_definition(f)} for f in tools.functions]
+        return out, {"tools": definitions}
+    text = tools_system_text(tools)
+    if out and out[0]["role"] == "system":
+        return [{**out[0], "content": out[0]["content"] + "\n\n" + text}] + out[1:], {}
+    return [{"role": "system", "content": text}] + out, {}
+
+
+def function_definition(f: dict) -> dict:
+    """A function's name, description and parameters, as a template or a system message shows them."""
+    return {k: f[k] for k in ("name", "description", "parameters") if f[k] is not None}
+
+
+def parsed_arguments(fn: dict):
+    """A call's arguments as a dict where they are a JSON object (templates print them), else as given."""
+    args = fn.get("arguments")
+    try:
+        value = json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        return args
+    return value if isinstance(value, dict) else args
+
+
+def tool_call_text(fn: dict, fmt: str) -> str:
+    args = json.dumps(fn["arguments"]) if not isinstance(fn["arguments"], str) else fn["arguments"]
+    if fmt == "qwen25":
+        name = json.dumps(fn["name"])
+        return f'{TOOL_CALL_START}\n{{"name": {name}, "arguments": {args}}}\n{TOOL_CALL_END}'
+    return f'{{"name": {json.dumps(fn["name"])}, "parameters": {args}}}'
+
+
+class ToolCallParser:
+    """Splits a reply's text, fed as it grows, into content and tool calls: ("content", text), ("call",
+    index, name) and ("arguments", index, text) events, a call's arguments as they are written. qwen25:
+    a call is <tool_call>{"name": ..., "arguments": {...}}</tool_call> anywhere in the text. llama3: a
+    reply that starts with { (or <|python_tag|>) is calls {"name": ..., "parameters": {...}}, ';' between
+    them. A call whose name is not a tool's, or that does not read as one, stays content."""
+
+    HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+    HEAD_MAX = 200  # characters after a call's opening that must read as its head
+
+    def __init__(self, fmt: str, names: list):
+        self.fmt = fmt
+        self.names = set(names)
+        self.text = ""
+        self.pos = 0           # text before pos is settled: sent as content, or a call's
+        self.state = "start" if fmt == "llama3" else "text"
+        self.block = 0         # in a call's head: where its JSON may begin
+        self.args = 0          # in a call's arguments: where they begin
+        self.calls = 0
+
+    def feed(self, text: str) -> list:
+        self.text += text
+        events = []
+        while self.step(events):
+            pass
+        return events
+
+    def finish(self) -> list:
+        """The events of the reply's end: text held back is content, unless it only closes a call."""
+        events = self.feed("")
+        rest = self.text[self.pos:]
+        settled = self.state == "arguments" or self.calls and not rest.strip()
+        if rest and not settled and not (self.state == "after" and self.closes(rest)):
+            events.append(("content", rest))
+        self.pos = len(self.text)
+        return events
+
+    def closes(self, rest: str) -> bool:
+        """Whether rest, after a call's arguments, is no more than (a start of) what closes the call."""
+        r = rest.strip()
+        if r.startswith("}"):
+            r = r[1:].lstrip()
+        elif r:
+            return False
+        return r in ("", ";") if self.fmt == "llama3" else TOOL_CALL_END.startswith(r)
+
+    def content(self, events: list, end: int):
+        if end > self.pos:
+            events.append(("content", self.text[self.pos:end]))
+            self.pos = end
+
+    def step(self, events: list) -> bool:
+        """One move of the state machine; False when it needs more text."""
+        t = self.text
+        if self.state == "start":  # llama3: calls only if the reply opens with one
+            head = t.lstrip()
+            if not head or "<|python_tag|>".startswith(head):
+                return False
+            tag = len("<|python_tag|>") if head.startswith("<|python_tag|>") else 0
+            self.state = "head" if tag or head.startswith("{") else "content"
+            self.block = len(t) - len(head) + tag
+            return True
+        if self.state == "content":  # llama3, a reply that is not calls: all of it is content
+            self.content(events, len(t))
+            return False
+        if self.state == "text":  # qwen25: content up to the next marker
+            i = t.find(TOOL_CALL_START, self.pos)
+            end = i if i >= 0 else len(t) - held_back(t[self.pos:], TOOL_CALL_START)
+            if self.calls and not t[self.pos:end].strip():  # whitespace between calls is not content
+                if i < 0:
+                    return False
+                self.pos = i
+            self.content(events, end)
+            if i < 0:
+                return False
+            self.state = "head"
+            self.block = i + len(TOOL_CALL_START)
+            return True
+        if self.state == "head":
+            return self.read_head(events)
+        if self.state == "arguments":
+            end = json_value_end(t, self.args)
+            stop = len(t) if end is None else end
+            if stop > self.pos:
+                events.append(("arguments", self.calls, t[self.pos:stop]))
+                self.pos = stop
+            if end is None:
+                return False
+            self.calls += 1
+            self.state = "after"
+            return True
+        if self.state == "after":
+            return self.read_close()
+        return False
+
+    def read_head(self, events: list) -> bool:
+        """A call's opening up to its arguments: a tool's name starts the call; anything else, once it
+        cannot be one, is content (qwen25: up to the block's end marker)."""
+        t = self.text
+        m = self.HEAD.match(t, self.block)
+        if m is not None and m.end() < len(t) and json.loads(f'"{m.group(1)}"') in self.names:
+            events.append(("call", self.calls, json.loads(f'"{m.group(1)}"')))
+            self.state = "arguments"
+            self.pos = m.end()
+            self.args = m.end()
+            return True
+        if self.fmt == "llama3":
+            if m is not None and m.end() < len(t) or len(t) - self.block > self.HEAD_MAX:
+                self.state = "content"  # not a tool's call: the reply is content
+                return True
+            return False
+        end = t.find(TOOL_CALL_END, self.block)
+        if (m is not None and m.end() < len(t)) or end >= 0 or len(t) - self.block > self.HEAD_MAX:
+            if end < 0:
+                return False  # not a call: content once the block ends
+            self.content(events, end + len(TOOL_CALL_END))
+            self.state = "text"
+            return True
+        return False
+
+    def read_close(self) -> bool:
+        """After a call's arguments: its closing }, then qwen25's end marker, or llama3's ';' and the next
+        call. Text that does not close it is content."""
+        t = self.text
+        m = re.match(r"\s*\}", t[self.pos:])
+        if m is None:
+            if t[self.pos:].strip():
+                self.state = "text" if self.fmt == "qwen25" else "content"
+                return True
+            return False
+        after = t[self.pos + m.end():]
+        rest = after.lstrip()
+        if self.fmt == "qwen25":
+            if rest.startswith(TOOL_CALL_END):
+                self.pos += m.end() + len(after) - len(rest) + len(TOOL_CALL_END)
+                self.state = "text"
+                return True
+            if TOOL_CALL_END.startswith(rest):
+                return False
+            self.pos += m.end()
+            self.state = "text"
+            return True
+        if rest.startswith(";"):
+            rest = rest[1:].lstrip()
+        if not rest:
+            return False
+        self.pos = len(t) - len(rest)
+        self.state = "head" if rest.startswith("{") else "content"
+        self.block = self.pos
+        return True
+
+
+def held_back(text: str, marker: str) -> int:
+    """How many characters at text's end could begin `marker` (so are not content yet)."""
+    return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1) if marker.startswith(text[-n:])), 0)
+
+
+def json_value_end(text: str, start: int) -> Optional[int]:
+    """Where the JSON value that starts at text[start] ends (an object or array by its brackets, strings
+    minded; a bare value at the next , } or ]), or None if it has not ended yet."""
+    depth = 0
+    in_string = False
+    escaped = False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+                if depth == 0:
+                    return i + 1
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]" and depth > 0:
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        elif depth == 0 and c in ",}]":
+            return i
+    return None
+
+
+class ToolCalls:
+    """One choice's reply read through ToolCallParser: the content and the calls (OpenAI's shape, each
+    with an id), and each chunk's delta as it streams."""
+
+    def __init__(self, tools: ToolChoice):
+        self.parser = ToolCallParser(tools.fmt, [f["name"] for f in tools.functions])
+        self.content = ""
+        self.calls: list = []  # OpenAI's tool_calls
+
+    def delta(self, text: str, final: bool) -> dict:
+        """The delta of `text`, the reply's next piece: {"content": ...} and/or {"tool_calls": [...]}
+        (a call's first entry names it and gives it an id; its arguments follow in pieces)."""
+        events = self.parser.feed(text) + (self.parser.finish() if final else [])
+        content, entries = "", []
+        for kind, *rest in events:
+            if kind == "content":
+                content += rest[0]
+            elif kind == "call":
+                self.calls.append({"id": f"call_{os.urandom(12).hex()}", "type": "function",
+                                   "function": {"name": rest[1], "arguments": ""}})
+                entries.append({"index": rest[0], "id": self.calls[-1]["id"], "type": "function",
+                                "function": {"name": rest[1], "arguments": ""}})
+            else:
+                self.calls[rest[0]]["function"]["arguments"] += rest[1]
+                entries.append({"index": rest[0], "function": {"arguments": rest[1]}})
+        self.content += content
+        out = {"content": content} if content or not entries else {}
+        if entries:
+            out["tool_calls"] = entries
+        return out
+
+    def message(self) -> dict:
+        """The whole reply: content (None if there is none but calls) and tool_calls."""
+        message = {"role": "assistant", "content": self.content if self.content or not self.calls else None}
+        if self.calls:
+            message["tool_calls"] = self.calls
+        return message
 
 
 class Served:
@@ -6431,6 +6858,7 @@ class OpenAIReply:
     chat: bool
     logprob: tuple
     echo: Optional[list] = None
+    tools: Optional[ToolChoice] = None  # a chat with tools: its replies are read for calls
 
     def __post_init__(self):
         self.n = self.sp.get("n", 1)
@@ -6441,6 +6869,7 @@ class OpenAIReply:
         rids = request_ids(self.body.get("rid"), len(self.input_ids))
         log = self.body.get("log_metrics") is not False
         self.submit = {"logprob": self.logprob, "rids": rids, "log": log}
+        self.calls: dict = {}  # choice -> its ToolCalls, with tools
 
     def choice(self, i: int, text: str, meta: dict, new_ids: list, first: bool, offset: int = 0) -> dict:
         """Choice i with its new text (from `offset` in the choice's text); its logprobs those of the last
@@ -6461,9 +6890,18 @@ class OpenAIReply:
         end = {"logprobs": lps, "finish_reason": finish_reason(meta), "matched_stop": matched_stop(meta)}
         if not self.chat:
             return {"index": i, "text": echoed + text, **end}
-        key = "delta" if self.body.get("stream") else "message"
-        message = {"role": "assistant", "content": text} if first else {"content": text}
-        return {"index": i, key: message, **end}
+        stream = self.body.get("stream")
+        message = {"content": text}
+        if self.tools is not None:  # the reply's text read as content and calls
+            calls = self.calls.setdefault(i, ToolCalls(self.tools))
+            message = calls.delta(text, end["finish_reason"] is not None)
+            if not stream:
+                message = calls.message()
+            if calls.calls and end["finish_reason"] == "stop":
+                end["finish_reason"] = "tool_calls"
+        if first:
+            message = {"role": "assistant", **message}
+        return {"index": i, "delta" if stream else "message": message, **end}
 
     def usage(self, metas: list) -> dict:
         prompt = sum(map(len, self.input_ids))  # n > 1: a prompt counts once
@@ -6486,7 +6924,7 @@ class OpenAIReply:
                                       **self.submit):
             meta = chunk["meta_info"]
             c = self.choice(i, chunk["text"], meta, chunk["output_ids"], i not in sent, sent.get(i, 0))
-            sent[i] = sent.get(i, 0) + len(c["text"] if not self.chat else c["delta"]["content"])
+            sent[i] = sent.get(i, 0) + len(c["text"] if not self.chat else c["delta"].get("content") or "")
             yield {**self.head, "object": kind, "choices": [c]}
             if meta["finish_reason"] is not None:
                 finals[i] = meta
@@ -6562,14 +7000,22 @@ async def completions(request):
     return await reply.response(request)
 
 
+def chat_tools(srv: Served, body: dict) -> Optional[ToolChoice]:
+    """The chat's tools, checked, in the format this model's calls are read in (check_tools)."""
+    template = srv.engine.tokenizer.chat_template if srv.engine.tokenizer is not None else ""
+    family = architecture(srv.engine).removesuffix("ForCausalLM").lower()
+    return check_tools(body, srv.engine.server_args.tool_call_parser, template or "", family)
+
+
 def chat_prompt(srv: Served, body: dict) -> str:
-    """The templated chat. continue_final_message: a last assistant message is continued, not closed
-    (its text follows the generation prompt, as SGLang has it)."""
+    """The templated chat, with its tools (tool_messages). continue_final_message: a last assistant message
+    is continued, not closed (its text follows the generation prompt, as SGLang has it)."""
     messages = chat_messages(body["messages"])
     tokenizer = srv.engine.tokenizer
     if tokenizer is None or not tokenizer.chat_template:
         raise HTTPError(400, "this checkpoint has no chat template: use /v1/completions")
-    extra = body.get("chat_template_kwargs") or {}
+    messages, extra = tool_messages(messages, chat_tools(srv, body), tokenizer.chat_template)
+    extra = {**extra, **(body.get("chat_template_kwargs") or {})}
     reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(extra)
     if reserved:
         raise HTTPError(400, f"field 'chat_template_kwargs' may not set {sorted(reserved)}")
@@ -6588,10 +7034,11 @@ def chat_inputs(srv: Served, raw: bytes) -> OpenAIReply:
     logprob arguments."""
     fields = {**OPENAI_FIELDS, "messages": list, "max_completion_tokens": int, "logprobs": bool,
               "top_logprobs": int, "continue_final_message": bool, "chat_template_kwargs": dict,
-              "echo": bool}  # sglang-router sends echo false to chat too
-    body = parse_body(raw, fields, ("messages",))
+              "echo": bool, "tools": list, "tool_choice": (str, dict), "parallel_tool_calls": bool}
+    body = parse_body(raw, fields, ("messages",))  # (sglang-router sends echo false to chat too)
     if body.get("echo"):
         raise HTTPError(400, "field 'echo'=true is not implemented for chat; only false is accepted")
+    tools = chat_tools(srv, body)
     input_ids = [tokenize(srv, chat_prompt(srv, body))]
     m = body.get("max_completion_tokens")
     if m is not None and len(input_ids[0]) + m > srv.engine.context_len:  # SGLang's words for it
@@ -6602,8 +7049,18 @@ def chat_inputs(srv: Served, raw: bytes) -> OpenAIReply:
     if body.get("max_tokens") is None and m is not None:
         body["max_tokens"] = m
     check_max_tokens(srv, body, input_ids)
-    return OpenAIReply(srv, body, input_ids, openai_sampling(body, None), True,
-                       openai_logprobs(body, "logprobs", "top_logprobs"))
+    sp = openai_sampling(body, None)
+    constraint = None if tools is None else tools.constraint(
+        not srv.engine.server_args.constrained_json_disable_any_whitespace)
+    if constraint is not None:  # the calls' grammar
+        given = [k for k in GRAMMAR_KINDS if k in sp]
+        if given:
+            choice = body.get("tool_choice", "auto")
+            raise HTTPError(400, f"tool_choice={choice!r} constrains the reply to tool calls: it cannot also "
+                                 f"follow {given[0]} (response_format)")
+        sp["structural_tag"] = constraint
+    return OpenAIReply(srv, body, input_ids, sp, True, openai_logprobs(body, "logprobs", "top_logprobs"),
+                       tools=tools)
 
 
 async def chat_completions(request):

@@ -5633,8 +5633,8 @@ def test_server_accepts_sglang_fields_at_their_defaults_and_names_the_rest(serve
             status, err = http_call(server, "POST", path, {**body, key: value})
             assert status == 400 and f"'{key}'" in err["error"]["message"] and "not implemented" in \
                 err["error"]["message"], (path, key, err)
-    status, err = http_call(server, "POST", "/v1/chat/completions", {"messages": messages, "tools": [{}]})
-    assert status == 400 and "'tools'" in err["error"]["message"]
+    status, err = http_call(server, "POST", "/v1/completions", {"prompt": "hi", "tools": [WEATHER]})
+    assert status == 400 and "'tools'" in err["error"]["message"]  # tools are chat's
     wait_idle_and_check(server)
 
 
@@ -5899,6 +5899,246 @@ def test_server_tokenize_detokenize_and_loads(served):
     assert entry["dp_rank"] == 0 and entry["max_total_num_tokens"] == 2048
     assert entry["num_running_reqs"] == entry["num_waiting_reqs"] == entry["num_used_tokens"] == 0
     wait_idle_and_check(server)
+
+
+# Tool calling: tiny Qwen2- and Llama-format checkpoints whose chat templates have a tools section (each
+# family's calls in its own format), the openai client on the default model, and the parser on its own.
+
+TOOL_TEMPLATES = {  # family: a chat template with a tools section, writing earlier calls as the model does
+    "qwen2": "{% if tools %}[tools]{% for t in tools %}{{ t.function | tojson }}{% endfor %}{% endif %}"
+             "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% for c in m.tool_calls or [] %}"
+             '<tool_call>{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
+             "</tool_call>{% endfor %}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}",
+    "llama": "{% if tools %}[tools]{% for t in tools %}{{ t.function | tojson }}{% endfor %}{% endif %}"
+             "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% for c in m.tool_calls or [] %}"
+             '{"name": "{{ c.function.name }}", "parameters": {{ c.function.arguments | tojson }}}'
+             "{% endfor %}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}",
+}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "required": ["city", "metric"],
+                   "properties": {"city": {"enum": ["Paris", "Rome"]}, "metric": {"type": "boolean"}}}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"]}}}
+
+
+def valid_call(call: dict) -> bool:
+    """Whether a tool call names WEATHER or CLOCK and its arguments are JSON valid for that schema."""
+    args = json.loads(call["function"]["arguments"])
+    if call["function"]["name"] == "get_weather":
+        return set(args) == {"city", "metric"} and args["city"] in ("Paris", "Rome") and \
+            isinstance(args["metric"], bool)
+    return call["function"]["name"] == "get_time" and args == {"zone": args.get("zone")} and \
+        args["zone"] in ("UTC", "CET")
+
+
+@pytest.fixture(scope="module", params=list(TOOL_TEMPLATES))
+def tool_servers(request, tmp_path_factory):
+    """(family, {loop: a server}) on a tiny byte-level checkpoint of that family with its tools template."""
+    from safetensors.torch import save_file
+    pytest.importorskip("fastapi")
+    path = oe.write_random_checkpoint(str(tmp_path_factory.mktemp("tools")), seed=5)
+    if request.param == "qwen2":  # q, k and v get biases: Qwen2's layout
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = {**json.load(f), "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        save_file(oe.random_state_dict(cfg, 5), os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+        f.write(TOOL_TEMPLATES[request.param])
+    servers = {loop: oe.Server(make_engine(path, loop), port=0).start() for loop in LOOPS}
+    yield request.param, servers
+    for server in servers.values():
+        server.stop()
+
+
+def without_ids(reply: dict) -> dict:
+    """A chat reply without what differs between two runs of it: its id, times and calls' ids."""
+    choices = [{**c, "message": {**c["message"], "tool_calls": [
+        {k: v for k, v in call.items() if k != "id"} for call in c["message"].get("tool_calls") or []]}}
+        for c in reply["choices"]]
+    return {"choices": choices, "usage": reply["usage"]}
+
+
+def streamed_message(events: list) -> dict:
+    """The message a client puts together from a chat stream's deltas (OpenAI's rule: by index)."""
+    content, calls, finish = "", {}, None
+    for event in events:
+        for c in event["choices"]:
+            delta = c["delta"]
+            content += delta.get("content") or ""
+            for entry in delta.get("tool_calls") or []:
+                call = calls.setdefault(entry["index"], {"id": entry.get("id"), "type": "function",
+                                                         "function": {"name": "", "arguments": ""}})
+                call["function"]["name"] += entry["function"].get("name") or ""
+                call["function"]["arguments"] += entry["function"].get("arguments") or ""
+            finish = c["finish_reason"] or finish
+    return {"content": content or None, "tool_calls": [calls[i] for i in sorted(calls)], "finish": finish}
+
+
+def test_tool_calls_forced_are_valid_exact_under_overlap_and_stream_alike(tool_servers):
+    """tool_choice required or a named function, greedy and seeded: each reply is one call of a tool
+    (the named one), its arguments valid JSON for the tool's schema, finish_reason tool_calls, whatever
+    the random model would write; the overlap loop's reply is the serial loop's; streamed, the deltas
+    (the name first, the arguments in pieces) put together the same message."""
+    family, servers = tool_servers
+    messages = [{"role": "user", "content": "Weather and time, please."}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 11}):
+            body = {"messages": messages, "tools": [WEATHER, CLOCK], "tool_choice": choice,
+                    "parallel_tool_calls": False, "max_tokens": 120, **sampling}
+            replies = {loop: http_call(server, "POST", "/v1/chat/completions", body)
+                       for loop, server in servers.items()}
+            assert replies["overlap"][0] == 200, replies["overlap"]
+            assert without_ids(replies["overlap"][1]) == without_ids(replies["serial"][1])
+            c = replies["overlap"][1]["choices"][0]
+            calls = c["message"]["tool_calls"]
+            assert c["finish_reason"] == "tool_calls" and len(calls) == 1 and valid_call(calls[0]), c
+            assert choice == "required" or calls[0]["function"]["name"] == "get_time"
+            streamed = streamed_message(sse_events(servers["overlap"], "/v1/chat/completions",
+                                                   {**body, "stream": True}))
+            assert streamed["finish"] == "tool_calls" and streamed["content"] == c["message"]["content"]
+            assert [x["function"] for x in streamed["tool_calls"]] == [x["function"] for x in calls]
+    for server in servers.values():
+        wait_idle_and_check(server)
+
+
+def test_tool_messages_reach_the_template_and_a_follow_up_is_served(tool_servers):
+    """The tools reach the template's tools section; an assistant's calls (content null) and the tool's
+    answer (tool_call_id) are rendered in the family's own call format, and the reply to them is served.
+    tool_choice none renders no tools."""
+    family, servers = tool_servers
+    server = servers["overlap"]
+    messages = [{"role": "user", "content": "hi"}]
+    plain = http_call(server, "POST", "/v1/tokenize", {"messages": messages})[1]["tokens"]
+    none = http_call(server, "POST", "/v1/tokenize", {"messages": messages, "tools": [WEATHER],
+                                                       "tool_choice": "none"})[1]["tokens"]
+    shown = http_call(server, "POST", "/v1/tokenize", {"messages": messages,
+                                                       "tools": [WEATHER]})[1]["tokens"]
+    tok = server.scheduler.engine.tokenizer
+    assert none == plain and tok.decode(shown).startswith('[tools]{"name": "get_weather"')
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Rome", "metric": true}'}}
+    history = messages + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                          {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    text = tok.decode(http_call(server, "POST", "/v1/tokenize", {"messages": history})[1]["tokens"])
+    args = '{"city": "Rome", "metric": true}'
+    written = (f'<tool_call>{{"name": "get_weather", "arguments": {args}}}</tool_call>' if family == "qwen2"
+               else f'{{"name": "get_weather", "parameters": {args}}}')
+    assert f"[assistant]{written}[tool]sunny[assistant]" in text
+    status, reply = http_call(server, "POST", "/v1/chat/completions", {
+        "messages": history, "tools": [WEATHER], "max_tokens": 8, "temperature": 0})
+    assert status == 200 and reply["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+    wait_idle_and_check(server)
+
+
+BAD_TOOLS = [  # (body fields, what the 400 must name)
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER]}, "same name"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "x"}]}]},
+     "messages[0].tool_calls"),
+]
+
+
+@pytest.mark.parametrize("fields, named", BAD_TOOLS, ids=lambda x: str(x)[:40])
+def test_bad_tools_are_400s_naming_the_field(served, fields, named):
+    server, _ = served
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
+    status, err = http_call(server, "POST", "/v1/chat/completions", body)
+    assert status == 400 and named in err["error"]["message"], err
+
+
+def test_a_template_without_tools_gets_them_in_a_system_message(served):
+    """The tiny chat template has no tools section: the tools come as a system message in the qwen25
+    format the reply is read in, tool_choice none leaves the prompt as it was, and an earlier call is
+    written into the assistant's turn."""
+    server, offline = served
+    messages = [{"role": "user", "content": "hi"}]
+    plain = http_call(server, "POST", "/v1/tokenize", {"messages": messages})[1]["tokens"]
+    assert http_call(server, "POST", "/v1/tokenize", {"messages": messages, "tools": [WEATHER],
+                                                       "tool_choice": "none"})[1]["tokens"] == plain
+    text = offline.tokenizer.decode(http_call(server, "POST", "/v1/tokenize", {
+        "messages": messages, "tools": [WEATHER]})[1]["tokens"])
+    assert text.startswith("[system]These functions can be called.") and '"name": "get_weather"' in text
+    assert "<tool_call>" in text and text.endswith("[user]hi[assistant]")
+
+
+@pytest.mark.parametrize("fmt", ["qwen25", "llama3"])
+def test_tool_call_parser_round_trips_calls_and_text_in_any_pieces(fmt):
+    """Replies made of calls (one, several, with text before, between and after them in qwen25; several
+    separated by ';' in llama3), fed whole or in random pieces: the calls come back as written, the text
+    around them as content, and the streamed deltas add up to the whole message. A block naming no tool,
+    or that is not JSON, stays text."""
+    rng = random.Random(21)
+    tools = oe.ToolChoice([{"name": n, "description": None, "parameters": None, "strict": False}
+                           for n in ("get_weather", "get_time")], "auto", None, True, fmt)
+    for trial in range(40):
+        calls = [(rng.choice(["get_weather", "get_time"]), json.dumps(
+            {"city": rng.choice(["Paris", 'a "quoted" }{ name']), "n": [rng.randint(0, 9), {"x": None}]}))
+            for _ in range(rng.randint(1, 3))]
+        written = [oe.tool_call_text({"name": n, "arguments": a}, fmt) for n, a in calls]
+        if fmt == "qwen25":
+            before, after = rng.choice(["", "Let me look.\n"]), rng.choice(["", "\nDone <tool"])
+            text = before + "\n".join(written) + after
+            content = (before + after) or None
+        else:
+            text, content = rng.choice(["", " ", "<|python_tag|>"]) + "; ".join(written), None
+        whole = oe.ToolCalls(tools)
+        whole.delta(text, True)
+        message = whole.message()
+        assert message["content"] == content, (text, message)
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == calls
+        pieces, i = oe.ToolCalls(tools), 0
+        deltas = []
+        while i < len(text):
+            n = rng.randint(1, 7)
+            deltas.append(pieces.delta(text[i:i + n], i + n >= len(text)))
+            i += n
+        streamed = streamed_message([{"choices": [{"delta": d, "finish_reason": None}]} for d in deltas])
+        assert streamed["content"] == content and [(c["function"]["name"], c["function"]["arguments"])
+                                                   for c in streamed["tool_calls"]] == calls
+    for text in ('<tool_call>{"name": "nope", "arguments": {}}</tool_call> x', "The weather is {nice}",
+                 "<tool_call>no json</tool_call>", '{"answer": 42}'):
+        parsed = oe.ToolCalls(tools)
+        parsed.delta(text, True)
+        assert parsed.message() == {"role": "assistant", "content": text}
+
+
+def test_openai_client_calls_a_tool_on_the_default_model(smollm):
+    """The openai client, the default model: tool_choice required gives a valid call of the tool with
+    finish_reason tool_calls; the follow-up with the tool's answer is served as text."""
+    import openai
+    pytest.importorskip("fastapi")
+    server = oe.Server(Engine(model_path=smollm[0], device="cpu", dtype="float32", max_total_tokens=2048),
+                       port=0).start()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120, max_retries=0)
+        messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+        r = client.chat.completions.create(model="m", messages=messages, tools=[WEATHER],
+                                           tool_choice="required", parallel_tool_calls=False, temperature=0,
+                                           max_tokens=60)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        call = choice.message.tool_calls[0]
+        assert valid_call({"function": {"name": call.function.name, "arguments": call.function.arguments}})
+        messages += [choice.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear", "celsius": 21}'}]
+        r = client.chat.completions.create(model="m", messages=messages, tools=[WEATHER], temperature=0,
+                                           max_tokens=30)
+        assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        wait_idle_and_check(server)
+    finally:
+        server.stop()
 
 
 def http_call_text(server, path: str, timeout=30) -> tuple:
