@@ -3,6 +3,7 @@ Benchmarks for overlap_engine. One subcommand per benchmark:
 
   python bench.py sim --timeline timeline.png  # real scheduler, simulated device: step time vs max(G, C)
   python bench.py overhead           # host microseconds per running request per decode step, zero-cost device
+  python bench.py overlap            # both loops on the real model, a CPU device of its own: gap, G, C
   python bench.py throughput         # SmolLM2 on CPU: overlap vs serial vs transformers generate
   python bench.py mixed              # decode ITL while a long prompt prefills: enable_mixed_chunk off/on
   python bench.py single             # one request alone: TTFT and decode tok/s per setup (llama.cpp beside)
@@ -18,6 +19,7 @@ Without CUDA `kernels` says so and runs one tiny shape under the Triton interpre
 """
 
 import argparse
+import collections
 import contextlib
 import functools
 import gc
@@ -383,7 +385,9 @@ def host_busy_spans(st):
 
 def timeline_spans(st, n_steps=8) -> dict:
     """Device and host busy spans (seconds from the first launch) over n_steps steady decode steps."""
-    steps = [x for x in st["steps"] if x["forward_mode"] == "decode"][10:10 + n_steps]
+    decode = [x for x in st["steps"] if x["forward_mode"] == "decode"]
+    skip = min(10, len(decode) // 4)  # past the first steps, which the prefills interleave
+    steps = decode[skip:skip + n_steps]
     t0, t1 = steps[0]["t_launch"], steps[-1]["t_end"]
     return {"device": [(x["t_start"] - t0, x["t_end"] - t0) for x in steps],
             "host": [(max(a, t0) - t0, min(b, t1) - t0)
@@ -432,6 +436,101 @@ def cmd_overhead(args):
                      "overlap_us_per_req": ovl["C"] / B * 1e6})
         print(f"| {B} | {ser['C'] / B * 1e6:.2f} | {ovl['C'] / B * 1e6:.2f} | {ovl['C'] * 1e3:.3f} |")
     return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# overlap: the real model with a CPU device that is a device (cpu_device_threads): both loops
+#
+# The device thread gets cores of its own, the host the rest (on 2 cores, 1 + 1), so the host's planning
+# and committing can run while the device computes, as on a GPU. The same requests go through both loops,
+# batch by batch. G is the device's own time per decode step (the stream's timestamps), C the host's time
+# per loop iteration (the iteration minus what it waited on results), the gap the device's idle time from
+# the end of one step to the start of the next. Expect serial = G + C per step and overlap = max(G, C).
+
+OVERLAP_BATCHES = "1,8,32,64"
+OVERLAP_INPUT = (32, 128)  # prompt tokens, uniform
+OVERLAP_OUTPUT = 64        # tokens each request generates (all the same: full batches decode)
+OVERLAP_TRACE_BATCH = 8    # the batch whose trace and timeline are written
+
+
+def overlap_run(engine, B, n_out, seed) -> dict:
+    """B requests through the engine (engine_run), and its decode steps' G, C, gap and step interval."""
+    vocab = engine.model_config.vocab_size
+    reqs = random_requests(B, *OVERLAP_INPUT, seed, vocab)
+    if engine.tracer is not None:
+        engine.tracer.events.clear()
+    r = engine_run(engine, reqs, n_out, f"B={B}")
+    st = engine.stats()
+    decode = [s for s in st["steps"] if s["forward_mode"] == "decode" and s["bs"] == B][2:-2]
+    if len(decode) < 3:
+        decode = [s for s in st["steps"] if s["forward_mode"] == "decode"]
+    gaps = [b["t_start"] - a["t_end"] for a, b in zip(decode, decode[1:])]
+    launches = [s["t_start"] for s in decode]
+    G = statistics.median(s["device_time"] for s in decode)
+    C = statistics.median(st["host_times"])
+    step = statistics.median(b - a for a, b in zip(launches, launches[1:]))
+    return {**r, "G_ms": 1e3 * G, "C_ms": 1e3 * C, "step_ms": 1e3 * step,
+            "gap_ms": 1e3 * statistics.median(gaps), "gap_p99_ms": 1e3 * pct(gaps, 99),
+            "step_over_max": step / max(G, C), "step_over_sum": step / (G + C), "stats": st}
+
+
+def cmd_overlap(args):
+    """Both loops on the real model with a CPU device of its own, batch by batch, side by side."""
+    path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
+    batches = [1, 4] if args.quick else [int(b) for b in args.batches.split(",")]
+    n_out = 8 if args.quick else args.output
+    threads = args.device_threads or max(1, len(os.sched_getaffinity(0)) - 1)
+    kw = {"model_path": path, "device": "cpu", "cpu_device_threads": threads, "max_total_tokens": 16384,
+          "max_running_requests": max(batches), "enable_torch_compile": args.compile,
+          "torch_compile_max_bs": max(batches)}
+    if args.dtype:
+        kw["dtype"] = args.dtype
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+    traces = {}
+    results = {}
+    for loop in ("overlap", "serial"):
+        trace = os.path.join(args.trace, f"{loop}.json") if args.trace else None
+        with oe.Engine(disable_overlap_schedule=loop == "serial", trace=trace, **kw) as e:
+            dtype = e.server_args.dtype
+            engine_run(e, random_requests(2, 8, 8, args.seed + 9, e.model_config.vocab_size), 4, "warm-up")
+            for B in batches:
+                results[loop, B] = overlap_run(e, B, n_out, args.seed + B)
+                if B == min(batches, key=lambda b: abs(b - OVERLAP_TRACE_BATCH)):
+                    traces[loop] = (results[loop, B]["stats"], list(e.tracer.events) if e.tracer else None)
+            if e.tracer is not None:  # the trace file holds the traced batch only
+                e.tracer.events = collections.deque(traces[loop][1], maxlen=e.tracer.MAX_EVENTS)
+    host = len(os.sched_getaffinity(0)) - threads
+    label = f"{os.path.basename(path)}, {dtype}, {threads} device + {host} host cores, {oe.cpu_name()}"
+    print_overlap(results, batches, label, n_out)
+    if args.timeline:
+        B = min(batches, key=lambda b: abs(b - OVERLAP_TRACE_BATCH))
+        draw_timeline(args.timeline, {loop: timeline_spans(traces[loop][0]) for loop in traces},
+                      f"{label}; B={B}")
+        print(f"timeline of B={B} written to {args.timeline}")
+    return [{"loop": loop, "B": B, **{k: v for k, v in r.items() if k != "stats"}}
+            for (loop, B), r in results.items()]
+
+
+def print_overlap(results, batches, label, n_out):
+    print(f"## overlap on a CPU device of its own: {label}; {n_out} tokens out, prompts of "
+          f"{OVERLAP_INPUT[0]}-{OVERLAP_INPUT[1]}, greedy")
+    print("| B | loop | out tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | device gap ms | G ms | C ms "
+          "| step ms | step / max(G, C) | step / (G + C) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for B in batches:
+        for loop in ("serial", "overlap"):
+            r = results[loop, B]
+            print(f"| {B} | {loop} | {r['out_tok_s']:.1f} | {1e3 * r['ttft_p50_s']:.0f} "
+                  f"| {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['gap_ms']:.2f} | {r['G_ms']:.1f} "
+                  f"| {r['C_ms']:.2f} | {r['step_ms']:.1f} | {r['step_over_max']:.2f} "
+                  f"| {r['step_over_sum']:.2f} |")
+    print("| B | overlap / serial tok/s | device gap overlap / serial | C / G |")
+    print("|---|---|---|---|")
+    for B in batches:
+        o, s = results["overlap", B], results["serial", B]
+        print(f"| {B} | {o['out_tok_s'] / s['out_tok_s']:.2f} | {o['gap_ms'] / max(s['gap_ms'], 1e-9):.2f} "
+              f"| {s['C_ms'] / s['G_ms']:.2f} |")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1729,11 +1828,17 @@ def decode_step_args(sp, steps: int, steps_help: str):
     sp.add_argument("--quick", action="store_true")
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
+def command(sub, name: str, fn, help: str):
+    """A subcommand's parser, with the --json every command takes."""
+    sp = sub.add_parser(name, help=help)
+    sp.add_argument("--json", default=None, help="also write the results as JSON here")
+    sp.set_defaults(fn=fn)
+    return sp
 
-    k = sub.add_parser("kernels", help="decode attention bandwidth vs torch SDPA")
+
+def add_device_commands(sub):
+    """The commands that time the device or simulate it: kernels, sim, overhead, overlap, gpu, timeline."""
+    k = command(sub, "kernels", cmd_kernels, "decode attention bandwidth vs torch SDPA")
     k.add_argument("--batches", default=KERNEL_BATCHES, help="comma-separated batch sizes")
     k.add_argument("--contexts", default=KERNEL_CONTEXTS, help="comma-separated context lengths")
     k.add_argument("--hq", type=int, default=KERNEL_HQ, help="query heads")
@@ -1748,9 +1853,7 @@ def main():
     k.add_argument("--peak-gbps", type=float, default=None,
                    help="HBM roofline, if the GPU is not in the table")
     k.add_argument("--quick", action="store_true", help="one small shape (B=64, ctx=1024), few iterations")
-    k.set_defaults(fn=cmd_kernels)
-
-    sm = sub.add_parser("sim", help="the real scheduler on a simulated device, swept over G/C")
+    sm = command(sub, "sim", cmd_sim, "the real scheduler on a simulated device, swept over G/C")
     sm.add_argument("--batch", type=int, default=SIM_BATCH)
     sm.add_argument("--output", type=int, default=SIM_OUTPUT)
     sm.add_argument("--ratios", default=SIM_RATIOS)
@@ -1760,14 +1863,25 @@ def main():
                     help="also run with this share of the requests constrained by a regex (0.5: half)")
     sm.add_argument("--speculative", type=int, default=0,
                     help="speculative decoding with this many drafts a verify (k); 0: none")
-    sm.set_defaults(fn=cmd_sim)
-
-    o = sub.add_parser("overhead", help="host us per running request per decode step, zero-cost device")
+    o = command(sub, "overhead", cmd_overhead, "host us per running request per decode step, free device")
     o.add_argument("--batches", default=OVERHEAD_BATCHES)
     o.add_argument("--quick", action="store_true")
-    o.set_defaults(fn=cmd_overhead)
+    add_overlap_command(sub)
+    g = command(sub, "gpu", cmd_gpu, "everything the GPU issue measures, written to --out (dummy weights)")
+    g.add_argument("--out", required=True, help="folder for the result files")
+    g.add_argument("--seed", type=int, default=TP_SEED)
+    g.add_argument("--no-tests", action="store_true", help="skip the pytest stage")
+    g.add_argument("--tests-timeout", type=int, default=240, help="seconds for the pytest stage")
+    g.add_argument("--quick", action="store_true", help="tiny shapes: a dry run of the command on a CPU")
+    tl = command(sub, "timeline", cmd_timeline, "draw the timeline.json of `bench.py gpu` as a PNG")
+    tl.add_argument("--input", required=True, help="the timeline.json to draw")
+    tl.add_argument("--png", required=True)
 
-    t = sub.add_parser("throughput", help="a real model: overlap vs serial vs transformers generate")
+
+def add_model_commands(sub):
+    """The commands that run the real model offline: throughput, profile, sampling, grammar, single, mixed,
+    spec, queue, all."""
+    t = command(sub, "throughput", cmd_throughput, "a real model: overlap vs serial vs transformers generate")
     t.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
     t.add_argument("--requests", type=int, default=TP_REQUESTS)
     t.add_argument("--input", default=TP_INPUT, help="input length range lo,hi")
@@ -1787,28 +1901,20 @@ def main():
     t.add_argument("--repeat", type=int, default=2,
                    help="runs of each loop (alternating) and of transformers; the best of each is reported")
     t.add_argument("--quick", action="store_true")
-    t.set_defaults(fn=cmd_throughput)
-
-    pr = sub.add_parser("profile", help="where one decode step's time goes, op by op (torch.profiler)")
+    pr = command(sub, "profile", cmd_profile, "where one decode step's time goes, op by op (torch.profiler)")
     decode_step_args(pr, 64, "output tokens before the profiled step")
     pr.add_argument("--quantization", default=None, choices=("int8", "int4"))
     pr.add_argument("--torch-compile", action="store_true", help="the step through the compiled model")
     pr.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "c"),
                     help="torch: the grouped SDPA (eager) or fused-gather (compiled) decode attention")
     pr.add_argument("--top-ops", type=int, default=0, help="also print the profiler's N costliest ops")
-    pr.set_defaults(fn=cmd_profile)
-
-    sa = sub.add_parser("sampling", help="what logprobs and penalties cost a decode step (on and off)")
+    sa = command(sub, "sampling", cmd_sampling, "what logprobs and penalties cost a decode step (on and off)")
     decode_step_args(sa, 32, "output tokens before the timed step")
-    sa.set_defaults(fn=cmd_sampling)
-
-    gr = sub.add_parser("grammar", help="grammar compile time and per-step mask cost on a real vocabulary")
+    gr = command(sub, "grammar", cmd_grammar, "grammar compile time and per-step mask cost, real vocabulary")
     gr.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
     gr.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     gr.add_argument("--quick", action="store_true")
-    gr.set_defaults(fn=cmd_grammar)
-
-    si = sub.add_parser("single", help="one request alone: TTFT and decode tok/s per setup (and llama.cpp)")
+    si = command(sub, "single", cmd_single, "one request alone: TTFT and decode tok/s per setup, llama.cpp")
     si.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
     si.add_argument("--setups", default=SINGLE_SETUPS, help="comma-separated: a dtype or int8/int4 (bf16 "
                                                              "activations); +compile: torch.compile")
@@ -1817,9 +1923,7 @@ def main():
     si.add_argument("--repeat", type=int, default=2, help="runs of each; the best is reported")
     si.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even if installed")
     si.add_argument("--quick", action="store_true", help="tiny model, 8 tokens, float32/int8/int4 only")
-    si.set_defaults(fn=cmd_single)
-
-    m = sub.add_parser("mixed", help="decode ITL while a long prompt prefills, mixed chunks off and on")
+    m = command(sub, "mixed", cmd_mixed, "decode ITL while a long prompt prefills, mixed chunks off and on")
     m.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
     m.add_argument("--decoders", type=int, default=MIXED_DECODERS)
     m.add_argument("--prompt", type=int, default=MIXED_PROMPT, help="tokens of the long prompt")
@@ -1827,9 +1931,25 @@ def main():
     m.add_argument("--output", type=int, default=MIXED_OUTPUT)
     m.add_argument("--seed", type=int, default=TP_SEED)
     m.add_argument("--quick", action="store_true")
-    m.set_defaults(fn=cmd_mixed)
+    sp = command(sub, "spec", cmd_spec, "speculative decoding (NGRAM) against plain, batches 1, 8 and 64")
+    sp.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    sp.add_argument("--batches", default=SPEC_BATCHES, help="comma-separated")
+    sp.add_argument("--output", type=int, default=SPEC_OUTPUT, help="tokens a reply at most")
+    sp.add_argument("--drafts", type=int, default=SPEC_DRAFTS, help="speculative_num_draft_tokens (k)")
+    sp.add_argument("--repeat", type=int, default=3, help="runs of each, alternating; the best is reported")
+    sp.add_argument("--quick", action="store_true", help="tiny model, batches 1 and 2, 16 tokens")
+    q = command(sub, "queue", cmd_queue, "a long queue: N prompts in one /generate, offline, and N aborts")
+    q.add_argument("--sizes", default=QUEUE_SIZES, help="comma-separated N")
+    q.add_argument("--distinct", type=int, default=QUEUE_DISTINCT, help="distinct prompts the lists repeat")
+    q.add_argument("--target", type=float, default=9.0, help="largest/smallest time ratio to meet")
+    q.add_argument("--seed", type=int, default=TP_SEED)
+    a = command(sub, "all", cmd_all, "sim, overhead, throughput and mixed (--quick: a small version, ~1 min)")
+    a.add_argument("--quick", action="store_true")
 
-    s = sub.add_parser("serve", help="load on the HTTP server (both loops, or --url), like bench_serving")
+
+def add_serving_commands(sub):
+    """The command that loads the HTTP server: serve."""
+    s = command(sub, "serve", cmd_serve, "load on the HTTP server (both loops, or --url), like bench_serving")
     s.add_argument("--url", default=None, help="a running server; default: start one per loop")
     s.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
     s.add_argument("--requests", type=int, default=SERVE_REQUESTS)
@@ -1839,47 +1959,34 @@ def main():
     s.add_argument("--output", default=SERVE_OUTPUT, help="output length range lo,hi")
     s.add_argument("--seed", type=int, default=TP_SEED)
     s.add_argument("--quick", action="store_true")
-    s.add_argument("--json", default=None, help="also write the results as JSON here")
-    s.set_defaults(fn=cmd_serve)
 
-    sp = sub.add_parser("spec", help="speculative decoding (NGRAM) against plain, batches 1, 8 and 64")
-    sp.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
-    sp.add_argument("--batches", default=SPEC_BATCHES, help="comma-separated")
-    sp.add_argument("--output", type=int, default=SPEC_OUTPUT, help="tokens a reply at most")
-    sp.add_argument("--drafts", type=int, default=SPEC_DRAFTS, help="speculative_num_draft_tokens (k)")
-    sp.add_argument("--repeat", type=int, default=3, help="runs of each, alternating; the best is reported")
-    sp.add_argument("--quick", action="store_true", help="tiny model, batches 1 and 2, 16 tokens")
-    sp.add_argument("--json", default=None, help="also write the results as JSON here")
-    sp.set_defaults(fn=cmd_spec)
 
-    q = sub.add_parser("queue", help="a long queue: N prompts in one /generate, offline, and N aborts")
-    q.add_argument("--sizes", default=QUEUE_SIZES, help="comma-separated N")
-    q.add_argument("--distinct", type=int, default=QUEUE_DISTINCT, help="distinct prompts the lists repeat")
-    q.add_argument("--target", type=float, default=9.0, help="largest/smallest time ratio to meet")
-    q.add_argument("--seed", type=int, default=TP_SEED)
-    q.add_argument("--json", default=None, help="also write the results as JSON here")
-    q.set_defaults(fn=cmd_queue)
+def add_overlap_command(sub):
+    ov = command(sub, "overlap", cmd_overlap, "both loops on the real model with a CPU device of its own "
+                 "(cpu_device_threads): tok/s, TTFT, ITL, device gap, G and C")
+    ov.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    ov.add_argument("--batches", default=OVERLAP_BATCHES, help="comma-separated")
+    ov.add_argument("--output", type=int, default=OVERLAP_OUTPUT, help="tokens each request generates")
+    ov.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: the engine's")
+    ov.add_argument("--device-threads", type=int, default=0, help="cpu_device_threads; 0: all cores but one")
+    ov.add_argument("--no-compile", dest="compile", action="store_false",
+                    help="eager (default: torch.compile of the decode step where a C++ compiler is found)")
+    ov.add_argument("--trace", default=None, help="write overlap.json and serial.json (Chrome traces of the "
+                                                   "batch nearest OVERLAP_TRACE_BATCH) to this folder")
+    ov.add_argument("--timeline", default=None, help="write the two loops' timeline PNG here")
+    ov.add_argument("--seed", type=int, default=TP_SEED)
+    ov.add_argument("--quick", action="store_true", help="tiny model, batches 1 and 4, 8 tokens")
 
-    g = sub.add_parser("gpu", help="everything the GPU issue measures, written to --out (dummy weights)")
-    g.add_argument("--out", required=True, help="folder for the result files")
-    g.add_argument("--seed", type=int, default=TP_SEED)
-    g.add_argument("--no-tests", action="store_true", help="skip the pytest stage")
-    g.add_argument("--tests-timeout", type=int, default=240, help="seconds for the pytest stage")
-    g.add_argument("--quick", action="store_true", help="tiny shapes: a dry run of the command on a CPU")
-    g.set_defaults(fn=cmd_gpu)
 
-    tl = sub.add_parser("timeline", help="draw the timeline.json of `bench.py gpu` as a PNG")
-    tl.add_argument("--input", required=True, help="the timeline.json to draw")
-    tl.add_argument("--png", required=True)
-    tl.set_defaults(fn=cmd_timeline)
-
-    a = sub.add_parser("all", help="sim, overhead, throughput and mixed (--quick: a small version, ~1 min)")
-    a.add_argument("--quick", action="store_true")
-    a.set_defaults(fn=cmd_all)
-
-    for sp in (sm, o, t, pr, sa, gr, si, m, a):
-        sp.add_argument("--json", default=None, help="also write the results as JSON here")
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    add_device_commands(sub)
+    add_model_commands(sub)
+    add_serving_commands(sub)
     args = p.parse_args()
+    if getattr(args, "compile", False) and not oe.cpp_compiler():
+        args.compile = False
     result = args.fn(args)
     if getattr(args, "json", None):
         with open(args.json, "w") as f:

@@ -2177,6 +2177,9 @@ class ServerArgs:
                                ("lpm", "fcfs"))
     schedule_conservativeness: float = arg(1.0, "scales the decode headroom kept when admitting; 0: none")
     mem_fraction_static: float = arg(0.8, "CUDA: share of free memory for weights and KV cache")
+    cpu_device_threads: int = arg(0, "CPU: the device thread's torch ops run on this many cores of their "
+                                     "own, the host (planning, committing, serving) on the others; 0: all "
+                                     "share every core")
     random_seed: int = arg(0, "seeds the requests that give no sampling_seed")
     constrained_json_disable_any_whitespace: bool = arg(
         False, "a json_schema grammar allows no whitespace between tokens of JSON (by default any)")
@@ -2209,6 +2212,9 @@ class ServerArgs:
     debug_ledger: bool = arg(False, "check the KV, row and lock ledger after every iteration (slow)")
     worker_jitter_ms: float = arg(0.0, "the CPU device thread sleeps up to this at random points (tests)")
     debug_tp_plan: bool = arg(False, "tensor parallel: the ranks compare a hash of each iteration's plan")
+    trace: Optional[str] = arg(None, "write a Chrome trace (JSON: chrome://tracing, ui.perfetto.dev) of the "
+                                     "run to this file at shutdown: the host's plan, launch and commit, the "
+                                     "device's forward and sample")
 
     def __post_init__(self):
         """Each argument has its declared type (None only where Optional) and a value in range."""
@@ -2756,10 +2762,12 @@ class CtrlCHeld:
 class TimedScheduler(Scheduler):
     """The Scheduler with the bench's records of each loop iteration and each step, taken from outside
     the lesson: the Engine times each iteration it drives, and wait_for, the scheduler's one blocking
-    call, times the waits and each step's device span. Bounded: a long-lived engine must not grow."""
+    call, times the waits and each step's device span. Bounded: a long-lived engine must not grow. With
+    a tracer, plan, launch and commit leave their spans on its host lane."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, tracer: Optional[Tracer] = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.tracer = tracer
         self.records = {k: deque(maxlen=100_000) for k in ("steps", "host_times", "iterations", "waits")}
         self.wait_time = 0.0  # host seconds blocked on results in this iteration
         self.clock = None
@@ -2798,6 +2806,35 @@ class TimedScheduler(Scheduler):
     def clear_records(self):
         for v in self.records.values():
             v.clear()
+
+    def span(self, name: str, **args):
+        return self.tracer.span("host", name, **args) if self.tracer else contextlib.nullcontext(args)
+
+    def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
+        with self.span("plan") as args:
+            batch = super().get_next_batch_to_run()
+            if batch is not None:
+                args.update(mode=batch.forward_mode.value, rids=rids(batch.reqs))
+            return batch
+
+    def run_batch(self, batch: ScheduleBatch):
+        with self.span("launch", mode=batch.forward_mode.value, rids=rids(batch.reqs)):
+            super().run_batch(batch)
+
+    def launch_deferred_sample(self):
+        if self.deferred is None:
+            return
+        with self.span("launch sample", rids=rids(self.deferred[1].reqs)):
+            super().launch_deferred_sample()
+
+    def process_batch_result(self):
+        batch = self.result_queue[0][0]
+        with self.span("commit", mode=batch.forward_mode.value, rids=rids(batch.reqs)):
+            if self.tracer is not None:  # finished at the last commit, yet in this step: skipped
+                over = [r.rid for r in batch.reqs if r.finished() and r.finished_reason["type"] != "abort"]
+                if over:
+                    self.tracer.instant("host", "overshoot", rids=over)
+            super().process_batch_result()
 
 
 def check_context_length(asked: int, model_len: int):
@@ -2840,6 +2877,15 @@ def check_engine_args(kwargs: dict) -> ServerArgs:
     if args.quantization and args.dtype == "float64":
         raise ValueError(f"quantization={args.quantization!r} needs 32- or 16-bit float activations, "
                          "not dtype='float64'")
+    if args.cpu_device_threads and args.device != "cpu":
+        raise ValueError(f"cpu_device_threads={args.cpu_device_threads} is for device='cpu' (a GPU is a "
+                         "device of its own)")
+    if args.cpu_device_threads < 0:
+        raise ValueError(f"cpu_device_threads={args.cpu_device_threads} must be >= 0")
+    if args.cpu_device_threads:
+        split_cores(args.cpu_device_threads)
+    if args.trace is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
+        raise ValueError(f"trace={args.trace!r}: its folder does not exist")
     if args.quantization and args.device != "cpu":
         raise ValueError(f"quantization={args.quantization!r} runs on the CPU only (torch's weight-pack "
                          f"matmuls), not on device={args.device!r}")
@@ -2919,12 +2965,21 @@ class Engine:
             backend = FusedGatherDecodeBackend(kv_pool, req_to_token_pool, compile_max_bs)
         else:
             backend = GroupedDecodeBackend(kv_pool, req_to_token_pool)
+        self.tracer = Tracer() if args.trace else None
+        self.host_cores: Optional[set] = None  # cpu_device_threads: the host's cores (the device: the rest)
         if args.device == "cuda":
             stream = CudaDeviceStream()
-        else:
+        elif args.cpu_device_threads:
             keep_freed_memory_in_process()  # before the device thread exists: it shares the host's arena
+            device_cores, self.host_cores = split_cores(args.cpu_device_threads)
+            self._unpinned = pin_host_threads(self.host_cores)
+            stream = PinnedCpuDeviceStream(device_cores, args.worker_jitter_ms, args.random_seed)
+        else:
+            keep_freed_memory_in_process()
             stream = CpuDeviceStream(args.worker_jitter_ms, args.random_seed)
-        self.future_map = FutureMap(args.max_running_requests, args.device, args.debug_future_map)
+        traced = {"tracer": self.tracer} if self.tracer else {}
+        future_map = TracedFutureMap if self.tracer else FutureMap
+        self.future_map = future_map(args.max_running_requests, args.device, args.debug_future_map, **traced)
         model = self.model
         if compile_max_bs:
             model = CompiledDecode(model, compile_max_bs, verify=args.speculative_algorithm is not None)
@@ -2935,10 +2990,11 @@ class Engine:
         elif args.speculative_algorithm == "STANDALONE":
             drafter = draft_model
             model = DraftsAlongside(model, draft_model)
-        worker = ModelWorker(model, req_to_token_pool, self.future_map, backend, stream, args.device,
-                             drafter=drafter, race_rows=race_in_blocks if args.device == "cpu" else None)
+        worker = (TracedWorker if self.tracer else ModelWorker)(
+            model, req_to_token_pool, self.future_map, backend, stream, args.device, drafter=drafter,
+            race_rows=race_in_blocks if args.device == "cpu" else None, **traced)
         self.scheduler = TimedScheduler(args, self.tokenizer, worker, req_to_token_pool, kv_pool,
-                                        cfg.vocab_size)
+                                        cfg.vocab_size, tracer=self.tracer)
         self._grammars: Optional[GrammarBackend] = None  # made for the first grammar (xgrammar)
         self._loop = self._new_loop()
         self._rng = random.Random(args.random_seed)
@@ -3415,6 +3471,10 @@ class Engine:
                 self.scheduler.worker.stream.shutdown()
                 if self._grammars is not None:
                     self._grammars.shutdown()
+                if self.tracer is not None:
+                    self.tracer.write(self.server_args.trace)
+                if self.host_cores:
+                    unpin_host_threads(self._unpinned)
             finally:
                 if self.tp is not None:
                     self.tp.close()
@@ -5163,6 +5223,141 @@ def filter_candidates(probs, top_k, top_p, min_p) -> torch.Tensor:
     return out
 
 
+# -- a CPU device that is a device: cores of its own for the device thread, the rest for the host --
+#
+# On a CPU the device thread and the host share the cores, so overlap has nothing to hide the host's work
+# behind. With cpu_device_threads N, the device thread and its OpenMP team run on N cores of their own
+# (its affinity and its torch thread count; both are per thread on Linux), and every other thread of the
+# process (the scheduler, the HTTP server) on the rest, so the host plans and commits while the device
+# computes, as on a GPU. What they still share is the GIL: torch ops let it go while they compute, and the
+# device thread takes it back between them, so the host's Python slows the device a little while it runs.
+# Python's switch interval is kept: the host holds the GIL only for its short plan and commit, then waits.
+
+
+def split_cores(device_threads: int) -> tuple[set, set]:
+    """(the device thread's cores, the host's): the first device_threads of the cores this process may use,
+    and the others."""
+    cores = sorted(os.sched_getaffinity(0))
+    if not 1 <= device_threads < len(cores):
+        raise ValueError(f"cpu_device_threads={device_threads} must leave the host at least one of the "
+                         f"{len(cores)} cores this process may use")
+    return set(cores[:device_threads]), set(cores[device_threads:])
+
+
+def pin_host_threads(host: set) -> tuple:
+    """Every thread of this process onto the host's cores (threads made later inherit it from their
+    maker), and this thread's torch ops onto as many threads. Returns what unpin_host_threads restores."""
+    before = (os.sched_getaffinity(0), torch.get_num_threads())
+    set_all_threads_affinity(host)
+    torch.set_num_threads(len(host))
+    return before
+
+
+def unpin_host_threads(before: tuple):
+    """The process's threads back on the cores they had before pin_host_threads (the engine has shut down)."""
+    cores, threads = before
+    set_all_threads_affinity(cores)
+    torch.set_num_threads(threads)
+
+
+def set_all_threads_affinity(cores: set):
+    for tid in map(int, os.listdir("/proc/self/task")):
+        with contextlib.suppress(OSError):  # a thread that just ended
+            os.sched_setaffinity(tid, cores)
+
+
+class PinnedCpuDeviceStream(CpuDeviceStream):
+    """CpuDeviceStream whose thread (and the OpenMP team its torch ops start) runs on `cores` alone."""
+
+    def __init__(self, cores: set, jitter_ms: float = 0.0, seed: int = 0):
+        self.cores = cores
+        super().__init__(jitter_ms, seed)
+
+    def _run(self):
+        os.sched_setaffinity(0, self.cores)  # 0: this thread
+        torch.set_num_threads(len(self.cores))
+        super()._run()
+
+
+# -- the trace of a run: host and device lanes, for chrome://tracing and ui.perfetto.dev --
+
+
+class Tracer:
+    """Chrome trace events of a run (the Trace Event Format's JSON): on the host lane each iteration's
+    plan, launch and commit with the requests they touch, and each overshoot the commit skips; on the
+    device lane each step's forward and sample, the FutureMap's resolve and publish. Timestamps in
+    microseconds from the tracer's start; bounded, as TimedScheduler's records are."""
+
+    LANES = {"host": 1, "device": 2}
+    MAX_EVENTS = 1_000_000
+
+    def __init__(self):
+        self.events: deque = deque(maxlen=self.MAX_EVENTS)
+        self.t0 = time.perf_counter()
+
+    def us(self, t: float) -> float:
+        return round((t - self.t0) * 1e6, 1)
+
+    @contextlib.contextmanager
+    def span(self, lane: str, name: str, **args):
+        t = time.perf_counter()
+        try:
+            yield args  # the caller may add to args
+        finally:
+            self.complete(lane, name, t, time.perf_counter(), **args)
+
+    def complete(self, lane: str, name: str, start: float, end: float, **args):
+        self.events.append({"name": name, "ph": "X", "pid": 1, "tid": self.LANES[lane], "ts": self.us(start),
+                            "dur": round((end - start) * 1e6, 1), "args": args})
+
+    def instant(self, lane: str, name: str, **args):
+        self.events.append({"name": name, "ph": "i", "s": "t", "pid": 1, "tid": self.LANES[lane],
+                            "ts": self.us(time.perf_counter()), "args": args})
+
+    def write(self, path: str):
+        names = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": lane}}
+                 for lane, tid in self.LANES.items()]
+        with open(path, "w") as f:
+            events = sorted(self.events, key=lambda ev: ev["ts"])  # a span is recorded when it ends
+            json.dump({"traceEvents": names + events, "displayTimeUnit": "ms"}, f)
+
+
+def rids(reqs) -> list:
+    return [r.rid for r in reqs]
+
+
+class TracedWorker(ModelWorker):
+    """ModelWorker whose steps leave their forward and sample on the trace's device lane."""
+
+    def __init__(self, *args, tracer: Tracer, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tracer = tracer
+
+    def forward_logits(self, batch: ForwardBatch):
+        with self.tracer.span("device", "forward", mode=batch.forward_mode.value, bs=len(batch.seq_lens)):
+            return super().forward_logits(batch)
+
+    def sample_step(self, batch: ForwardBatch, *args, **kwargs):
+        with self.tracer.span("device", "sample", bs=len(batch.seq_lens)):
+            return super().sample_step(batch, *args, **kwargs)
+
+
+class TracedFutureMap(FutureMap):
+    """FutureMap whose resolves and publishes are marked on the device lane, with the rows they touch."""
+
+    def __init__(self, *args, tracer: Tracer, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tracer = tracer
+
+    def publish(self, rows, tokens, positions):
+        self.tracer.instant("device", "FutureMap.publish", rows=len(rows))
+        super().publish(rows, tokens, positions)
+
+    def resolve(self, rows):
+        self.tracer.instant("device", "FutureMap.resolve", rows=len(rows))
+        return super().resolve(rows)
+
+
 @functools.cache
 def keep_freed_memory_in_process() -> bool:
     """On glibc, stops the allocator from handing big freed blocks back to the OS (process-wide, once).
@@ -5404,14 +5599,15 @@ CLI_GROUPS = {
     "memory and scheduling": ("disable_overlap_schedule", "max_total_tokens", "max_running_requests",
                               "max_prefill_tokens", "chunked_prefill_size", "disable_radix_cache",
                               "enable_mixed_chunk",
-                              "schedule_policy", "schedule_conservativeness", "mem_fraction_static"),
+                              "schedule_policy", "schedule_conservativeness", "mem_fraction_static",
+                              "cpu_device_threads"),
     "sampling": ("random_seed", "constrained_json_disable_any_whitespace"),
     "speculative decoding": ("speculative_algorithm", "speculative_num_draft_tokens",
                              "speculative_ngram_min_match_window_size",
                              "speculative_ngram_max_match_window_size", "speculative_draft_model_path"),
     "serving": ("api_key", "tool_call_parser"),
     "tensor parallelism": ("tp_size", "nnodes", "node_rank", "dist_init_addr", "dist_timeout"),
-    "debugging": ("debug_future_map", "debug_ledger", "worker_jitter_ms", "debug_tp_plan"),
+    "debugging": ("debug_future_map", "debug_ledger", "worker_jitter_ms", "debug_tp_plan", "trace"),
 }
 
 
@@ -5742,6 +5938,8 @@ class SchedulerThread(threading.Thread):
 
     # -- the thread --
     def run(self):
+        if self.engine.host_cores:  # the host's cores, as its maker's; its torch ops as many threads
+            torch.set_num_threads(len(self.engine.host_cores))
         try:
             while True:
                 idle = self.nothing_to_do()

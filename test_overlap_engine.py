@@ -337,6 +337,7 @@ CONFIGS = {
     "no_radix": {"disable_radix_cache": True},
     "fcfs": {"schedule_policy": "fcfs", "max_running_requests": 3},
     "squeezed": {"max_total_tokens": 96, "chunked_prefill_size": 16, "schedule_conservativeness": 0.0},
+    "threaded": {"cpu_device_threads": 1},  # the device thread on a core of its own, the host on the rest
 }
 
 
@@ -537,6 +538,36 @@ def test_overshoot_counted_skipped_and_returned(ckpt):
             run_workload(e, length_wl)
             e.check_invariants()
             assert e.stats()["overshoot_tokens"] == 0
+
+
+def test_trace_has_both_lanes_in_stream_order(ckpt, tmp_path):
+    """trace: a Chrome trace JSON with a host lane (plan, launch, commit, with the requests they touch, and
+    overlap's overshoots) and a device lane (each step's forward, then its sample; the FutureMap resolved
+    and published in overlap mode), the device's events in stream order; serial has no FutureMap."""
+    prompts = random_prompts(3, seed=43, lo=5, hi=12)
+    free_run = [reference_greedy(ckpt, p, 5) for p in prompts]
+    wl = greedy_workload(prompts, [10] * 3, [r[2] for r in free_run])  # each stops early: overshoot
+    for loop in LOOPS:
+        path = tmp_path / f"{loop}.json"
+        with make_engine(ckpt, loop, trace=str(path), cpu_device_threads=1) as e:
+            rids = [o["meta_info"]["id"] for o in run_workload(e, wl)]
+            e.check_invariants()
+        events = json.load(open(path))["traceEvents"]
+        lanes = {ev["args"]["name"]: ev["tid"] for ev in events if ev["ph"] == "M"}
+        host = [ev for ev in events if ev["tid"] == lanes["host"] and ev["ph"] != "M"]
+        device = [ev for ev in events if ev["tid"] == lanes["device"] and ev["ph"] != "M"]
+        assert {"plan", "launch", "commit"} <= {ev["name"] for ev in host}
+        assert set(rids) <= {rid for ev in host if ev["name"] == "launch" for rid in ev["args"]["rids"]}
+        spans = [ev for ev in device if ev["ph"] == "X"]
+        assert [ev["name"] for ev in spans] == ["forward", "sample"] * (len(spans) // 2) and spans
+        # stream order: each of the device's spans starts once the one before it has ended
+        assert all(a["ts"] + a["dur"] <= b["ts"] + 1 for a, b in zip(spans, spans[1:]))
+        marks = {ev["name"] for ev in device if ev["ph"] == "i"}
+        over = [rid for ev in host if ev["name"] == "overshoot" for rid in ev["args"]["rids"]]
+        if loop == "overlap":
+            assert {"FutureMap.publish", "FutureMap.resolve"} <= marks and sorted(over) == sorted(rids)
+        else:
+            assert not marks and not over
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -6394,6 +6425,21 @@ def run_bench(*args) -> subprocess.CompletedProcess:
                        cwd=os.path.dirname(os.path.abspath(__file__)))
     assert r.returncode == 0, r.stderr[-2000:]
     return r
+
+
+def test_bench_overlap_quick_runs(tmp_path):
+    """bench.py overlap --quick: both loops on a CPU device of its own, with the trace of each loop and
+    the timeline picture; the table's figures are there for every batch and loop."""
+    out = tmp_path / "overlap.json"
+    run_bench("overlap", "--quick", "--json", str(out), "--trace", str(tmp_path / "traces"),
+              "--timeline", str(tmp_path / "timeline.png"))
+    rows = json.loads(out.read_text())
+    assert {(r["loop"], r["B"]) for r in rows} == {(loop, B) for loop in LOOPS for B in (1, 4)}
+    assert all(r["G_ms"] > 0 and r["C_ms"] > 0 and r["out_tok_s"] > 0 and r["gap_ms"] >= 0 for r in rows)
+    assert os.path.getsize(tmp_path / "timeline.png") > 0
+    for loop in LOOPS:
+        events = json.loads((tmp_path / "traces" / f"{loop}.json").read_text())["traceEvents"]
+        assert {"forward", "sample", "plan", "commit"} <= {ev["name"] for ev in events}
 
 
 def test_bench_serve_quick_runs(tmp_path):
