@@ -1409,7 +1409,7 @@ def cmd_serve(args):
 
 
 # ----------------------------------------------------------------------------------------------
-# gpu: what the GPU issue measures, as one prepared command
+# gpu: what to measure on a GPU, as one prepared command
 #
 # A GPU machine is lent for minutes, with no network and only a copy of the repository: this runs
 # without a checkpoint (load_format="dummy"), goes on when one stage fails, and writes what it measures
@@ -1828,10 +1828,27 @@ def decode_step_args(sp, steps: int, steps_help: str):
     sp.add_argument("--quick", action="store_true")
 
 
+class Tee:
+    """A stream that writes to several (--markdown: the terminal and the file)."""
+
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text):
+        for s in self.streams:
+            s.write(text)
+
+    def flush(self):
+        for s in self.streams:
+            s.flush()
+
+
 def command(sub, name: str, fn, help: str):
     """A subcommand's parser, with the --json every command takes."""
     sp = sub.add_parser(name, help=help)
     sp.add_argument("--json", default=None, help="also write the results as JSON here")
+    sp.add_argument("--markdown", default=None, help="also write what it prints (its section of "
+                                                     "docs/results.md) here")
     sp.set_defaults(fn=fn)
     return sp
 
@@ -1867,7 +1884,7 @@ def add_device_commands(sub):
     o.add_argument("--batches", default=OVERHEAD_BATCHES)
     o.add_argument("--quick", action="store_true")
     add_overlap_command(sub)
-    g = command(sub, "gpu", cmd_gpu, "everything the GPU issue measures, written to --out (dummy weights)")
+    g = command(sub, "gpu", cmd_gpu, "everything measured on a GPU, written to --out (dummy weights)")
     g.add_argument("--out", required=True, help="folder for the result files")
     g.add_argument("--seed", type=int, default=TP_SEED)
     g.add_argument("--no-tests", action="store_true", help="skip the pytest stage")
@@ -1987,7 +2004,13 @@ def main():
     args = p.parse_args()
     if getattr(args, "compile", False) and not oe.cpp_compiler():
         args.compile = False
-    result = args.fn(args)
+    with contextlib.ExitStack() as stack:
+        if args.markdown:
+            out = stack.enter_context(open(args.markdown, "w"))
+            stack.enter_context(contextlib.redirect_stdout(Tee(sys.stdout, out)))
+            print(f"`python bench.py {' '.join(sys.argv[1:])}` on a {os.cpu_count()}-core {oe.cpu_name()}, "
+                  f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}\n")
+        result = args.fn(args)
     if getattr(args, "json", None):
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)

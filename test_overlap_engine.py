@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -75,6 +76,9 @@ settings.register_profile("dev", parent=settings.get_profile("ci"), max_examples
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))  # HYPOTHESIS_PROFILE=dev hunts longer
 
 LOOPS = ["overlap", "serial"]  # event_loop_overlap, and event_loop_normal (disable_overlap_schedule)
+# `pytest -m lesson`: the tests that show overlap == serial == the reference on tiny models (a minute or so)
+warnings.filterwarnings("ignore", category=pytest.PytestUnknownMarkWarning, message=".*lesson")
+lesson = pytest.mark.lesson
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -281,6 +285,7 @@ def part_one() -> tuple[str, int]:
     return "\n".join(lines[:banners[0]]), banners[0]
 
 
+@lesson
 def test_part_one_is_the_plain_lesson_and_the_plumbing_plugs_in_from_outside():
     """Part I fits its budget, imports torch and the standard library only, names nothing of tensor
     parallelism, quantization, compile, GGUF, HTTP or the CLI in its code, sets one attribute a statement,
@@ -319,6 +324,7 @@ def test_part_one_is_the_plain_lesson_and_the_plumbing_plugs_in_from_outside():
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+@lesson
 def test_greedy_matches_reference(ckpt, loop):
     prompts = random_prompts(6, seed=1)
     max_news = [1, 5, 9, 3, 12, 7]
@@ -343,6 +349,7 @@ CONFIGS = {
 
 @pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("config", list(CONFIGS))
+@lesson
 def test_greedy_workload_exact(ckpt, mixed_workload, loop, config):
     wl, expected = mixed_workload
     with make_engine(ckpt, loop, **CONFIGS[config]) as e:
@@ -367,6 +374,7 @@ def test_overlap_equals_serial_on_longer_outputs(ckpt):
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+@lesson
 def test_retraction_recomputes_same_tokens(ckpt, loop):
     """A pool too small for all running requests forces retraction; recomputed requests give the
     same tokens."""
@@ -520,6 +528,7 @@ def test_an_interrupt_in_a_step_loses_nothing(ckpt, monkeypatch, loop, point, nt
     assert [o["output_ids"] for o in outs] == expected_greedy(ckpt, wl)
 
 
+@lesson
 def test_overshoot_counted_skipped_and_returned(ckpt):
     """In overlap mode a stop-token finish is already in the next step: that token is skipped, its KV freed.
     Requests that end by length are left out of the next decode batch and never overshoot."""
@@ -540,6 +549,7 @@ def test_overshoot_counted_skipped_and_returned(ckpt):
             assert e.stats()["overshoot_tokens"] == 0
 
 
+@lesson
 def test_trace_has_both_lanes_in_stream_order(ckpt, tmp_path):
     """trace: a Chrome trace JSON with a host lane (plan, launch, commit, with the requests they touch, and
     overlap's overshoots) and a device lane (each step's forward, then its sample; the FutureMap resolved
@@ -571,6 +581,7 @@ def test_trace_has_both_lanes_in_stream_order(ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+@lesson
 def test_host_plans_next_step_before_device_finishes(ckpt, monkeypatch, loop):
     """Overlap: step n+1 is launched (planned on the host) before step n's forward ends on the worker.
     Serial: every launch comes after the previous step ended."""
@@ -586,6 +597,7 @@ def test_host_plans_next_step_before_device_finishes(ckpt, monkeypatch, loop):
         assert sum(ahead) >= len(ahead) - 1, f"only {sum(ahead)} of {len(ahead)} launches overlapped"
 
 
+@lesson
 def test_random_worker_delays_do_not_change_tokens(ckpt, mixed_workload):
     wl, expected = mixed_workload
     for jitter_seed in (0, 1):
@@ -596,6 +608,7 @@ def test_random_worker_delays_do_not_change_tokens(ckpt, mixed_workload):
         assert [o["output_ids"] for o in outs] == expected
 
 
+@lesson
 def test_row_and_slots_reused_while_overshoot_in_flight(ckpt, monkeypatch):
     """One row only: a request that stops by token is still in the in-flight step (overshoot) when the
     next request gets its row and possibly its slots. Stream order must keep both exact."""
@@ -840,6 +853,7 @@ def assert_same_logprobs(got: dict, want: dict, n: int, aborted: bool):
 # KV memory and the radix cache
 
 
+@lesson
 def test_allocator_alloc_free():
     cfg = oe.ModelConfig(num_hidden_layers=1)
     pool = oe.TokenToKVPool(8, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32,
@@ -862,6 +876,7 @@ def make_tree(size=32):
     return oe.RadixCache(pool), pool
 
 
+@lesson
 def test_radix_match_insert_split():
     """insert abc -> [1,2,3]; match abd = ab (splits abc into ab + c); insert abd -> 2 cached, d new."""
     tree, pool = make_tree()
@@ -977,6 +992,7 @@ def test_radix_eviction_is_lru_over_a_heap_kept_across_evictions(monkeypatch):
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+@lesson
 def test_radix_hits_give_same_tokens(ckpt, loop):
     """A second wave behind the same system prompt reuses its KV (cached_tokens) and gets the same tokens."""
     rng = random.Random(5)
@@ -1169,6 +1185,7 @@ def sampling_workload(n=8, seed=31, with_seed=True):
                  **({"sampling_seed": 1000 + i} if with_seed else {})}) for i, p in enumerate(prompts)]
 
 
+@lesson
 def test_seeded_sampling_overlap_equals_serial_and_is_batch_independent(ckpt):
     wl = sampling_workload()
     runs = run_both_loops(ckpt, wl, max_total_tokens=200)
@@ -1634,6 +1651,7 @@ def test_bad_grammars_are_refused_before_anything_is_queued(ckpt):
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+@lesson
 def test_future_map_unit():
     fm = oe.FutureMap(4, "cpu", debug=True)
     rows = torch.tensor([1, 3])
@@ -1647,6 +1665,7 @@ def test_future_map_unit():
         fm.resolve(rows)
 
 
+@lesson
 def test_future_map_catches_a_missing_publish(ckpt, monkeypatch):
     """Drop the publish of one row: the next decode step's gather must fail loudly, not read garbage."""
     real = oe.FutureMap.publish
