@@ -1423,7 +1423,7 @@ GPU_TESTS = "cuda or kernel or triton or failed_launch"  # pytest -k: the tests 
 
 
 class Tee:
-    """stdout into a file as well: each stage's file holds what it printed."""
+    """stdout into a file as well: each stage's file (gpu), or --markdown's, holds what it printed."""
 
     def __init__(self, *streams):
         self.streams = streams
@@ -1826,21 +1826,6 @@ def decode_step_args(sp, steps: int, steps_help: str):
     sp.add_argument("--max-total-tokens", type=int, default=24576)
     sp.add_argument("--seed", type=int, default=TP_SEED)
     sp.add_argument("--quick", action="store_true")
-
-
-class Tee:
-    """A stream that writes to several (--markdown: the terminal and the file)."""
-
-    def __init__(self, *streams):
-        self.streams = streams
-
-    def write(self, text):
-        for s in self.streams:
-            s.write(text)
-
-    def flush(self):
-        for s in self.streams:
-            s.flush()
 
 
 def command(sub, name: str, fn, help: str):
