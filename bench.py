@@ -487,6 +487,7 @@ def cmd_overlap(args):
         kw["dtype"] = args.dtype
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
+    traced = min(batches, key=lambda b: abs(b - OVERLAP_TRACE_BATCH))  # the batch of the trace and picture
     traces = {}
     results = {}
     for loop in ("overlap", "serial"):
@@ -496,7 +497,7 @@ def cmd_overlap(args):
             engine_run(e, random_requests(2, 8, 8, args.seed + 9, e.model_config.vocab_size), 4, "warm-up")
             for B in batches:
                 results[loop, B] = overlap_run(e, B, n_out, args.seed + B)
-                if B == min(batches, key=lambda b: abs(b - OVERLAP_TRACE_BATCH)):
+                if B == traced:
                     traces[loop] = (results[loop, B]["stats"], list(e.tracer.events) if e.tracer else None)
             if e.tracer is not None:  # the trace file holds the traced batch only
                 e.tracer.events = collections.deque(traces[loop][1], maxlen=e.tracer.MAX_EVENTS)
@@ -504,10 +505,9 @@ def cmd_overlap(args):
     label = f"{os.path.basename(path)}, {dtype}, {threads} device + {host} host cores, {oe.cpu_name()}"
     print_overlap(results, batches, label, n_out)
     if args.timeline:
-        B = min(batches, key=lambda b: abs(b - OVERLAP_TRACE_BATCH))
         draw_timeline(args.timeline, {loop: timeline_spans(traces[loop][0]) for loop in traces},
-                      f"{label}; B={B}")
-        print(f"timeline of B={B} written to {args.timeline}")
+                      f"{label}; B={traced}")
+        print(f"timeline of B={traced} written to {args.timeline}")
     return [{"loop": loop, "B": B, **{k: v for k, v in r.items() if k != "stats"}}
             for (loop, B), r in results.items()]
 

@@ -430,13 +430,7 @@ class ScheduleBatch:
             r.kv_allocated_len += 1
             r.planned_steps.append((1, 1))
         self.seq_lens = [r.kv_allocated_len for r in self.reqs]
-        self.is_last_chunk = [True] * B
-        self.new_rows = [False] * B
-        self.n_prefill = 0
-        if use_future_map:
-            ids, future_rows = torch.empty(0, dtype=torch.int64), rows
-        else:
-            ids, future_rows = int64([r.output_ids[-1] for r in self.reqs]), None
+        ids, future_rows = self.decode_inputs(use_future_map, rows)
         self.forward_batch = self.build_forward_batch(
             input_ids=ids, future_input_rows=future_rows, positions=positions, req_pool_indices=rows,
             prefix_lens=[], extend_lens=[1] * B, out_cache_loc=loc, logit_rows=torch.arange(B),
@@ -459,26 +453,33 @@ class ScheduleBatch:
         new = [max(0, b + E - r.kv_allocated_len) for r, b in zip(self.reqs, base)]  # slots each takes
         loc = sched.alloc_token_slots(sum(new))
         write_rows = rows.repeat_interleave(int64(new))
-        cols = torch.cat([torch.arange(r.kv_allocated_len, r.kv_allocated_len + n)
-                          for r, n in zip(self.reqs, new)])
+        if max(new) == 1 == min(new):  # the common step: one slot each, at kv_allocated_len
+            cols = int64([r.kv_allocated_len for r in self.reqs])
+        else:
+            cols = torch.cat([torch.arange(r.kv_allocated_len, r.kv_allocated_len + n)
+                              for r, n in zip(self.reqs, new)])
         sched.req_to_token_pool.req_to_token_host[write_rows, cols] = loc
         for r, b, d in zip(self.reqs, base, drafting):
             r.kv_allocated_len = max(r.kv_allocated_len, b + E)
             r.planned_steps.append((E if d and E > 1 else 1, E))
         self.seq_lens = [b + E for b in base]  # bounds: the device has the true lengths
-        self.is_last_chunk = [True] * B
-        self.new_rows = [False] * B
-        self.n_prefill = 0
         self.verify_width = E
-        if use_future_map:
-            ids, future_rows = torch.empty(0, dtype=torch.int64), rows
-        else:
-            ids, future_rows = int64([r.output_ids[-1] for r in self.reqs]), None
+        ids, future_rows = self.decode_inputs(use_future_map, rows)
         self.forward_batch = self.build_forward_batch(
             input_ids=ids, future_input_rows=future_rows, positions=int64(base), req_pool_indices=rows,
             prefix_lens=[], extend_lens=[E] * B, out_cache_loc=loc, logit_rows=torch.arange(B * E),
             req_to_token_writes=(write_rows, cols, loc), verify_width=E, may_draft=torch.tensor(drafting),
             forward_mode=ForwardMode.TARGET_VERIFY if E > 1 else ForwardMode.DECODE)
+
+    def decode_inputs(self, use_future_map: bool, rows: torch.Tensor) -> tuple:
+        """A decode step's rows all sample; its input ids are the last tokens, or, in overlap mode, empty
+        with the FutureMap's rows to gather them from (they are in flight)."""
+        self.is_last_chunk = [True] * len(self.reqs)
+        self.new_rows = [False] * len(self.reqs)
+        self.n_prefill = 0
+        if use_future_map:
+            return torch.empty(0, dtype=torch.int64), rows
+        return int64([r.output_ids[-1] for r in self.reqs]), None
 
     def decode_slots(self, width: int) -> int:
         """KV slots the next decode step takes if each request feeds `width` tokens (speculating, less)."""
@@ -1171,9 +1172,10 @@ class ModelWorker:
         if s.penalties is not None:  # what it sampled counts from the next step on (a verify's: if accepted)
             pen = s.penalties
             E = batch.verify_width or 1
-            kept = torch.ones_like(pen.idx, dtype=torch.bool)
             if verify is not None:
                 kept = pen.idx % E <= out.accept_len[pen.idx // E]
+            else:
+                kept = torch.ones_like(pen.idx, dtype=torch.bool)
             self.token_counts.add(pen.rows, pen.lens, out.next_ids[pen.idx], kept)
         if len(publish_idx):  # host-known: no sync (a device boolean mask would sync)
             sel = to(publish_idx)
@@ -2497,7 +2499,6 @@ def prompts_being_prefilled(scheduler: Scheduler, planned: list) -> RadixCache:
     return pending
 
 
-
 def note_verify(r: Req, step: tuple, accepted: int):
     """Speculation's books (meta_info's spec_*): one verify and, if the step drafted, its drafts and how
     many were accepted. Keeping under half is a miss: drafting pauses 1, 4, 16 ... SPEC_MAX_PAUSE steps
@@ -2513,7 +2514,6 @@ def note_verify(r: Req, step: tuple, accepted: int):
             r.spec_resume_at = r.spec_verify_ct + (0 if hit else r.spec_pause)
             r.spec_pause = 1 if hit else min(4 * r.spec_pause, SPEC_MAX_PAUSE)
         r.spec_last_miss = -1 if hit else r.spec_verify_ct
-
 
 
 # -- the sampler's per-row tensors and the logprobs' books: Part I's step calls these by name --
@@ -2660,7 +2660,9 @@ class ReqLogprobs:
     def restart_input(self):
         """A retracted request's prefill runs again: so do the prompt logprobs not all committed."""
         if not self.input_done:
-            self.input, self.input_top, self.input_ids = [], [], []
+            self.input = []
+            self.input_top = []
+            self.input_ids = []
 
     def meta(self) -> dict:
         meta = {"output_token_logprobs": list(self.output), "output_top_logprobs": list(self.output_top),
@@ -2673,7 +2675,7 @@ class ReqLogprobs:
 
 def meta_info(r: Req) -> dict:
     """A request's meta_info, SGLang's: its id and finish reason, token counts, logprobs if asked, and
-    speculation's counts when it verified drafts."""
+    speculation's counts when its engine speculates."""
     meta = {"id": r.rid, "finish_reason": r.finished_reason, "prompt_tokens": len(r.origin_input_ids),
             "completion_tokens": len(r.output_ids), "cached_tokens": r.cached_tokens}
     if r.logprobs is not None:
@@ -2807,33 +2809,36 @@ class TimedScheduler(Scheduler):
         for v in self.records.values():
             v.clear()
 
-    def span(self, name: str, **args):
-        return self.tracer.span("host", name, **args) if self.tracer else contextlib.nullcontext(args)
-
     def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
-        with self.span("plan") as args:
+        if self.tracer is None:
+            return super().get_next_batch_to_run()
+        with self.tracer.span("host", "plan") as args:
             batch = super().get_next_batch_to_run()
             if batch is not None:
                 args.update(mode=batch.forward_mode.value, rids=rids(batch.reqs))
             return batch
 
     def run_batch(self, batch: ScheduleBatch):
-        with self.span("launch", mode=batch.forward_mode.value, rids=rids(batch.reqs)):
+        if self.tracer is None:
+            return super().run_batch(batch)
+        with self.tracer.span("host", "launch", mode=batch.forward_mode.value, rids=rids(batch.reqs)):
             super().run_batch(batch)
 
     def launch_deferred_sample(self):
-        if self.deferred is None:
-            return
-        with self.span("launch sample", rids=rids(self.deferred[1].reqs)):
+        if self.tracer is None or self.deferred is None:
+            return super().launch_deferred_sample()
+        with self.tracer.span("host", "launch sample", rids=rids(self.deferred[1].reqs)):
             super().launch_deferred_sample()
 
     def process_batch_result(self):
+        if self.tracer is None:
+            return super().process_batch_result()
         batch = self.result_queue[0][0]
-        with self.span("commit", mode=batch.forward_mode.value, rids=rids(batch.reqs)):
-            if self.tracer is not None:  # finished at the last commit, yet in this step: skipped
-                over = [r.rid for r in batch.reqs if r.finished() and r.finished_reason["type"] != "abort"]
-                if over:
-                    self.tracer.instant("host", "overshoot", rids=over)
+        with self.tracer.span("host", "commit", mode=batch.forward_mode.value, rids=rids(batch.reqs)):
+            # finished at the last commit, yet in this step: skipped
+            over = [r.rid for r in batch.reqs if r.finished() and r.finished_reason["type"] != "abort"]
+            if over:
+                self.tracer.instant("host", "overshoot", rids=over)
             super().process_batch_result()
 
 
@@ -2843,6 +2848,11 @@ def check_context_length(asked: int, model_len: int):
     if asked > model_len and os.environ.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN") != "1":
         raise ValueError(f"context_length={asked} is longer than the model's context length ({model_len} "
                          "tokens); set SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 to use it anyway")
+
+
+def c_attention_fits(args: ServerArgs) -> bool:
+    """Whether the C decode attention may serve: a CPU, a bf16 or float32 dtype, a C compiler."""
+    return args.device == "cpu" and args.dtype not in ("float64", "float16") and cpp_compiler() is not None
 
 
 def check_engine_args(kwargs: dict) -> ServerArgs:
@@ -2858,9 +2868,7 @@ def check_engine_args(kwargs: dict) -> ServerArgs:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but torch sees no CUDA device")
-    c_fits = (args.device == "cpu" and args.dtype not in ("float64", "float16")
-              and cpp_compiler() is not None)
-    if args.attention_backend == "c" and not c_fits:
+    if args.attention_backend == "c" and not c_attention_fits(args):
         raise ValueError(f"attention_backend='c' needs device='cpu', a bf16 or float32 dtype (not "
                          f"{args.dtype!r}) and a C compiler ($CXX, g++, c++, clang++)")
     if (args.attention_backend == "triton" and args.device == "cpu" and torch.cuda.is_available()
@@ -2969,14 +2977,14 @@ class Engine:
         self.host_cores: Optional[set] = None  # cpu_device_threads: the host's cores (the device: the rest)
         if args.device == "cuda":
             stream = CudaDeviceStream()
-        elif args.cpu_device_threads:
-            keep_freed_memory_in_process()  # before the device thread exists: it shares the host's arena
-            device_cores, self.host_cores = split_cores(args.cpu_device_threads)
-            self._unpinned = pin_host_threads(self.host_cores)
-            stream = PinnedCpuDeviceStream(device_cores, args.worker_jitter_ms, args.random_seed)
         else:
-            keep_freed_memory_in_process()
-            stream = CpuDeviceStream(args.worker_jitter_ms, args.random_seed)
+            keep_freed_memory_in_process()  # before the device thread exists: it shares the host's arena
+            if args.cpu_device_threads:
+                device_cores, self.host_cores = split_cores(args.cpu_device_threads)
+                self._unpinned = pin_host_threads(self.host_cores)
+                stream = PinnedCpuDeviceStream(device_cores, args.worker_jitter_ms, args.random_seed)
+            else:
+                stream = CpuDeviceStream(args.worker_jitter_ms, args.random_seed)
         traced = {"tracer": self.tracer} if self.tracer else {}
         future_map = TracedFutureMap if self.tracer else FutureMap
         self.future_map = future_map(args.max_running_requests, args.device, args.debug_future_map, **traced)
@@ -3035,8 +3043,7 @@ class Engine:
         """check_engine_args, then attention_backend `auto` resolved (which builds the C kernel once)."""
         args = check_engine_args(kwargs)
         if args.attention_backend == "auto":
-            c = (args.device == "cpu" and args.dtype not in ("float64", "float16")
-                 and cpp_compiler() is not None and c_kernel_builds())
+            c = c_attention_fits(args) and c_kernel_builds()
             args.attention_backend = "triton" if args.device == "cuda" else "c" if c else "torch"
         return args
 
@@ -4251,8 +4258,7 @@ class TritonAttnBackend:
         self.kv = kv_pool
         self.meta = None
         self.req_to_token = req_to_token_pool.req_to_token  # (rows, ctx) on the device
-        kernels = load_kernels()  # late: triton is only needed by this backend
-        self.kernels = kernels
+        self.kernels = load_kernels()  # late: triton is only needed by this backend
 
     def init_forward_metadata(self, meta: ForwardMetadata):
         self.meta = meta
@@ -6487,25 +6493,25 @@ class ToolCallParser:
         cannot be one, is content (qwen25: up to the block's end marker)."""
         t = self.text
         m = self.HEAD.match(t, self.block)
-        if m is not None and m.end() < len(t) and json.loads(f'"{m.group(1)}"') in self.names:
-            events.append(("call", self.calls, json.loads(f'"{m.group(1)}"')))
+        read = m is not None and m.end() < len(t)  # the head is whole: the arguments have begun
+        name = json.loads(f'"{m.group(1)}"') if read else None
+        if name in self.names:
+            events.append(("call", self.calls, name))
             self.state = "arguments"
             self.pos = m.end()
             self.args = m.end()
             return True
         if self.fmt == "llama3":
-            if m is not None and m.end() < len(t) or len(t) - self.block > self.HEAD_MAX:
+            if read or len(t) - self.block > self.HEAD_MAX:
                 self.state = "content"  # not a tool's call: the reply is content
                 return True
             return False
         end = t.find(TOOL_CALL_END, self.block)
-        if (m is not None and m.end() < len(t)) or end >= 0 or len(t) - self.block > self.HEAD_MAX:
-            if end < 0:
-                return False  # not a call: content once the block ends
-            self.content(events, end + len(TOOL_CALL_END))
-            self.state = "text"
-            return True
-        return False
+        if end < 0:
+            return False  # not a call, or not yet: content once the block ends
+        self.content(events, end + len(TOOL_CALL_END))
+        self.state = "text"
+        return True
 
     def read_close(self) -> bool:
         """After a call's arguments: its closing }, then qwen25's end marker, or llama3's ';' and the next
@@ -6890,7 +6896,7 @@ def tokenize_inputs(srv: Served, raw: bytes) -> dict:
     if ("prompt" in body) == ("messages" in body):
         raise HTTPError(400, "give exactly one of 'prompt' and 'messages'")
     if "messages" in body:
-        ids = tokenize(srv, chat_prompt(srv, body))
+        ids = tokenize(srv, chat_prompt(srv, body, chat_tools(srv, body)))
         return {"tokens": ids, "count": len(ids), "max_model_len": srv.engine.context_len}
     prompt = body["prompt"]
     many = isinstance(prompt, list)
@@ -7205,14 +7211,14 @@ def chat_tools(srv: Served, body: dict) -> Optional[ToolChoice]:
     return check_tools(body, srv.engine.server_args.tool_call_parser, template or "", family)
 
 
-def chat_prompt(srv: Served, body: dict) -> str:
-    """The templated chat, with its tools (tool_messages). continue_final_message: a last assistant message
-    is continued, not closed (its text follows the generation prompt, as SGLang has it)."""
+def chat_prompt(srv: Served, body: dict, tools: Optional[ToolChoice]) -> str:
+    """The templated chat, with its tools (chat_tools, tool_messages). continue_final_message: a last
+    assistant message is continued, not closed (its text follows the generation prompt, as SGLang has it)."""
     messages = chat_messages(body["messages"])
     tokenizer = srv.engine.tokenizer
     if tokenizer is None or not tokenizer.chat_template:
         raise HTTPError(400, "this checkpoint has no chat template: use /v1/completions")
-    messages, extra = tool_messages(messages, chat_tools(srv, body), tokenizer.chat_template)
+    messages, extra = tool_messages(messages, tools, tokenizer.chat_template)
     extra = {**extra, **(body.get("chat_template_kwargs") or {})}
     reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(extra)
     if reserved:
@@ -7237,7 +7243,7 @@ def chat_inputs(srv: Served, raw: bytes) -> OpenAIReply:
     if body.get("echo"):
         raise HTTPError(400, "field 'echo'=true is not implemented for chat; only false is accepted")
     tools = chat_tools(srv, body)
-    input_ids = [tokenize(srv, chat_prompt(srv, body))]
+    input_ids = [tokenize(srv, chat_prompt(srv, body, tools))]
     m = body.get("max_completion_tokens")
     if m is not None and len(input_ids[0]) + m > srv.engine.context_len:  # SGLang's words for it
         room = srv.engine.context_len - len(input_ids[0])
