@@ -626,11 +626,14 @@ def hf_run(model, reqs, out_lens, batch) -> dict:
             "ttft_p50_s": pct(ttft, 50)}
 
 
-def linear_flops(dtype, M, K=576, N=1536, iters=10) -> float:
-    """This machine's F.linear rate (FLOP/s) in dtype for an (M, K) x (K, N) product, measured here
-    (defaults: SmolLM2's MLP shape); the best of three timings."""
+@functools.cache
+def linear_flops(dtype, M, K=576, N=1536) -> float:
+    """This machine's F.linear rate (FLOP/s) in dtype for an (M, K) x (K, N) product, measured once here
+    (defaults: SmolLM2's MLP shape); the best of three timings of about 0.1 s each."""
     x, w = torch.randn(M, K, dtype=dtype), torch.randn(N, K, dtype=dtype)
+    t0 = time.perf_counter()
     F.linear(x, w)
+    iters = max(1, min(10, int(0.1 / (time.perf_counter() - t0))))  # a CPU without bf16 units is slow
     best = math.inf
     for _ in range(3):
         t0 = time.perf_counter()
