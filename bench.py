@@ -1318,22 +1318,30 @@ SERVE_INPUT = "32,256"       # prompt length range
 SERVE_OUTPUT = "16,128"      # output length range
 
 
-def start_server_process(model_path, extra=()) -> tuple:
-    """(process, url) of `overlap_engine.py --serve --port 0`, once it prints that it is ready."""
+def start_server_processes(model_path, extras: list) -> list:
+    """[(process, url)] of `overlap_engine.py --serve --port 0`, one for each list of extra flags, started
+    at once (each imports torch and loads the model: side by side, that wait is paid once), returned when
+    every one has printed that it is ready; an idle server takes no CPU from the one being measured."""
     import threading
-    cmd = [sys.executable, "overlap_engine.py", "--serve", "--port", "0", *extra]
-    if model_path:
-        cmd += ["--model-path", model_path]
     here = os.path.dirname(os.path.abspath(__file__))
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=here)
-    line = []
-    reader = threading.Thread(target=lambda: line.append(p.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(600)  # the first run may download the default model
-    if not line or "serving" not in line[0]:
-        p.kill()
-        raise RuntimeError(f"the server did not start: {line}")
-    return p, line[0].split()[-1]
+    procs, lines = [], []
+    for extra in extras:
+        cmd = [sys.executable, "overlap_engine.py", "--serve", "--port", "0", *extra]
+        procs.append(subprocess.Popen(cmd + (["--model-path", model_path] if model_path else []),
+                                      stdout=subprocess.PIPE, text=True, cwd=here))
+        lines.append([])
+    readers = [threading.Thread(target=lambda p=p, line=line: line.append(p.stdout.readline()), daemon=True)
+               for p, line in zip(procs, lines)]
+    for r in readers:
+        r.start()
+    deadline = time.monotonic() + 600  # the first run may download the default model
+    for r in readers:
+        r.join(max(0.0, deadline - time.monotonic()))
+    if not all(line and "serving" in line[0] for line in lines):
+        for p in procs:
+            p.kill()
+        raise RuntimeError(f"a server did not start: {lines}")
+    return [(p, line[0].split()[-1]) for p, line in zip(procs, lines)]
 
 
 def stream_one(url, input_ids, out_len, t_sent) -> dict:
@@ -1391,12 +1399,13 @@ def cmd_serve(args):
     eager = ["--no-enable-torch-compile"] if args.quick else []  # the tiny model: a smoke test of the load
     targets = [("server at " + args.url, None)] if args.url else [("overlap", eager), ("serial", [
         "--disable-overlap-schedule", *eager])]
-    for name, extra in targets:
-        proc, url = (None, args.url) if args.url else start_server_process(path, extra)
-        try:
+    servers = [(None, args.url)] if args.url else start_server_processes(path, [x for _, x in targets])
+    try:
+        for (name, _), (_, url) in zip(targets, servers):
             stream_one(url, reqs[0][:4], 2, time.perf_counter())  # warm-up
             results[name] = serve_load(url, reqs, out_lens, conc, args.rate, args.seed)
-        finally:
+    finally:
+        for proc, _ in servers:
             if proc is not None:
                 proc.terminate()
                 proc.wait(timeout=60)
@@ -1633,22 +1642,22 @@ def cmd_queue(args):
         want = [ref.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in distinct]
     prompts = [distinct[i % len(distinct)] for i in range(max(sizes))]
     expected = [want[i % len(distinct)] for i in range(max(sizes))]
-    res = {}
-    for loop in ("overlap", "serial"):
-        row = res[loop] = {}
-        flags = ["--dtype", "float32", "--no-enable-torch-compile"] + (  # a queue's costs are the host's
-            ["--disable-overlap-schedule"] if loop == "serial" else [])
-        proc, url = start_server_process(ckpt, flags)
-        try:
+    res = {"overlap": {}, "serial": {}}
+    flags = ["--dtype", "float32", "--no-enable-torch-compile"]  # a queue's costs are the host's
+    servers = start_server_processes(ckpt, [flags, flags + ["--disable-overlap-schedule"]])
+    try:
+        for (loop, row), (_, url) in zip(res.items(), servers):
             for n in sizes:
                 gc.collect()
                 t0 = time.perf_counter()
                 status, outs = post_json(url, "/generate", {"input_ids": prompts[:n], "sampling_params": sp})
                 row[f"server {n}"] = time.perf_counter() - t0
                 assert status == 200 and [o["output_ids"] for o in outs] == expected[:n], f"{loop} server {n}"
-        finally:
+    finally:
+        for proc, _ in servers:
             proc.terminate()
             proc.wait(30)
+    for loop, row in res.items():
         with oe.Engine(**kw, disable_overlap_schedule=loop == "serial") as e:
             for n in sizes:
                 gc.collect()  # each run starts without the garbage of the last (its collections cost more)

@@ -195,10 +195,10 @@ def run_through_interrupts(engine, workload, max_steps=200):
     raise AssertionError(f"workload did not finish ({len(done)} of {len(rids)}, {interrupts} interrupts)")
 
 
-def run_both_loops(ckpt, wl, **kw):
+def run_both_loops(ckpt, wl, loops=LOOPS, **kw):
     """{loop: output ids} for the workload in each loop; invariants checked after each."""
     outs = {}
-    for loop in LOOPS:
+    for loop in loops:
         with make_engine(ckpt, loop, **kw) as e:
             outs[loop] = [o["output_ids"] for o in run_workload(e, wl)]
             e.check_invariants()
@@ -1132,18 +1132,18 @@ def test_aborting_waiting_requests_costs_what_it_aborts(ckpt, loop, monkeypatch)
         return real_iter(self)
     wl = greedy_workload(random_prompts(6, seed=193, lo=2, hi=5), [2] * 6)
     with make_engine(ckpt, loop, max_running_requests=16) as e:
-        rids = [e.add_request(input_ids=wl[i % 6][0], sampling_params=wl[i % 6][1]) for i in range(3000)]
+        rids = [e.add_request(input_ids=wl[i % 6][0], sampling_params=wl[i % 6][1]) for i in range(600)]
         doomed = set(rids[5::29])
         monkeypatch.setattr(oe.Req, "__eq__", eq, raising=False)
         monkeypatch.setattr(oe.WaitingQueue, "__iter__", walk)
         for rid in doomed:
             e.abort(rid)
-        assert compared[0] == 0 and walks[0] == 0 and len(doomed) == 104
+        assert compared[0] == 0 and walks[0] == 0 and len(doomed) == 21
         monkeypatch.undo()
         assert [r.rid for r in e.scheduler.waiting] == [rid for rid in rids if rid not in doomed]
         first = e.scheduler.waiting.reqs.popitem(last=False)[1]
         e.scheduler.waiting.push(first, front=True)
-        assert next(iter(e.scheduler.waiting)) is first and len(e.scheduler.waiting) == 3000 - 104
+        assert next(iter(e.scheduler.waiting)) is first and len(e.scheduler.waiting) == 600 - 21
         done = steps_until_done(e, rids, limit=2000)
         e.check_invariants()
     want = expected_greedy(ckpt, wl)
@@ -2280,26 +2280,26 @@ def test_quantization_and_compile_arguments_are_checked(ckpt, monkeypatch):
         Engine(model_path=ckpt, device="cuda", enable_torch_compile=True)
 
 
-def test_compiled_decode_gives_the_reference_tokens_in_both_loops(ckpt, mixed_workload):
+def test_compiled_decode_gives_the_reference_tokens(ckpt, mixed_workload):
     """enable_torch_compile: decode batches of up to torch_compile_max_bs requests run the compiled model
     (batch 1 its own graph; batches 2 and up the frozen graph, attending through the fused-gather op) and
-    larger ones the eager model; in float64 all give the reference's tokens."""
+    larger ones the eager model; in float64 all give the reference's tokens. (The overlap loop here; the
+    serial loop runs compiled, against the overlap one, in test_a_compiled_bf16_engine_starts_from_...)"""
     wl, expected = mixed_workload
-    for loop in LOOPS:
-        with make_engine(ckpt, loop, enable_torch_compile=True, torch_compile_max_bs=3) as e:
-            w, calls = e.scheduler.worker, collections.Counter()
-            for name in ("one", "many"):
-                graph = getattr(w.model, name)
-                setattr(w.model, name, lambda *a, graph=graph, name=name: calls.update([name]) or graph(*a))
-            mode = lambda: "decode" if w.attn.meta.forward_mode.is_decode() else "extend"  # noqa: E731
-            eager = w.model.eager
-            w.model.eager = lambda *a: calls.update([f"eager {mode()}"]) or eager(*a)
-            init = w.attn.init_forward_metadata
-            w.attn.init_forward_metadata = lambda m: init(m) or calls.update(["fused"] * w.attn.fused)
-            assert [o["output_ids"] for o in run_workload(e, wl)] == expected
-            e.check_invariants()
-        assert calls["one"] > 0 and calls["many"] > 5 and calls["eager decode"] > 0, calls
-        assert calls["fused"] == calls["many"], calls
+    with make_engine(ckpt, "overlap", enable_torch_compile=True, torch_compile_max_bs=3) as e:
+        w, calls = e.scheduler.worker, collections.Counter()
+        for name in ("one", "many"):
+            graph = getattr(w.model, name)
+            setattr(w.model, name, lambda *a, graph=graph, name=name: calls.update([name]) or graph(*a))
+        mode = lambda: "decode" if w.attn.meta.forward_mode.is_decode() else "extend"  # noqa: E731
+        eager = w.model.eager
+        w.model.eager = lambda *a: calls.update([f"eager {mode()}"]) or eager(*a)
+        init = w.attn.init_forward_metadata
+        w.attn.init_forward_metadata = lambda m: init(m) or calls.update(["fused"] * w.attn.fused)
+        assert [o["output_ids"] for o in run_workload(e, wl)] == expected
+        e.check_invariants()
+    assert calls["one"] > 0 and calls["many"] > 5 and calls["eager decode"] > 0, calls
+    assert calls["fused"] == calls["many"], calls
 
 
 def test_compiled_decode_verifies_one_requests_drafts_in_a_graph_of_its_own(cycling_ckpt):
@@ -2343,16 +2343,18 @@ def test_fused_gather_decode_is_attention_over_each_requests_slots():
         torch.testing.assert_close(out[b], want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_quantized_compiled_decode_gives_the_eager_tokens_and_never_recompiles(ckpt, mixed_workload, mode):
-    """The chat's setup, quantized and compiled, on the tiny model in float32: the eager quantized engine's
-    tokens; and the graphs compiled at start are all there is (no request waits on the compiler)."""
+@pytest.mark.parametrize("mode, max_bs", [("int8", 4), ("int4", 1)])
+def test_quantized_compiled_decode_gives_the_eager_tokens_and_never_recompiles(ckpt, mixed_workload, mode,
+                                                                               max_bs):
+    """Quantized and compiled, on the tiny model in float32, as a server compiles (batches up to 4) and as
+    the chat does (batch 1 alone): the eager quantized engine's tokens; and the graphs compiled at start
+    are all there is (no request waits on the compiler)."""
     from torch._dynamo.utils import counters
     wl = mixed_workload[0]
     with make_engine(ckpt, "overlap", dtype="float32", quantization=mode) as e:
         want = [o["output_ids"] for o in run_workload(e, wl)]
     with make_engine(ckpt, "overlap", dtype="float32", quantization=mode, enable_torch_compile=True,
-                     torch_compile_max_bs=4) as e:
+                     torch_compile_max_bs=max_bs) as e:
         graphs = counters["stats"]["unique_graphs"]
         assert [o["output_ids"] for o in run_workload(e, wl)] == want
         e.check_invariants()
@@ -3007,7 +3009,7 @@ def bf16_ulp(x: float) -> float:
     return 2.0 ** (math.floor(math.log2(abs(x))) - 7)
 
 
-def test_default_model_quantized_follows_the_float_model(smollm, monkeypatch):
+def test_default_model_quantized_follows_the_float_model(smollm, smollm_engines, monkeypatch):
     """fp32 activations, greedy, 16 tokens of each chat prompt: int8 and int4 give the float model's tokens
     until the float model's own logits put their token within 0.15 of its own. Measured here: the runs part
     at gaps of 0.003-0.045, at token 9 or 10 of two prompts (49 and 43 tokens agreed; with 24 tokens a
@@ -3016,29 +3018,28 @@ def test_default_model_quantized_follows_the_float_model(smollm, monkeypatch):
     seen, sample = [], oe.sample
     monkeypatch.setattr(oe, "sample", lambda logits, *a: seen.append(logits.clone()) or sample(logits, *a))
     sp = {"max_new_tokens": 16, "temperature": 0}
-    outs = {}
-    for mode in ("int8", "int4", None):  # the float engine last: it stays open to look at its logits
-        e = Engine(model_path=smollm[0], device="cpu", dtype="float32", quantization=mode,
-                   max_total_tokens=4096)
-        prompts = [e.tokenizer.encode(e.tokenizer.apply_chat_template([{"role": "user", "content": p}]))
-                   for p in CHAT_PROMPTS]
-        outs[mode] = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=sp)]
-        e.check_invariants()
-        if mode is not None:
-            e.shutdown()
-    with e:
-        for mode in ("int8", "int4"):
-            agreed = 0
-            for ids, out, ref in zip(prompts, outs[mode], outs[None]):
-                d = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
-                agreed += d
-                if d == min(len(out), len(ref)):
-                    assert out == ref  # neither stopped where the other went on
-                    continue
-                e.generate(input_ids=ids + ref[:d], sampling_params={"max_new_tokens": 1})
-                gap = float(seen[-1][-1][ref[d]] - seen[-1][-1][out[d]])
-                assert 0 <= gap <= 0.15, f"{mode} diverged at token {d} with a float logit gap of {gap}"
-            assert agreed >= 40, f"{mode}: {agreed} tokens agreed"
+    e = smollm_engines["serial"]  # the float model (its logits are looked at below)
+    prompts = [e.tokenizer.encode(e.tokenizer.apply_chat_template([{"role": "user", "content": p}]))
+               for p in CHAT_PROMPTS]
+    outs = {None: [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=sp)]}
+    for mode in ("int8", "int4"):
+        with Engine(model_path=smollm[0], device="cpu", dtype="float32", quantization=mode,
+                    max_total_tokens=4096) as q:
+            outs[mode] = [o["output_ids"] for o in q.generate(input_ids=prompts, sampling_params=sp)]
+            q.check_invariants()
+    for mode in ("int8", "int4"):
+        agreed = 0
+        for ids, out, ref in zip(prompts, outs[mode], outs[None]):
+            d = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+            agreed += d
+            if d == min(len(out), len(ref)):
+                assert out == ref  # neither stopped where the other went on
+                continue
+            e.generate(input_ids=ids + ref[:d], sampling_params={"max_new_tokens": 1})
+            gap = float(seen[-1][-1][ref[d]] - seen[-1][-1][out[d]])
+            assert 0 <= gap <= 0.15, f"{mode} diverged at token {d} with a float logit gap of {gap}"
+        assert agreed >= 40, f"{mode}: {agreed} tokens agreed"
+    e.check_invariants()
 
 
 @pytest.fixture(scope="module")
@@ -3055,13 +3056,12 @@ def hf_bf16(hf_model):
     return hf
 
 
-@pytest.mark.parametrize("loop", LOOPS)
-def test_default_model_in_bf16_matches_transformers_in_bf16(smollm, hf_bf16, loop):
+def test_default_model_in_bf16_matches_transformers_in_bf16(smollm, hf_bf16):
     """Both in bf16, greedy: token for token until transformers' own bf16 logits cannot tell our token
-    from its own (within two bf16 steps of each other; measured here: 0 or one step, 0.125 at ~16-32)."""
+    from its own (within two bf16 steps of each other; measured here: 0 or one step, 0.125 at ~16-32).
+    The overlap loop here; test_bf16_overlap_equals_serial holds the serial one to it."""
     path, hf = smollm[0], hf_bf16
-    with Engine(model_path=path, disable_overlap_schedule=loop == "serial", device="cpu", dtype="bfloat16",
-                max_total_tokens=4096) as e:
+    with Engine(model_path=path, device="cpu", dtype="bfloat16", max_total_tokens=4096) as e:
         prompts = [e.tokenizer.encode(e.tokenizer.apply_chat_template([{"role": "user", "content": p}]))
                    for p in CHAT_PROMPTS]
         outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params={
@@ -3183,9 +3183,9 @@ def test_each_family_keeps_its_features(family):
         outs = run_both_loops(path, wl, **kw)
         assert outs["overlap"] == outs["serial"], (name, kw)
     if oe.cpp_compiler() is not None and name != "mistral":  # Mistral's graph is Llama's, compiled above
-        compiled = run_both_loops(path, wl, dtype="float32", enable_torch_compile=True,
+        compiled = run_both_loops(path, wl, ["overlap"], dtype="float32", enable_torch_compile=True,
                                   torch_compile_max_bs=2)
-        assert compiled["overlap"] == run_both_loops(path, wl, dtype="float32")["overlap"], name
+        assert compiled == run_both_loops(path, wl, ["overlap"], dtype="float32"), name
 
 
 def test_each_family_splits_over_two_tensor_parallel_ranks(family, loopback):
@@ -4697,14 +4697,21 @@ def test_cli_one_shot(smollm):
     assert "Paris" in r.stdout and "tok/s" in r.stdout
 
 
-def test_cli_interactive_chat(smollm):
-    """The chat as a newcomer starts it: weights measured for one request, the batch-1 step compiled."""
-    r = subprocess.run([sys.executable, "overlap_engine.py", "--model-path", smollm[0],
-                        "--max-new-tokens", "20"],
+def test_cli_interactive_chat(smollm, tmp_path):
+    """The chat as a newcomer starts it: the weight format picked for one request, the batch-1 step
+    compiled, the reply streamed. The format check's engines are stood in for here (every format keeps
+    the answers, so the fastest is picked); they run for real in the test of one_request_format."""
+    driver = ("import contextlib, sys, overlap_engine as oe; "
+              "oe.format_engine = lambda path, name: contextlib.nullcontext(name); "
+              "oe.greedy_replies = lambda e: [[1, 2, 3]] * 8; oe.main(sys.argv[1:])")
+    env = {**os.environ, **oe.OPENMP_SPIN, "OVERLAP_ENGINE_CACHE": str(tmp_path)}  # the record goes there
+    r = subprocess.run([sys.executable, "-c", driver, "--model-path", smollm[0], "--max-new-tokens", "20"],
                        input="Write a haiku about the sea.\n/exit\n", capture_output=True, text=True,
-                       timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
+                       timeout=300, cwd=HERE, env=env)
     assert r.returncode == 0, r.stderr
-    assert "one request:" in r.stderr and "the fastest one-token matmul here" in r.stderr
+    record = json.loads((tmp_path / "one_request_formats.json").read_text()).popitem()[1]
+    fastest = min(oe.ONE_REQUEST_CANDIDATES, key=record["matmul_ms"].get)
+    assert f"one request: {fastest} weights" in r.stderr and "the fastest one-token matmul here" in r.stderr
     assert ("torch.compile of the batch-1 step" in r.stderr) == (oe.cpp_compiler() is not None)
     reply = r.stdout.split("> ")[1]  # after the chat's first prompt: the streamed reply
     assert len(reply.split()) >= 5 and "tokens in" in r.stdout and "time to first token" in r.stdout
@@ -6370,11 +6377,12 @@ def test_two_servers_behind_sglang_router(chat_ckpt):
     pytest.importorskip("sglang_router")
     procs, router = [], None
     try:
-        workers = [start_server_process(chat_ckpt), start_server_process(
-            chat_ckpt, "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "3",
-            "--enable-mixed-chunk")]
-        procs = [p for p, _ in workers]
-        urls = [u for _, u in workers]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both start at once
+            starts = [pool.submit(start_server_process, chat_ckpt), pool.submit(
+                start_server_process, chat_ckpt, "--speculative-algorithm", "NGRAM",
+                "--speculative-num-draft-tokens", "3", "--enable-mixed-chunk")]
+        procs = [f.result()[0] for f in starts if f.exception() is None]  # stopped below, if one failed
+        urls = [f.result()[1] for f in starts]
         port, metrics_port = oe.free_port(), oe.free_port()
         router = subprocess.Popen(
             [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--policy",
