@@ -1324,12 +1324,10 @@ def start_server_processes(model_path, extras: list) -> list:
     every one has printed that it is ready; an idle server takes no CPU from the one being measured."""
     import threading
     here = os.path.dirname(os.path.abspath(__file__))
-    procs, lines = [], []
-    for extra in extras:
-        cmd = [sys.executable, "overlap_engine.py", "--serve", "--port", "0", *extra]
-        procs.append(subprocess.Popen(cmd + (["--model-path", model_path] if model_path else []),
-                                      stdout=subprocess.PIPE, text=True, cwd=here))
-        lines.append([])
+    model = ["--model-path", model_path] if model_path else []
+    procs = [subprocess.Popen([sys.executable, "overlap_engine.py", "--serve", "--port", "0", *extra, *model],
+                              stdout=subprocess.PIPE, text=True, cwd=here) for extra in extras]
+    lines = [[] for _ in procs]  # each server's first line, read by a thread of its own
     readers = [threading.Thread(target=lambda p=p, line=line: line.append(p.stdout.readline()), daemon=True)
                for p, line in zip(procs, lines)]
     for r in readers:
