@@ -1186,8 +1186,8 @@ SINGLE_ANSWER_PROMPT, SINGLE_ANSWER_TOKENS = "What is the capital of France?", 2
 
 def single_answer(engine) -> str:
     """The engine's greedy reply to SINGLE_ANSWER_PROMPT, one request alone, as the chat would send it."""
-    prompt = oe.format_prompt(engine, SINGLE_ANSWER_PROMPT, raw=False)
-    return engine.generate(prompt=prompt, sampling_params={"max_new_tokens": SINGLE_ANSWER_TOKENS,
+    ids = oe.prompt_ids(engine, SINGLE_ANSWER_PROMPT, raw=False)
+    return engine.generate(input_ids=ids, sampling_params={"max_new_tokens": SINGLE_ANSWER_TOKENS,
                                                            "temperature": 0})["text"]
 
 

@@ -3174,7 +3174,8 @@ class Engine:
         return self._reqs[rid]
 
     def _to_ids(self, prompt, input_ids):
-        """The token ids of exactly one of prompt (text) and input_ids."""
+        """The token ids of exactly one of prompt (text) and input_ids. Text is tokenized as SGLang does,
+        with the special tokens the model's tokenizer adds (Llama 3's BOS; none for SmolLM2 or Qwen)."""
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt and input_ids")
         if input_ids is not None:
@@ -3183,7 +3184,7 @@ class Engine:
             raise ValueError(f"prompt must be a non-empty string, got {prompt!r:.80}")
         if self.tokenizer is None:
             raise ValueError("prompt needs a tokenizer and this checkpoint has none; pass input_ids")
-        return self.tokenizer.encode(prompt)
+        return self.tokenizer.encode(prompt, special=True)
 
     def step(self) -> list[dict]:
         """One scheduler iteration; returns the outputs that finished in it (aborted ones included)."""
@@ -4963,9 +4964,10 @@ def _pre_tokenizer(pre):
 
 
 def gguf_tokenizer(reader):
-    """Build the byte-level BPE tokenizer a GGUF describes; encode() adds no BOS/EOS.
+    """Build the byte-level BPE tokenizer a GGUF describes. Asked for special tokens, it adds the BOS and
+    EOS the file's tokenizer.ggml.add_bos_token / add_eos_token ask for (llama.cpp's and transformers' rule).
     Returns (tokenizer, extras) with extras = bos/eos ids and strings and the chat template (or None)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
     if (kind := _meta(reader, "tokenizer.ggml.model")) != "gpt2":
         raise ValueError(f"tokenizer.ggml.model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
     tokens = _meta(reader, "tokenizer.ggml.tokens")
@@ -4981,6 +4983,13 @@ def gguf_tokenizer(reader):
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
                     for t, ty in zip(tokens, types) if ty == 4])
     bos, eos = _meta(reader, "tokenizer.ggml.bos_token_id"), _meta(reader, "tokenizer.ggml.eos_token_id")
+    add_bos = bos is not None and bool(_meta(reader, "tokenizer.ggml.add_bos_token", False))
+    add_eos = eos is not None and bool(_meta(reader, "tokenizer.ggml.add_eos_token", False))
+    if add_bos or add_eos:  # e.g. Llama 3's <|begin_of_text|>, which its tokenizer.json's post-processor adds
+        single = [tokens[bos]] * add_bos + ["$A"] + [tokens[eos]] * add_eos
+        special = {tokens[i]: i for i, on in ((bos, add_bos), (eos, add_eos)) if on}
+        tok.post_processor = processors.TemplateProcessing(single=" ".join(single),
+                                                           special_tokens=list(special.items()))
     extras = {"bos_token_id": bos, "eos_token_id": eos,
               "chat_template": _meta(reader, "tokenizer.chat_template"),
               "bos_token": tokens[bos] if bos is not None else "",
@@ -5496,7 +5505,7 @@ def format_engine(model_path: str, name: str) -> Engine:
 def greedy_replies(engine: Engine) -> list:
     """Each FORMAT_CHECK_PROMPTS reply's first FORMAT_CHECK_TOKENS greedy tokens, one request at a time."""
     sp = {"max_new_tokens": FORMAT_CHECK_TOKENS, "temperature": 0}
-    return [engine.generate(prompt=format_prompt(engine, p, False), sampling_params=sp)["output_ids"]
+    return [engine.generate(input_ids=prompt_ids(engine, p, False), sampling_params=sp)["output_ids"]
             for p in FORMAT_CHECK_PROMPTS]
 
 
@@ -5729,11 +5738,15 @@ def cli_error(e: Exception):
     sys.exit(2)
 
 
-def format_prompt(engine: Engine, text: str, raw: bool, history: Optional[list] = None) -> str:
+def prompt_ids(engine: Engine, text: str, raw: bool, history: Optional[list] = None) -> list[int]:
+    """The command line's prompt: the conversation in the model's chat template, tokenized as written (the
+    template writes its own BOS), or with raw (or no template) the text as Engine.generate tokenizes it."""
     tok = engine.tokenizer
-    if raw or tok is None or not tok.chat_template:
-        return text
-    return tok.apply_chat_template((history or []) + [{"role": "user", "content": text}])
+    if tok is None:
+        raise ValueError("this checkpoint has no tokenizer, and the command line takes text")
+    if raw or not tok.chat_template:
+        return tok.encode(text, special=True)
+    return tok.encode(tok.apply_chat_template((history or []) + [{"role": "user", "content": text}]))
 
 
 class Meter:
@@ -5763,8 +5776,8 @@ class Meter:
 
 def run_prompts(engine: Engine, prompts: list, sp: dict, raw: bool):
     meter = Meter()
-    texts = [format_prompt(engine, p, raw) for p in prompts]
-    for chunk in meter.stream(engine.generate(prompt=texts, sampling_params=sp, stream=True)):
+    ids = [prompt_ids(engine, p, raw) for p in prompts]
+    for chunk in meter.stream(engine.generate(input_ids=ids, sampling_params=sp, stream=True)):
         if len(prompts) == 1:
             print(chunk["text"], end="", flush=True)
         elif chunk["meta_info"]["finish_reason"] is not None:
@@ -5788,8 +5801,8 @@ def chat(engine: Engine, sp: dict, raw: bool):
             continue
         reply = ""
         try:
-            prompt = format_prompt(engine, text, raw, history)
-            chunks = engine.generate(prompt=prompt, sampling_params=sp, stream=True)
+            ids = prompt_ids(engine, text, raw, history)
+            chunks = engine.generate(input_ids=ids, sampling_params=sp, stream=True)
             for chunk in meter.stream(chunks):
                 reply += chunk["text"]
                 print(chunk["text"], end="", flush=True)
@@ -6719,8 +6732,10 @@ async def prepared(request, prepare: Callable) -> tuple:
     return await asyncio.get_running_loop().run_in_executor(srv.workers, prepare, srv, raw)
 
 
-def tokenize(srv: Served, text: str, special: bool = False) -> list:
-    """On a worker thread. A prompt longer than the context is refused before its ids are listed."""
+def tokenize(srv: Served, text: str, special: bool = True) -> list:
+    """On a worker thread. A prompt longer than the context is refused before its ids are listed. special:
+    the tokenizer's own special tokens added (a text prompt's, as SGLang's tokenizer(text) adds them); a
+    rendered chat writes its own (its template's BOS) and takes special=False."""
     if srv.engine.tokenizer is None:
         raise HTTPError(400, "this checkpoint has no tokenizer: send token ids instead of text")
     try:
@@ -6896,7 +6911,7 @@ def tokenize_inputs(srv: Served, raw: bytes) -> dict:
     if ("prompt" in body) == ("messages" in body):
         raise HTTPError(400, "give exactly one of 'prompt' and 'messages'")
     if "messages" in body:
-        ids = tokenize(srv, chat_prompt(srv, body, chat_tools(srv, body)))
+        ids = tokenize(srv, chat_prompt(srv, body, chat_tools(srv, body)), special=False)
         return {"tokens": ids, "count": len(ids), "max_model_len": srv.engine.context_len}
     prompt = body["prompt"]
     many = isinstance(prompt, list)
@@ -7243,7 +7258,7 @@ def chat_inputs(srv: Served, raw: bytes) -> OpenAIReply:
     if body.get("echo"):
         raise HTTPError(400, "field 'echo'=true is not implemented for chat; only false is accepted")
     tools = chat_tools(srv, body)
-    input_ids = [tokenize(srv, chat_prompt(srv, body, tools))]
+    input_ids = [tokenize(srv, chat_prompt(srv, body, tools), special=False)]
     m = body.get("max_completion_tokens")
     if m is not None and len(input_ids[0]) + m > srv.engine.context_len:  # SGLang's words for it
         room = srv.engine.context_len - len(input_ids[0])

@@ -2554,7 +2554,7 @@ def llama3_rope_freqs(theta, head_dim, factor, low, high, old_ctx):
 
 
 def write_tiny_gguf(path, qtype="F32", pre="gpt2", hidden=64, n_head=4, n_kv=2, untied=False,
-                    rope_freqs=None):
+                    rope_freqs=None, add_bos=None):
     """Write a 2-layer random Llama GGUF the way llama.cpp would; return the HF-order weights it
     should load back as (quantized then dequantized, since Q/K row order commutes with row blocks)."""
     rng = np.random.default_rng(0)
@@ -2581,6 +2581,8 @@ def write_tiny_gguf(path, qtype="F32", pre="gpt2", hidden=64, n_head=4, n_kv=2, 
     w.add_token_merges(TINY_MERGES)
     w.add_bos_token_id(len(TINY_TOKENS) - 2)
     w.add_eos_token_id(len(TINY_TOKENS) - 2)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     expected = {}
     for name, shape in shapes.items():
         x = rng.standard_normal(shape).astype(np.float32)
@@ -2747,6 +2749,23 @@ def test_tiny_tokenizer_special_tokens(tmp_path):
     assert enc.tokens == ["he", "<think>", "he", "<|end|>"] and enc.ids[-1] == extras["eos_token_id"]
     assert tok.decode(enc.ids, skip_special_tokens=True) == "he<think>he"
     assert tok.decode(enc.ids, skip_special_tokens=False) == "he<think>he<|end|>"
+
+
+@needs_gguf
+def test_tiny_tokenizer_adds_the_bos_its_file_asks_for(tmp_path):
+    """tokenizer.ggml.add_bos_token true: the BOS is added when special tokens are (Engine.generate's
+    text prompts, /tokenize by default), as transformers' reading of the same file adds it; false or
+    absent: none."""
+    from transformers import AutoTokenizer
+    for add_bos in (True, False, None):
+        path = tmp_path / f"{add_bos}.gguf"
+        write_tiny_gguf(str(path), pre="llama-bpe", add_bos=add_bos)
+        tok, extras = oe.gguf_tokenizer(oe.load_gguf(str(path))[2])
+        hf = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+        for text in ("hi there", "12345 abc"):
+            plain = tok.encode(text, add_special_tokens=False).ids
+            assert plain == hf.encode(text, add_special_tokens=False)
+            assert tok.encode(text).ids == hf.encode(text) == [extras["bos_token_id"]] * bool(add_bos) + plain
 
 
 @needs_gguf
@@ -5773,6 +5792,50 @@ def test_server_logprob_text_token_ids_logprob_and_matched_stop(served, ckpt_log
                                                                  "temperature": 0})
     assert out["choices"][0]["finish_reason"] == "length" and out["choices"][0]["matched_stop"] is None
     wait_idle_and_check(server)
+
+
+def test_a_text_prompt_gets_the_bos_its_tokenizer_adds_and_a_chat_only_its_templates(tmp_path):
+    """A tokenizer.json whose post-processor adds a BOS (Llama 3's, Mistral's) and a template that writes
+    one: text prompts (Engine.generate, /generate, /v1/completions, /tokenize, the command line's raw
+    prompt) get the BOS, as transformers' tokenizer(text) and SGLang add it; a chat (/v1/chat/completions,
+    /tokenize of messages, the command line's chat) gets the template's alone, as transformers'
+    apply_chat_template(tokenize=True) gives it."""
+    pytest.importorskip("fastapi")
+    from tokenizers import Tokenizer as HFTokenizer, processors
+    from transformers import AutoTokenizer
+    path = oe.write_random_checkpoint(str(tmp_path))
+    tk = HFTokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 256)])
+    tk.save(os.path.join(path, "tokenizer.json"))
+    template = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}[assistant]{% endif %}")
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                   "chat_template": template}, f)
+    hf = AutoTokenizer.from_pretrained(path)
+    text, messages = "hi there", [{"role": "user", "content": "hi there"}]
+    want_text = hf(text).input_ids
+    want_chat = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert want_text[0] == want_chat[0] == 256 and 256 not in want_text[1:] + want_chat[1:]
+    logprobs = {"return_logprob": True, "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 1}}
+    with make_engine(path, "overlap") as e:
+        out = e.generate(prompt=text, **logprobs)
+        assert [t for _, t, _ in out["meta_info"]["input_token_logprobs"]] == want_text
+        assert oe.prompt_ids(e, text, raw=True) == want_text
+        assert oe.prompt_ids(e, text, raw=False) == want_chat
+    server = oe.Server(make_engine(path, "overlap"), port=0).start()
+    try:
+        status, out = http_call(server, "POST", "/generate", {"text": text, **logprobs})
+        assert status == 200 and [t for _, t, _ in out["meta_info"]["input_token_logprobs"]] == want_text
+        status, out = http_call(server, "POST", "/v1/completions", {"prompt": text, "max_tokens": 1})
+        assert status == 200 and out["usage"]["prompt_tokens"] == len(want_text)
+        status, out = http_call(server, "POST", "/v1/chat/completions",
+                                {"messages": messages, "max_tokens": 1})
+        assert status == 200 and out["usage"]["prompt_tokens"] == len(want_chat)
+        assert http_call(server, "POST", "/tokenize", {"prompt": text})[1]["tokens"] == want_text
+        assert http_call(server, "POST", "/tokenize", {"messages": messages})[1]["tokens"] == want_chat
+    finally:
+        server.stop()
 
 
 def test_server_speaks_sglangs_errors_and_meta_info(served):
