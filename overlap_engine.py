@@ -4887,6 +4887,10 @@ def _gguf_config(reader, tensors, arch: str):
     n_head = m("attention.head_count")
     head_dim = m("attention.key_length", m("embedding_length") // n_head)
     assert m("rope.dimension_count", head_dim) == head_dim, "partial rotary embeddings are not Llama"
+    # llama.cpp ends a generation at the end-of-turn and end-of-message tokens too (Llama 3's <|eot_id|>
+    # and <|eom_id|>, where the EOS is <|end_of_text|>), as an HF checkpoint's generation_config lists them
+    ends = [_meta(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    ends = list(dict.fromkeys(i for i in ends if i is not None))
     cfg = {
         "architectures": [GGUF_ARCHITECTURES[arch]], "model_type": arch, "hidden_act": "silu",
         "attention_bias": "blk.0.attn_q.bias" in tensors,
@@ -4900,7 +4904,7 @@ def _gguf_config(reader, tensors, arch: str):
         # llama.cpp writes output.weight only when the LM head is not the embedding matrix
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": _meta(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _meta(reader, "tokenizer.ggml.eos_token_id"),
+        "eos_token_id": ends[0] if len(ends) == 1 else ends or None,
     }
     kind = m("rope.scaling.type", "none")
     if kind in ("linear", "yarn"):

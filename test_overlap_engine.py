@@ -2554,7 +2554,7 @@ def llama3_rope_freqs(theta, head_dim, factor, low, high, old_ctx):
 
 
 def write_tiny_gguf(path, qtype="F32", pre="gpt2", hidden=64, n_head=4, n_kv=2, untied=False,
-                    rope_freqs=None, add_bos=None):
+                    rope_freqs=None, add_bos=None, eot=None, eom=None):
     """Write a 2-layer random Llama GGUF the way llama.cpp would; return the HF-order weights it
     should load back as (quantized then dequantized, since Q/K row order commutes with row blocks)."""
     rng = np.random.default_rng(0)
@@ -2583,6 +2583,9 @@ def write_tiny_gguf(path, qtype="F32", pre="gpt2", hidden=64, n_head=4, n_kv=2, 
     w.add_eos_token_id(len(TINY_TOKENS) - 2)
     if add_bos is not None:
         w.add_add_bos_token(add_bos)
+    for key, token in (("eot", eot), ("eom", eom)):
+        if token is not None:
+            w.add_uint32(f"tokenizer.ggml.{key}_token_id", token)
     expected = {}
     for name, shape in shapes.items():
         x = rng.standard_normal(shape).astype(np.float32)
@@ -2766,6 +2769,23 @@ def test_tiny_tokenizer_adds_the_bos_its_file_asks_for(tmp_path):
             plain = tok.encode(text, add_special_tokens=False).ids
             assert plain == hf.encode(text, add_special_tokens=False)
             assert tok.encode(text).ids == hf.encode(text) == [extras["bos_token_id"]] * bool(add_bos) + plain
+
+
+@needs_gguf
+def test_a_gguf_ends_at_its_end_of_turn_and_end_of_message_tokens(tmp_path):
+    """tokenizer.ggml.eot_token_id and eom_token_id stop a generation as its EOS does (llama.cpp's end of
+    generation): the run is the free run (ignore_eos) cut after the first of them."""
+    write_tiny_gguf(str(tmp_path / "free.gguf"))
+    sp = {"max_new_tokens": 16, "temperature": 0}
+    with make_engine(str(tmp_path / "free.gguf"), "overlap") as e:
+        free = e.generate(input_ids=[5, 6, 7], sampling_params={**sp, "ignore_eos": True})["output_ids"]
+    eot, eom = free[5], free[9]
+    write_tiny_gguf(str(tmp_path / "ends.gguf"), eot=eot, eom=eom)
+    with make_engine(str(tmp_path / "ends.gguf"), "overlap") as e:
+        assert set(e.model_config.eos_token_ids) == {len(TINY_TOKENS) - 2, eot, eom}
+        out = e.generate(input_ids=[5, 6, 7], sampling_params=sp)["output_ids"]
+    first = next(i for i, t in enumerate(free) if t in (eot, eom, len(TINY_TOKENS) - 2))
+    assert out == free[:first + 1]
 
 
 @needs_gguf
