@@ -1084,7 +1084,7 @@ def cmd_grammar(args):
                           "apply_ms": 1e3 * statistics.median(applies)}
             del compiled
         n = 8 if args.quick else 48
-        prompt = e.tokenizer.encode("Describe a person as JSON.")
+        prompt = oe.prompt_ids(e.tokenizer, "Describe a person as JSON.", raw=True)
         for name, extra in (("plain", {}), ("json_schema", {"json_schema": GRAMMAR_SCHEMA})):
             sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True, **extra}
             e.generate(input_ids=prompt, sampling_params={**sp, "max_new_tokens": 2})  # warm
@@ -1186,7 +1186,7 @@ SINGLE_ANSWER_PROMPT, SINGLE_ANSWER_TOKENS = "What is the capital of France?", 2
 
 def single_answer(engine) -> str:
     """The engine's greedy reply to SINGLE_ANSWER_PROMPT, one request alone, as the chat would send it."""
-    ids = oe.prompt_ids(engine, SINGLE_ANSWER_PROMPT, raw=False)
+    ids = oe.prompt_ids(engine.tokenizer, SINGLE_ANSWER_PROMPT, raw=False)
     return engine.generate(input_ids=ids, sampling_params={"max_new_tokens": SINGLE_ANSWER_TOKENS,
                                                            "temperature": 0})["text"]
 
@@ -1480,9 +1480,7 @@ def spec_prompts(tk, workload: str, n: int) -> list:
     asks = SPEC_ASKS[workload]
     msgs = [asks[i % len(asks)].format(p=SPEC_PARAGRAPHS[(i // len(asks)) % len(SPEC_PARAGRAPHS)])
             for i in range(n)]
-    def chat(m):
-        return tk.apply_chat_template([{"role": "user", "content": m}]) if tk.chat_template else m
-    return [tk.encode(chat(f"({i}) {m}")) for i, m in enumerate(msgs)]
+    return [oe.prompt_ids(tk, f"({i}) {m}", raw=False) for i, m in enumerate(msgs)]
 
 
 def spec_run(kw, workload, B, n_out, repeat, chat_setup: bool = False, k: int = SPEC_DRAFTS) -> dict:

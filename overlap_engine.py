@@ -4969,7 +4969,7 @@ def _pre_tokenizer(pre):
 
 def gguf_tokenizer(reader):
     """Build the byte-level BPE tokenizer a GGUF describes. Asked for special tokens, it adds the BOS and
-    EOS the file's tokenizer.ggml.add_bos_token / add_eos_token ask for (llama.cpp's and transformers' rule).
+    EOS the file's tokenizer.ggml.add_bos_token / add_eos_token ask for (as transformers reads the file).
     Returns (tokenizer, extras) with extras = bos/eos ids and strings and the chat template (or None)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
     if (kind := _meta(reader, "tokenizer.ggml.model")) != "gpt2":
@@ -4990,10 +4990,11 @@ def gguf_tokenizer(reader):
     add_bos = bos is not None and bool(_meta(reader, "tokenizer.ggml.add_bos_token", False))
     add_eos = eos is not None and bool(_meta(reader, "tokenizer.ggml.add_eos_token", False))
     if add_bos or add_eos:  # e.g. Llama 3's <|begin_of_text|>, which its tokenizer.json's post-processor adds
-        single = [tokens[bos]] * add_bos + ["$A"] + [tokens[eos]] * add_eos
-        special = {tokens[i]: i for i, on in ((bos, add_bos), (eos, add_eos)) if on}
-        tok.post_processor = processors.TemplateProcessing(single=" ".join(single),
-                                                           special_tokens=list(special.items()))
+        # the template names them bos and eos: a token's own string may hold what a template cannot (" ", ":")
+        tok.post_processor = processors.TemplateProcessing(
+            single=["bos"] * add_bos + ["$A"] + ["eos"] * add_eos,
+            special_tokens=[{"id": name, "ids": [i], "tokens": [tokens[i]]}
+                            for name, i, on in (("bos", bos, add_bos), ("eos", eos, add_eos)) if on])
     extras = {"bos_token_id": bos, "eos_token_id": eos,
               "chat_template": _meta(reader, "tokenizer.chat_template"),
               "bos_token": tokens[bos] if bos is not None else "",
@@ -5509,8 +5510,8 @@ def format_engine(model_path: str, name: str) -> Engine:
 def greedy_replies(engine: Engine) -> list:
     """Each FORMAT_CHECK_PROMPTS reply's first FORMAT_CHECK_TOKENS greedy tokens, one request at a time."""
     sp = {"max_new_tokens": FORMAT_CHECK_TOKENS, "temperature": 0}
-    return [engine.generate(input_ids=prompt_ids(engine, p, False), sampling_params=sp)["output_ids"]
-            for p in FORMAT_CHECK_PROMPTS]
+    prompts = [prompt_ids(engine.tokenizer, p, False) for p in FORMAT_CHECK_PROMPTS]
+    return [engine.generate(input_ids=ids, sampling_params=sp)["output_ids"] for ids in prompts]
 
 
 def keeps_the_answers(replies: list, ref: list) -> tuple[bool, list]:
@@ -5742,10 +5743,9 @@ def cli_error(e: Exception):
     sys.exit(2)
 
 
-def prompt_ids(engine: Engine, text: str, raw: bool, history: Optional[list] = None) -> list[int]:
+def prompt_ids(tok: Optional[Tokenizer], text: str, raw: bool, history: Optional[list] = None) -> list[int]:
     """The command line's prompt: the conversation in the model's chat template, tokenized as written (the
     template writes its own BOS), or with raw (or no template) the text as Engine.generate tokenizes it."""
-    tok = engine.tokenizer
     if tok is None:
         raise ValueError("this checkpoint has no tokenizer, and the command line takes text")
     if raw or not tok.chat_template:
@@ -5780,7 +5780,7 @@ class Meter:
 
 def run_prompts(engine: Engine, prompts: list, sp: dict, raw: bool):
     meter = Meter()
-    ids = [prompt_ids(engine, p, raw) for p in prompts]
+    ids = [prompt_ids(engine.tokenizer, p, raw) for p in prompts]
     for chunk in meter.stream(engine.generate(input_ids=ids, sampling_params=sp, stream=True)):
         if len(prompts) == 1:
             print(chunk["text"], end="", flush=True)
@@ -5805,7 +5805,7 @@ def chat(engine: Engine, sp: dict, raw: bool):
             continue
         reply = ""
         try:
-            ids = prompt_ids(engine, text, raw, history)
+            ids = prompt_ids(engine.tokenizer, text, raw, history)
             chunks = engine.generate(input_ids=ids, sampling_params=sp, stream=True)
             for chunk in meter.stream(chunks):
                 reply += chunk["text"]
@@ -7059,11 +7059,13 @@ def chat_logprobs(srv: Served, entries: list, tops: list) -> dict:
                         for (lp, tok, _), top in zip(entries, tops)]}
 
 
-def completion_logprobs(srv: Served, entries: list, tops: list, offset: int) -> dict:
+def completion_logprobs(srv: Served, entries: list, tops: list, offset: int, unseen=()) -> dict:
     """OpenAI's completions logprobs: token strings, their logprobs, the top ones as {token: logprob}
-    (None for the first prompt token), and where each token starts in the choice's text."""
+    (None for the first prompt token), and where each token starts in the choice's text; the entries at
+    `unseen` (a BOS the tokenizer added to an echoed text prompt) are not in that text and take no room."""
     tokens = [token_text(srv, tok) for _, tok, _ in entries]
-    starts = itertools.accumulate((len(t) for t in tokens), initial=offset)
+    sizes = (0 if k in unseen else len(t) for k, t in enumerate(tokens))
+    starts = itertools.accumulate(sizes, initial=offset)
     top = [None if top is None else {token_text(srv, t): lp for lp, t, _ in top} for top in tops]
     return {"tokens": tokens, "token_logprobs": [lp for lp, _, _ in entries], "top_logprobs": top,
             "text_offset": list(starts)[:len(tokens)]}
@@ -7082,6 +7084,7 @@ class OpenAIReply:
     logprob: tuple
     echo: Optional[list] = None
     tools: Optional[ToolChoice] = None  # a chat with tools: its replies are read for calls
+    unseen: Optional[list] = None  # per prompt, with echo: its tokens that the echoed text does not show
 
     def __post_init__(self):
         self.n = self.sp.get("n", 1)
@@ -7097,7 +7100,7 @@ class OpenAIReply:
     def choice(self, i: int, text: str, meta: dict, new_ids: list, first: bool, offset: int = 0) -> dict:
         """Choice i with its new text (from `offset` in the choice's text); its logprobs those of the last
         len(new_ids) tokens."""
-        lps = None
+        lps, unseen = None, ()
         echoed = self.echo[i // self.n] if first else ""
         if self.logprob[0]:
             start = len(meta["output_token_logprobs"]) - len(new_ids)
@@ -7109,7 +7112,8 @@ class OpenAIReply:
                 if echoed:
                     entries = meta["input_token_logprobs"] + entries
                     tops = meta["input_top_logprobs"] + tops
-                lps = completion_logprobs(self.srv, entries, tops, offset)
+                    unseen = self.unseen[i // self.n] if self.unseen else ()
+                lps = completion_logprobs(self.srv, entries, tops, offset, unseen)
         end = {"logprobs": lps, "finish_reason": finish_reason(meta), "matched_stop": matched_stop(meta)}
         if not self.chat:
             return {"index": i, "text": echoed + text, **end}
@@ -7209,13 +7213,25 @@ def completion_inputs(srv: Served, raw: bytes) -> OpenAIReply:
     prompts = completion_prompts(srv, body["prompt"])
     input_ids = [tokenize(srv, p) if isinstance(p, str) else p for p in prompts]
     check_max_tokens(srv, body, input_ids)
-    echo = None  # the prompt's text before each choice's: as given, special tokens included
+    echo = unseen = None  # the prompt's text before each choice's: as given, special tokens included
     tokenizer = srv.engine.tokenizer
     if body.get("echo"):
         echo = [p if isinstance(p, str) else "" if tokenizer is None
                 else tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
+        unseen = [added_tokens(tokenizer, p, ids) if isinstance(p, str) else set()
+                  for p, ids in zip(prompts, input_ids)]
     return OpenAIReply(srv, body, input_ids, openai_sampling(body, 16), False,
-                       openai_logprobs(body, "logprobs", None), echo)
+                       openai_logprobs(body, "logprobs", None), echo, unseen=unseen)
+
+
+def added_tokens(tokenizer: Tokenizer, text: str, ids: list) -> set:
+    """The positions in a text prompt's ids of the tokens its tokenizer added (a BOS): the text without
+    them is the text's own tokens, which sit in one run among them."""
+    own = tokenizer.encode(text)
+    if len(own) == len(ids):
+        return set()
+    front = next(k for k in range(len(ids) - len(own) + 1) if ids[k:k + len(own)] == own)
+    return set(range(front)) | set(range(front + len(own), len(ids)))
 
 
 async def completions(request):

@@ -2554,7 +2554,7 @@ def llama3_rope_freqs(theta, head_dim, factor, low, high, old_ctx):
 
 
 def write_tiny_gguf(path, qtype="F32", pre="gpt2", hidden=64, n_head=4, n_kv=2, untied=False,
-                    rope_freqs=None, add_bos=None, eot=None, eom=None):
+                    rope_freqs=None, add_bos=None, add_eos=None, eot=None, eom=None, bos=None):
     """Write a 2-layer random Llama GGUF the way llama.cpp would; return the HF-order weights it
     should load back as (quantized then dequantized, since Q/K row order commutes with row blocks)."""
     rng = np.random.default_rng(0)
@@ -2579,10 +2579,12 @@ def write_tiny_gguf(path, qtype="F32", pre="gpt2", hidden=64, n_head=4, n_kv=2, 
     w.add_token_list(TINY_TOKENS)
     w.add_token_types(TINY_TYPES)
     w.add_token_merges(TINY_MERGES)
-    w.add_bos_token_id(len(TINY_TOKENS) - 2)
+    w.add_bos_token_id(len(TINY_TOKENS) - 2 if bos is None else bos)
     w.add_eos_token_id(len(TINY_TOKENS) - 2)
     if add_bos is not None:
         w.add_add_bos_token(add_bos)
+    if add_eos is not None:
+        w.add_add_eos_token(add_eos)
     for key, token in (("eot", eot), ("eom", eom)):
         if token is not None:
             w.add_uint32(f"tokenizer.ggml.{key}_token_id", token)
@@ -2756,19 +2758,20 @@ def test_tiny_tokenizer_special_tokens(tmp_path):
 
 @needs_gguf
 def test_tiny_tokenizer_adds_the_bos_its_file_asks_for(tmp_path):
-    """tokenizer.ggml.add_bos_token true: the BOS is added when special tokens are (Engine.generate's
-    text prompts, /tokenize by default), as transformers' reading of the same file adds it; false or
-    absent: none."""
+    """tokenizer.ggml.add_bos_token / add_eos_token true: the BOS / EOS is added when special tokens are
+    (Engine.generate's text prompts, /tokenize by default), as transformers' reading of the same file adds
+    it; false or absent: none. (The BOS here is a byte's token, apart from the EOS.)"""
     from transformers import AutoTokenizer
-    for add_bos in (True, False, None):
-        path = tmp_path / f"{add_bos}.gguf"
-        write_tiny_gguf(str(path), pre="llama-bpe", add_bos=add_bos)
+    for add_bos, add_eos in ((True, None), (False, None), (None, None), (True, True), (None, True)):
+        path = tmp_path / f"{add_bos}-{add_eos}.gguf"
+        write_tiny_gguf(str(path), pre="llama-bpe", add_bos=add_bos, add_eos=add_eos, bos=0)
         tok, extras = oe.gguf_tokenizer(oe.load_gguf(str(path))[2])
         hf = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
         for text in ("hi there", "12345 abc"):
             plain = tok.encode(text, add_special_tokens=False).ids
             assert plain == hf.encode(text, add_special_tokens=False)
-            assert tok.encode(text).ids == hf.encode(text) == [extras["bos_token_id"]] * bool(add_bos) + plain
+            want = [0] * bool(add_bos) + plain + [extras["eos_token_id"]] * bool(add_eos)
+            assert tok.encode(text).ids == hf.encode(text) == want, (add_bos, add_eos)
 
 
 @needs_gguf
@@ -5819,7 +5822,8 @@ def test_a_text_prompt_gets_the_bos_its_tokenizer_adds_and_a_chat_only_its_templ
     one: text prompts (Engine.generate, /generate, /v1/completions, /tokenize, the command line's raw
     prompt) get the BOS, as transformers' tokenizer(text) and SGLang add it; a chat (/v1/chat/completions,
     /tokenize of messages, the command line's chat) gets the template's alone, as transformers'
-    apply_chat_template(tokenize=True) gives it."""
+    apply_chat_template(tokenize=True) gives it. An echoed text prompt is the text as given, and its
+    logprobs' text offsets point into it."""
     pytest.importorskip("fastapi")
     from tokenizers import Tokenizer as HFTokenizer, processors
     from transformers import AutoTokenizer
@@ -5835,20 +5839,27 @@ def test_a_text_prompt_gets_the_bos_its_tokenizer_adds_and_a_chat_only_its_templ
     hf = AutoTokenizer.from_pretrained(path)
     text, messages = "hi there", [{"role": "user", "content": "hi there"}]
     want_text = hf(text).input_ids
-    want_chat = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    want_chat = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                       return_dict=True)["input_ids"]
     assert want_text[0] == want_chat[0] == 256 and 256 not in want_text[1:] + want_chat[1:]
     logprobs = {"return_logprob": True, "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 1}}
     with make_engine(path, "overlap") as e:
         out = e.generate(prompt=text, **logprobs)
         assert [t for _, t, _ in out["meta_info"]["input_token_logprobs"]] == want_text
-        assert oe.prompt_ids(e, text, raw=True) == want_text
-        assert oe.prompt_ids(e, text, raw=False) == want_chat
+        assert oe.prompt_ids(e.tokenizer, text, raw=True) == want_text
+        assert oe.prompt_ids(e.tokenizer, text, raw=False) == want_chat
     server = oe.Server(make_engine(path, "overlap"), port=0).start()
     try:
         status, out = http_call(server, "POST", "/generate", {"text": text, **logprobs})
         assert status == 200 and [t for _, t, _ in out["meta_info"]["input_token_logprobs"]] == want_text
         status, out = http_call(server, "POST", "/v1/completions", {"prompt": text, "max_tokens": 1})
         assert status == 200 and out["usage"]["prompt_tokens"] == len(want_text)
+        status, out = http_call(server, "POST", "/v1/completions",  # the echoed text is the prompt as given
+                                {"prompt": text, "max_tokens": 2, "echo": True, "logprobs": 1})
+        echoed, lp = out["choices"][0]["text"], out["choices"][0]["logprobs"]
+        assert status == 200 and echoed.startswith(text) and len(lp["tokens"]) == len(want_text) + 2
+        assert lp["text_offset"][:2] == [0, 0]  # so the BOS takes no room in it
+        assert all(echoed.startswith(t, at) for t, at in zip(lp["tokens"][1:], lp["text_offset"][1:]))
         status, out = http_call(server, "POST", "/v1/chat/completions",
                                 {"messages": messages, "max_tokens": 1})
         assert status == 200 and out["usage"]["prompt_tokens"] == len(want_chat)
