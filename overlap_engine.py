@@ -3034,6 +3034,11 @@ class Engine:
             print(f"overlap_engine: compiling the decode step for {what} ...", end="", file=sys.stderr,
                   flush=True)
             self.generate(input_ids=[[1, 2, 3 + i] for i in range(n)], sampling_params=sp)
+            if n == 1 and self.server_args.speculative_algorithm:  # its plain steps (drafting paused) too
+                rid = self.add_request(input_ids=[1, 2, 4], sampling_params=sp)
+                self.request(rid).spec_resume_at = math.inf  # drafts never: every decode step plain
+                while not any(o["meta_info"]["id"] == rid for o in self.step()):
+                    pass
             print(f" {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         self.flush_cache()
         self.scheduler.clear_records()  # the warm-up's steps are not the user's
@@ -4322,6 +4327,8 @@ class FusedGatherDecodeBackend(GroupedDecodeBackend):
     def init_forward_metadata(self, meta: ForwardMetadata):
         self.fused = meta.forward_mode.is_decode() and 1 < len(meta.seq_lens_cpu) <= self.max_bs
         if not self.fused:
+            if not meta.forward_mode.is_extend():  # batch 1's graphs (decode, verify) write through it:
+                meta = dataclasses.replace(meta, out_cache_loc=meta.out_cache_loc.clone())  # as below
             return super().init_forward_metadata(meta)
         self.meta, L = meta, max(meta.seq_lens_cpu)
         self.loc = meta.out_cache_loc.clone()  # its own storage: a view's offset would be a guard

@@ -2283,10 +2283,13 @@ def test_quantization_and_compile_arguments_are_checked(ckpt, monkeypatch):
 def test_compiled_decode_gives_the_reference_tokens(ckpt, mixed_workload):
     """enable_torch_compile: decode batches of up to torch_compile_max_bs requests run the compiled model
     (batch 1 its own graph; batches 2 and up the frozen graph, attending through the fused-gather op) and
-    larger ones the eager model; in float64 all give the reference's tokens. (The overlap loop here; the
-    serial loop runs compiled, against the overlap one, in test_a_compiled_bf16_engine_starts_from_...)"""
+    larger ones the eager model; in float64 all give the reference's tokens, and the graphs compiled at
+    start are all there is. (The overlap loop here; the serial loop runs compiled, against the overlap
+    one, in test_a_compiled_bf16_engine_starts_from_...)"""
+    from torch._dynamo.utils import counters
     wl, expected = mixed_workload
     with make_engine(ckpt, "overlap", enable_torch_compile=True, torch_compile_max_bs=3) as e:
+        graphs = counters["stats"]["unique_graphs"]
         w, calls = e.scheduler.worker, collections.Counter()
         for name in ("one", "many"):
             graph = getattr(w.model, name)
@@ -2297,14 +2300,20 @@ def test_compiled_decode_gives_the_reference_tokens(ckpt, mixed_workload):
         init = w.attn.init_forward_metadata
         w.attn.init_forward_metadata = lambda m: init(m) or calls.update(["fused"] * w.attn.fused)
         assert [o["output_ids"] for o in run_workload(e, wl)] == expected
+        e.flush_cache()  # every slot freed: a one-token prompt's decode slots start the pool's new free list
+        sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+        assert e.generate(input_ids=[7], sampling_params=sp)["output_ids"] == reference_greedy(ckpt, [7], 4)
         e.check_invariants()
+        assert counters["stats"]["unique_graphs"] == graphs  # no request waited on the compiler
     assert calls["one"] > 0 and calls["many"] > 5 and calls["eager decode"] > 0, calls
     assert calls["fused"] == calls["many"], calls
 
 
 def test_compiled_decode_verifies_one_requests_drafts_in_a_graph_of_its_own(cycling_ckpt):
     """Speculating with enable_torch_compile: one request's verify step (its last token and k drafts)
-    runs a compiled graph of its own, compiled at start; the tokens are plain decoding's (float64)."""
+    runs a compiled graph of its own, compiled at start with the plain batch-1 step (drafting paused
+    after misses); the tokens are plain decoding's (float64), and no request waits on the compiler."""
+    from torch._dynamo.utils import counters
     rng = random.Random(4)
     prompt = cycling_prompt(rng)
     sp = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}
@@ -2312,12 +2321,17 @@ def test_compiled_decode_verifies_one_requests_drafts_in_a_graph_of_its_own(cycl
         want = plain.generate(input_ids=prompt, sampling_params=sp)["output_ids"]
     with make_engine(cycling_ckpt, "overlap", enable_torch_compile=True, torch_compile_max_bs=1,
                      speculative_algorithm="NGRAM") as e:
-        w, calls = e.scheduler.worker, collections.Counter()
-        graph = w.model.verify
-        w.model.verify = lambda *a: calls.update(["verify"]) or graph(*a)
+        w, calls, graphs = e.scheduler.worker, collections.Counter(), counters["stats"]["unique_graphs"]
+        for name in ("verify", "one"):
+            graph = getattr(w.model, name)
+            setattr(w.model, name, lambda *a, graph=graph, name=name: calls.update([name]) or graph(*a))
         out = e.generate(input_ids=prompt, sampling_params=sp)
+        e.flush_cache()  # every slot freed: the next request's slots start the pool's new free list
+        e.generate(input_ids=[9, 8, 7, 6], sampling_params=sp)  # no n-gram to copy: misses, plain steps
         e.check_invariants()
+        assert counters["stats"]["unique_graphs"] == graphs
     assert out["output_ids"] == want and calls["verify"] > 3 and out["meta_info"]["spec_accept_length"] > 3
+    assert calls["one"] > 0, calls
 
 
 def test_fused_gather_decode_is_attention_over_each_requests_slots():
