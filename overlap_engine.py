@@ -4327,7 +4327,7 @@ class FusedGatherDecodeBackend(GroupedDecodeBackend):
     def init_forward_metadata(self, meta: ForwardMetadata):
         self.fused = meta.forward_mode.is_decode() and 1 < len(meta.seq_lens_cpu) <= self.max_bs
         if not self.fused:
-            if not meta.forward_mode.is_extend():  # batch 1's graphs (decode, verify) write through it:
+            if not meta.forward_mode.is_extend() and len(meta.seq_lens_cpu) == 1:  # batch 1's graphs
                 meta = dataclasses.replace(meta, out_cache_loc=meta.out_cache_loc.clone())  # as below
             return super().init_forward_metadata(meta)
         self.meta, L = meta, max(meta.seq_lens_cpu)
@@ -7119,7 +7119,7 @@ class OpenAIReply:
                 if echoed:
                     entries = meta["input_token_logprobs"] + entries
                     tops = meta["input_top_logprobs"] + tops
-                    unseen = self.unseen[i // self.n] if self.unseen else ()
+                    unseen = self.unseen[i // self.n]
                 lps = completion_logprobs(self.srv, entries, tops, offset, unseen)
         end = {"logprobs": lps, "finish_reason": finish_reason(meta), "matched_stop": matched_stop(meta)}
         if not self.chat:
@@ -7225,8 +7225,8 @@ def completion_inputs(srv: Served, raw: bytes) -> OpenAIReply:
     if body.get("echo"):
         echo = [p if isinstance(p, str) else "" if tokenizer is None
                 else tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
-        unseen = [added_tokens(tokenizer, p, ids) if isinstance(p, str) else set()
-                  for p, ids in zip(prompts, input_ids)]
+        unseen = [added_tokens(tokenizer, p, ids) if isinstance(p, str) and body.get("logprobs") is not None
+                  else set() for p, ids in zip(prompts, input_ids)]  # only the logprobs' offsets read them
     return OpenAIReply(srv, body, input_ids, openai_sampling(body, 16), False,
                        openai_logprobs(body, "logprobs", None), echo, unseen=unseen)
 
@@ -7234,9 +7234,9 @@ def completion_inputs(srv: Served, raw: bytes) -> OpenAIReply:
 def added_tokens(tokenizer: Tokenizer, text: str, ids: list) -> set:
     """The positions in a text prompt's ids of the tokens its tokenizer added (a BOS): the text without
     them is the text's own tokens, which sit in one run among them."""
-    own = tokenizer.encode(text)
-    if len(own) == len(ids):
+    if not tokenizer.tk.num_special_tokens_to_add(False):  # most tokenizers: no second encode
         return set()
+    own = tokenizer.encode(text)
     front = next(k for k in range(len(ids) - len(own) + 1) if ids[k:k + len(own)] == own)
     return set(range(front)) | set(range(front + len(own), len(ids)))
 
