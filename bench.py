@@ -1354,10 +1354,10 @@ def stream_one(url, input_ids, out_len, t_sent) -> dict:
     arrivals, tokens = [], 0
     for line in resp:
         if line.startswith(b"data: {"):
-            n = len(json.loads(line[6:])["output_ids"])
-            if n:
+            n = len(json.loads(line[6:])["output_ids"])  # the ids so far, as SGLang streams them
+            if n > tokens:
                 arrivals.append(time.perf_counter() - t_sent)
-                tokens += n
+                tokens = n
     conn.close()
     return {"arrivals": arrivals, "tokens": tokens}
 

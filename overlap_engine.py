@@ -2199,6 +2199,9 @@ class ServerArgs:
         None, "how tool calls are written and read: qwen25 (or qwen: <tool_call>{...}</tool_call>, also how "
               "tools are shown to a chat template without a tools section) or llama3 (Llama 3's JSON); none: "
               "llama3 for a Llama chat template with tools, else qwen25", (None, "qwen25", "qwen", "llama3"))
+    incremental_streaming_output: bool = arg(
+        False, "/generate streams only each chunk's new text and ids (SGLang's switch); by default each chunk "
+               "holds the text and ids so far, as SGLang streams them")
     api_key: Optional[str] = arg(None, "the server answers 401 to a request without `Authorization: Bearer "
                                        "<this key>` (GET /health and /metrics stay open)", secret=True)
     # tensor parallelism: one scheduler per rank, in lockstep
@@ -2328,6 +2331,18 @@ def check_logprob_args(return_logprob, top_logprobs_num, logprob_start_len, toke
             raise ValueError("token_ids_logprob needs return_logprob=True")
 
 
+def token_ids_per_prompt(token_ids_logprob, prompts: int) -> list:
+    """A batch's token_ids_logprob, one entry per prompt: a flat list of ids is every prompt's; a list of
+    lists (or Nones), SGLang's batch form, has one per prompt."""
+    t = token_ids_logprob
+    if not (isinstance(t, list) and t and all(x is None or isinstance(x, list) for x in t)):
+        return [t] * prompts
+    if len(t) != prompts:
+        raise ValueError(f"token_ids_logprob has {len(t)} lists for {prompts} prompts: give one flat list "
+                         "for all, or one list per prompt")
+    return t
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling parameters; names and defaults as in SGLang."""
@@ -2382,6 +2397,7 @@ class SamplingParams:
                 raise ValueError(f"sampling parameter {key}={v!r}: must be a list")
             setattr(sp, key, list(v or []))
         sp.validate(vocab_size)
+        sp.stop_token_ids = [t for t in sp.stop_token_ids if t < vocab_size]  # the others never match
         sp.top_k = min(sp.top_k, vocab_size) if sp.top_k > 0 else sp.top_k  # larger means all tokens
         if sp.temperature < SAMPLING_EPS:
             sp.temperature = 0  # greedy, as in SGLang: logits / 1e-310 would overflow to inf and NaN
@@ -2402,8 +2418,8 @@ class SamplingParams:
             bad("min_p", "must be a number in [0, 1]")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of non-empty strings")
-        if not all(_is_int(t) and 0 <= t < vocab_size for t in self.stop_token_ids):
-            bad("stop_token_ids", f"must be a list of token ids in [0, {vocab_size})")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):  # past the vocabulary: never met
+            bad("stop_token_ids", "must be a list of token ids (integers >= 0)")
         for key in ("ignore_eos", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, key), bool):
                 bad(key, "must be a bool")
@@ -3162,15 +3178,17 @@ class Engine:
     def add_requests(self, input_ids: list, sampling_params: list, return_logprob=False, top_logprobs_num=0,
                      logprob_start_len=-1, token_ids_logprob=None, rids: Optional[list] = None) -> list[str]:
         """Queues several requests, all validated before any is queued (a server's batch); their ids,
-        n for a prompt whose sampling_params ask for n > 1. rids: one per prompt, or None."""
+        n for a prompt whose sampling_params ask for n > 1. rids: one per prompt, or None;
+        token_ids_logprob: one list of ids for every prompt, or a list of them, one per prompt."""
         self._check_open()
-        logprob = (return_logprob, top_logprobs_num, logprob_start_len, token_ids_logprob)
+        token_ids = token_ids_per_prompt(token_ids_logprob, len(input_ids))
         rids = rids or [None] * len(input_ids)
-        groups = [self._make_reqs(ids, sp, rid, logprob)
-                  for ids, sp, rid in zip(input_ids, sampling_params, rids)]
+        groups = [self._make_reqs(ids, sp, rid, (return_logprob, top_logprobs_num, logprob_start_len, tids))
+                  for ids, sp, rid, tids in zip(input_ids, sampling_params, rids, token_ids)]
         given = [r.rid for group in groups for r in group]
         if len(set(given)) < len(given):
-            raise ValueError(f"duplicate request ids in one batch: {sorted(given)!r:.120}")
+            twice = sorted({rid for rid in given if given.count(rid) > 1})
+            raise ValueError(f"Duplicate request ID in one batch: {twice!r:.120}")
         return [self._submit(r, group[0].rid if i else None) for group in groups for i, r in enumerate(group)]
 
     def request(self, rid: str) -> Req:
@@ -3269,7 +3287,7 @@ class Engine:
             raise ValueError(f"sampling_params has {len(sps)} entries for {n} prompts")
         ids = [self._to_ids(p, i) for p, i in zip(prompts or [None] * n, id_lists or [None] * n)]
         rids = self.add_requests(ids, sps, return_logprob, top_logprobs_num, logprob_start_len,
-                                 token_ids_logprob)
+                                 token_ids_logprob if batched else [token_ids_logprob])
         reqs = [self._reqs[rid] for rid in rids]
         self._streamed.update(rids)
         batched = batched or len(reqs) > n  # n > 1: a list out
@@ -4177,11 +4195,18 @@ class GrammarBackend:
             return self.xgr.Grammar.from_ebnf(source)
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's RuntimeError has its parser's words
             raise ValueError(f"sampling parameter {kind}: not a valid {kind.replace('_', ' ')}: "
-                             f"{str(e).splitlines()[-1][:300]}") from None
+                             f"{xgrammar_reason(e)}") from None
 
     def shutdown(self):
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def xgrammar_reason(e: Exception) -> str:
+    """The reason in an xgrammar error, without the log prefix its C++ adds ("[05:00:29] /project/cpp/
+    json_schema_converter.cc:5082: Unsupported type ..." -> "Unsupported type ...")."""
+    lines = [line for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+    return re.sub(r"^\[[\d:.]+\]\s+\S+:\d+:\s*", "", lines[-1].strip())[:300]
 
 
 class Grammar:
@@ -5497,6 +5522,63 @@ def one_token_ms(layers: list, dtype: torch.dtype, passes: int, tokens: int = 1)
     return 1e3 * best
 
 
+# A timing taken while other programs run measures them too: with a benchmark on the other core, every
+# format's one-token matmul takes 23-29 ms (int4's alone takes 0.5), and their order is noise. The pick is
+# recorded only from timings taken on a quiet machine that agree from one round to the next.
+BUSY_CORES = 0.25     # other processes' CPU use, in cores, above which a timing is not kept
+ROUNDS_AGREE = 0.3    # two rounds' timings of each format within this share of each other (sub-ms ones
+                      # vary by up to a fifth on a quiet machine)
+QUIET_TRIES, QUIET_PAUSE_S = 3, 5.0  # rounds of measuring, and the wait after a busy or unstable one
+
+
+def cpu_ticks() -> Optional[tuple]:
+    """(the machine's busy CPU time, this process's), in clock ticks, from /proc; None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+        with open("/proc/self/stat") as f:
+            utime, stime = map(int, f.read().rsplit(")", 1)[1].split()[11:13])
+    except (OSError, ValueError):
+        return None
+    return user + nice + system + irq + softirq + steal, utime + stime
+
+
+def other_cores_while(fn: Callable, min_seconds: float = 0.5) -> tuple:
+    """(fn(), the cores other processes kept busy meanwhile, or None where it cannot be told); the window
+    lasts at least min_seconds, as /proc counts in 10 ms ticks."""
+    t0, ticks0 = time.perf_counter(), cpu_ticks()
+    result = fn()
+    time.sleep(max(0.0, min_seconds - (time.perf_counter() - t0)))
+    wall, ticks1 = time.perf_counter() - t0, cpu_ticks()
+    if ticks0 is None or ticks1 is None:
+        return result, None
+    others = (ticks1[0] - ticks0[0]) - (ticks1[1] - ticks0[1])
+    return result, max(0.0, others / os.sysconf("SC_CLK_TCK") / wall)
+
+
+def quiet_matmul_ms(steps: tuple) -> tuple[dict, Optional[str]]:
+    """{candidate: ms} summed over one step of each size in `steps` (one_token_matmul_ms), the faster of two
+    rounds; and None if the machine was quiet (other processes below BUSY_CORES, where /proc tells) and the
+    rounds agreed within ROUNDS_AGREE, else why not. Tries QUIET_TRIES times, after a round that warms up."""
+    def one_round():
+        each = [one_token_matmul_ms(tokens=n) for n in steps]
+        return {name: sum(m[name] for m in each) for name in each[0]}
+    one_round()  # the first builds kernels and touches every page
+    for attempt in range(QUIET_TRIES):
+        (a, b), others = other_cores_while(lambda: (one_round(), one_round()))
+        ms = {k: min(a[k], b[k]) for k in a}
+        apart = max(abs(a[k] - b[k]) / ms[k] for k in a)
+        noise = (f"other processes used {others:.2f} cores" if others is not None and others > BUSY_CORES
+                 else f"two rounds differed by {apart:.0%}" if apart > ROUNDS_AGREE else None)
+        if noise is None:
+            return ms, None
+        if attempt + 1 < QUIET_TRIES:
+            print(f"overlap_engine: one request: the timings are noisy ({noise}); measuring again in "
+                  f"{QUIET_PAUSE_S:g} s", file=sys.stderr, flush=True)
+            time.sleep(QUIET_PAUSE_S)
+    return ms, noise
+
+
 # The check of a format: the greedy replies of one request alone (batch 1, as the chat runs; another
 # batch size rounds bf16 differently) to these chat prompts, against the float32 model's. The answer is
 # in a reply's first tokens ("The capital of France is Paris." is 8), so those must all agree; and all in
@@ -5534,10 +5616,11 @@ def keeps_the_answers(replies: list, ref: list) -> tuple[bool, list]:
 def one_request_format(model_path: str, steps: tuple = (1,)) -> dict:
     """The weight format for one request alone with this model on this machine, decided once and kept in
     cache_root()/one_request_formats.json (so the same command picks the same format on every run): of the
-    ONE_REQUEST_CANDIDATES, the fastest (one_token_matmul_ms) for one step of each size in `steps` (tokens
+    ONE_REQUEST_CANDIDATES, the fastest (quiet_matmul_ms) for one step of each size in `steps` (tokens
     a step feeds: a decode's 1; speculating, also a verify's 1 + k, as its engine runs both) whose greedy
     replies keep the float32 model's (keeps_the_answers); float32 itself is always eligible. Returns the
-    record: pick, matmul_ms and, for each format checked, its agreed token counts and whether it passed."""
+    record: pick, matmul_ms and, for each format checked, its agreed token counts and whether it passed;
+    timings that stayed noisy make a pick for this run alone, not recorded (its `noisy` says why)."""
     st = os.stat(model_path)
     key = (f"{os.path.basename(os.path.normpath(model_path))} {st.st_size} {st.st_mtime:.0f} | "
            f"{cpu_name()} | {torch.get_num_threads()} threads | torch {torch.__version__} | "
@@ -5556,8 +5639,7 @@ def one_request_format(model_path: str, steps: tuple = (1,)) -> dict:
               "float model's replies and the fastest formats' to 8 prompts, ~30 s) ...", file=sys.stderr,
               flush=True)
         ref = greedy_replies(e)
-    each = [one_token_matmul_ms(tokens=n) for n in steps]
-    ms = {name: sum(m[name] for m in each) for name in each[0]}
+    ms, noisy = quiet_matmul_ms(steps)
     checked = {"float32": {"agreed": [len(r) for r in ref], "eligible": True}}
     for name in sorted(ms, key=ms.get):  # the fastest first; float32 ends the search
         if name == "float32":
@@ -5568,6 +5650,8 @@ def one_request_format(model_path: str, steps: tuple = (1,)) -> dict:
         if eligible:
             break
     record = {"pick": name, "matmul_ms": ms, "checked": checked, "decided": datetime.now().isoformat()}
+    if noisy:
+        return {**record, "noisy": noisy}
     records[key] = record
     os.makedirs(cache_root(), exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=cache_root(), delete=False) as f:
@@ -5594,8 +5678,10 @@ def one_request_defaults(given: dict, chat: bool = True, steps: tuple = (1,),
         what = "one-token matmul" if steps == (1,) else f"matmuls of a decode and a {steps[1]}-token verify"
         failed = [k for k, c in record["checked"].items() if not c["eligible"]]
         kept = f" that keeps the float model's answers ({', '.join(failed)} did not)" if failed else ""
+        how = (f"timed while {record['noisy']}: for this run only, not recorded" if record.get("noisy")
+               else "decided once and recorded")
         why.append(f"{best} weights{' (bf16 activations)' if picked['quantization'] else ''}, the fastest "
-                   f"{what} here ({timings}){kept}, decided once and recorded")
+                   f"{what} here ({timings}){kept}, {how}")
     if chat and "enable_torch_compile" not in given and cpp_compiler():
         picked["enable_torch_compile"] = True
         if "torch_compile_max_bs" not in given:
@@ -5632,7 +5718,7 @@ CLI_GROUPS = {
     "speculative decoding": ("speculative_algorithm", "speculative_num_draft_tokens",
                              "speculative_ngram_min_match_window_size",
                              "speculative_ngram_max_match_window_size", "speculative_draft_model_path"),
-    "serving": ("api_key", "tool_call_parser"),
+    "serving": ("api_key", "tool_call_parser", "incremental_streaming_output"),
     "tensor parallelism": ("tp_size", "nnodes", "node_rank", "dist_init_addr", "dist_timeout"),
     "debugging": ("debug_future_map", "debug_ledger", "worker_jitter_ms", "debug_tp_plan", "trace"),
 }
@@ -6110,8 +6196,8 @@ def served_model_name(engine: Engine) -> str:
 DEFAULT_ONLY = {"return_hidden_states": False, "return_entropy": False, "return_bytes": False,
                 "background": False, "lora_path": None, "session_params": None,
                 "custom_logit_processor": None, "image_data": None, "video_data": None, "audio_data": None,
-                "data_parallel_rank": None,
-                "suffix": None, "best_of": None, "tools": None, "tool_choice": "none", "functions": None}
+                "data_parallel_rank": None, "return_routed_experts": False,
+                "suffix": None, "best_of": 1, "tools": None, "tool_choice": "none", "functions": None}
 # SGLang's fields that change nothing here, whatever their value: no reasoning parser runs (SGLang's
 # separate_reasoning and stream_reasoning act only with one), and no request is logged (no_logs)
 NO_EFFECT = {"separate_reasoning": bool, "stream_reasoning": bool, "no_logs": bool}
@@ -6125,7 +6211,8 @@ OPENAI_FIELDS = {**SGLANG_FIELDS, "max_tokens": int, "temperature": float, "top_
                  "top_k": int, "min_p": float, "min_tokens": int, "repetition_penalty": float,
                  "stop_token_ids": list, "ignore_eos": bool, "no_stop_trim": bool,
                  "skip_special_tokens": bool, "stop_regex": (str, list), "json_schema": str, "regex": str,
-                 "ebnf": str}
+                 "ebnf": str,
+                 "return_cached_tokens_details": bool}  # SGLang's: sglext.cached_tokens_details
 # OpenAI's body fields -> SGLang's sampling parameters (bad values: the engine's ValueError, a 400)
 OPENAI_SAMPLING = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
                    "stop": "stop", "seed": "sampling_seed", "n": "n", "logit_bias": "logit_bias",
@@ -6319,8 +6406,8 @@ def check_tools(body: dict, parser: Optional[str], template: str, family: str) -
                 import xgrammar as xgr
                 xgr.Grammar.from_json_schema(json.dumps(params))
             except (RuntimeError, ValueError, TypeError) as e:
-                raise HTTPError(400, f"{where}.function.parameters is not a JSON schema xgrammar reads: "
-                                     f"{str(e).splitlines()[-1][:200]}") from None
+                raise HTTPError(400, f"{where}.function.parameters is not a JSON schema this server reads: "
+                                     f"{xgrammar_reason(e)}") from None
         if not isinstance(fn.get("description", ""), str) or not isinstance(fn.get("strict", False), bool):
             raise HTTPError(400, f"{where}.function: description must be a string and strict a bool")
         functions.append({"name": name, "description": fn.get("description"), "parameters": params,
@@ -6427,9 +6514,10 @@ class ToolCallParser:
     HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
     HEAD_MAX = 200  # characters after a call's opening that must read as its head
 
-    def __init__(self, fmt: str, names: list):
+    def __init__(self, fmt: str, names: list, forced: bool = False):
         self.fmt = fmt
         self.names = set(names)
+        self.forced = forced   # tool_choice required or named: the reply is calls only, its grammar's
         self.text = ""
         self.pos = 0           # text before pos is settled: sent as content, or a call's
         self.state = "start" if fmt == "llama3" else "text"
@@ -6449,10 +6537,26 @@ class ToolCallParser:
         events = self.feed("")
         rest = self.text[self.pos:]
         settled = self.state == "arguments" or self.calls and not rest.strip()
-        if rest and not settled and not (self.state == "after" and self.closes(rest)):
+        markup = self.forced or self.state == "after" and self.closes(rest) or self.opens_call(rest)
+        if rest and not settled and not markup:
             events.append(("content", rest))
         self.pos = len(self.text)
         return events
+
+    def opens_call(self, rest: str) -> bool:
+        """Whether rest, the text held back at the reply's end, is a call begun and cut short (max_tokens)
+        before its arguments: its marker and no more than the start of its head. It is not content."""
+        import regex
+        r = rest.lstrip()
+        if self.fmt == "qwen25":
+            if not r.startswith(TOOL_CALL_START):
+                return False
+            r = r[len(TOOL_CALL_START):]
+        elif self.state not in ("start", "head"):
+            return False
+        else:
+            r = r.removeprefix("<|python_tag|>")
+        return regex.fullmatch(self.HEAD.pattern, r, partial=True) is not None
 
     def closes(self, rest: str) -> bool:
         """Whether rest, after a call's arguments, is no more than (a start of) what closes the call."""
@@ -6609,12 +6713,13 @@ class ToolCalls:
     with an id), and each chunk's delta as it streams."""
 
     def __init__(self, tools: ToolChoice):
-        self.parser = ToolCallParser(tools.fmt, [f["name"] for f in tools.functions])
+        self.parser = ToolCallParser(tools.fmt, [f["name"] for f in tools.functions],
+                                     forced=tools.choice in ("required", "named"))
         self.content = ""
         self.calls: list = []  # OpenAI's tool_calls
 
     def delta(self, text: str, final: bool) -> dict:
-        """The delta of `text`, the reply's next piece: {"content": ...} and/or {"tool_calls": [...]}
+        """The delta of `text`, the reply's next piece: {"content": ...} and/or {"tool_calls": [...]}, or {}
         (a call's first entry names it and gives it an id; its arguments follow in pieces)."""
         events = self.parser.feed(text) + (self.parser.finish() if final else [])
         content, entries = "", []
@@ -6628,9 +6733,12 @@ class ToolCalls:
                                 "function": {"name": rest[1], "arguments": ""}})
             else:
                 self.calls[rest[0]]["function"]["arguments"] += rest[1]
-                entries.append({"index": rest[0], "function": {"arguments": rest[1]}})
+                if entries and entries[-1]["index"] == rest[0]:  # one entry per call in a delta, as OpenAI's
+                    entries[-1]["function"]["arguments"] += rest[1]
+                else:
+                    entries.append({"index": rest[0], "function": {"arguments": rest[1]}})
         self.content += content
-        out = {"content": content} if content or not entries else {}
+        out = {"content": content} if content else {}
         if entries:
             out["tool_calls"] = entries
         return out
@@ -7009,8 +7117,9 @@ def generate_inputs(srv: Served, raw: bytes) -> tuple:
     if len(sps) != len(prompts):
         raise HTTPError(400, f"sampling_params has {len(sps)} entries for {len(prompts)} prompts")
     logprob = tuple(d if body.get(k) is None else body[k] for k, d in (
-        ("return_logprob", False), ("top_logprobs_num", 0), ("logprob_start_len", -1),
-        ("token_ids_logprob", None)))
+        ("return_logprob", False), ("top_logprobs_num", 0), ("logprob_start_len", -1)))
+    token_ids = body.get("token_ids_logprob")  # a batch's: one flat list for all, or one per prompt
+    logprob += (token_ids if batched else [token_ids],)
     many = batched or any(isinstance(s, dict) and s.get("n", 1) != 1 for s in sps)  # a list out
     return body, input_ids, sps, logprob, many, request_ids(body.get("rid"), len(prompts))
 
@@ -7021,12 +7130,33 @@ async def generate(request):
     shown = functools.partial(with_token_text, srv) if body.get("return_text_in_logprobs") else lambda o: o
     submit = {"logprob": logprob, "rids": rids, "log": body.get("log_metrics") is not False}
     if body.get("stream"):
+        incremental = srv.engine.server_args.incremental_streaming_output
+
         async def chunks():
+            so_far = {}  # per output: its text and ids streamed so far
             async for i, chunk in outputs(request, input_ids, sps, True, **submit):
+                chunk = new_logprobs_only(chunk) if incremental else cumulative(chunk, so_far.setdefault(i, {
+                    "text": "", "output_ids": []}))
                 yield {**shown(chunk), "index": i} if many else shown(chunk)
         return sse(await first_item(chunks()))
     outs = [shown(o) for o in await collect(request, input_ids, sps, **submit)]
     return outs if many else outs[0]
+
+
+def cumulative(chunk: dict, so_far: dict) -> dict:
+    """SGLang's streamed /generate chunk: the text and ids so far (its meta_info's logprobs are all so far)."""
+    so_far["text"] += chunk["text"]
+    so_far["output_ids"] += chunk["output_ids"]
+    return {**chunk, "text": so_far["text"], "output_ids": list(so_far["output_ids"])}
+
+
+def new_logprobs_only(chunk: dict) -> dict:
+    """--incremental-streaming-output: the chunk's output logprobs are those of its new ids alone."""
+    meta, new = dict(chunk["meta_info"]), len(chunk["output_ids"])
+    for key in ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs"):
+        if key in meta:
+            meta[key] = meta[key][len(meta[key]) - new:]
+    return {**chunk, "meta_info": meta}
 
 
 def with_token_text(srv: Served, out: dict) -> dict:
@@ -7125,7 +7255,7 @@ class OpenAIReply:
         if not self.chat:
             return {"index": i, "text": echoed + text, **end}
         stream = self.body.get("stream")
-        message = {"content": text}
+        message = {"content": text} if text or not stream else {}  # a delta has no empty content
         if self.tools is not None:  # the reply's text read as content and calls
             calls = self.calls.setdefault(i, ToolCalls(self.tools))
             message = calls.delta(text, end["finish_reason"] is not None)
@@ -7133,24 +7263,40 @@ class OpenAIReply:
                 message = calls.message()
             if calls.calls and end["finish_reason"] == "stop":
                 end["finish_reason"] = "tool_calls"
-        if first:
-            message = {"role": "assistant", **message}
+        if first:  # OpenAI's first delta: the role, and content "" where no tools may take its place
+            empty = {"content": ""} if stream and not message and self.tools is None else {}
+            message = {"role": "assistant", **empty, **message}
         return {"index": i, "delta" if stream else "message": message, **end}
+
+    def says_nothing(self, c: dict) -> bool:
+        """A streamed choice with no text, calls, logprobs or finish (its text is held back): not sent."""
+        news = c.get("text") if not self.chat else c["delta"]
+        return not news and c["finish_reason"] is None and not (c["logprobs"] or {}).get(
+            "content" if self.chat else "tokens")
 
     def usage(self, metas: list) -> dict:
         prompt = sum(map(len, self.input_ids))  # n > 1: a prompt counts once
         done = sum(m["completion_tokens"] for m in metas)
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
+    def sglext(self, metas: list) -> dict:
+        """SGLang's return_cached_tokens_details: the first prompt's cached tokens, all in this process's KV
+        pool (SGLang's device tier; it has no host or storage tier here)."""
+        if not self.body.get("return_cached_tokens_details") or not metas:
+            return {}
+        return {"sglext": {"cached_tokens_details": {"device": metas[0]["cached_tokens"], "host": 0}}}
+
     async def whole(self, request) -> dict:
         outs = await collect(request, self.input_ids, [self.sp] * len(self.input_ids), **self.submit)
         choices = [self.choice(i, o["text"], o["meta_info"], o["output_ids"], True)
                    for i, o in enumerate(outs)]
-        usage = self.usage([o["meta_info"] for o in outs])
-        return {**self.head, "object": self.kind, "choices": choices, "usage": usage}
+        metas = [o["meta_info"] for o in outs]
+        return {**self.head, "object": self.kind, "choices": choices, "usage": self.usage(metas),
+                **self.sglext(metas)}
 
     async def events(self, request):
-        """The stream's chunks: a choice's new text as it is committed; the usage last if asked."""
+        """The stream's chunks: a choice's new text as it is committed; the usage last if asked. sglext
+        rides on the last choice's last chunk (SGLang's load generator reads choices[0] of every chunk)."""
         kind = self.kind + (".chunk" if self.chat else "")
         sent = {}  # per choice: the characters of text sent so far
         finals = {}
@@ -7159,9 +7305,12 @@ class OpenAIReply:
             meta = chunk["meta_info"]
             c = self.choice(i, chunk["text"], meta, chunk["output_ids"], i not in sent, sent.get(i, 0))
             sent[i] = sent.get(i, 0) + len(c["text"] if not self.chat else c["delta"].get("content") or "")
-            yield {**self.head, "object": kind, "choices": [c]}
             if meta["finish_reason"] is not None:
                 finals[i] = meta
+            metas = [finals[k] for k in sorted(finals)]
+            last = len(finals) == len(self.input_ids) * self.n and meta["finish_reason"] is not None
+            if not self.says_nothing(c):
+                yield {**self.head, "object": kind, "choices": [c], **(self.sglext(metas) if last else {})}
         if (self.body.get("stream_options") or {}).get("include_usage"):
             yield {**self.head, "object": kind, "choices": [], "usage": self.usage(list(finals.values()))}
 
@@ -7287,13 +7436,12 @@ def chat_inputs(srv: Served, raw: bytes) -> OpenAIReply:
     tools = chat_tools(srv, body)
     input_ids = [tokenize(srv, chat_prompt(srv, body, tools), special=False)]
     m = body.get("max_completion_tokens")
-    if m is not None and len(input_ids[0]) + m > srv.engine.context_len:  # SGLang's words for it
-        room = srv.engine.context_len - len(input_ids[0])
-        raise HTTPError(400, f"max_completion_tokens is too large: {m}. This model supports at most {room} "
-                             f"completion tokens after this prompt ({len(input_ids[0])} tokens of a context "
-                             f"of {srv.engine.context_len}).")
     if body.get("max_tokens") is None and m is not None:
         body["max_tokens"] = m
+    C = srv.engine.context_len
+    if body.get("max_tokens") is not None and body["max_tokens"] > C:  # alone past the context: SGLang's words
+        raise HTTPError(400, f"max_completion_tokens is too large: {body['max_tokens']}. This model supports "
+                             f"at most {C} completion tokens.")
     check_max_tokens(srv, body, input_ids)
     sp = openai_sampling(body, None)
     constraint = None if tools is None else tools.constraint(
