@@ -23,6 +23,7 @@ import collections
 import contextlib
 import functools
 import gc
+import itertools
 import json
 import math
 import os
@@ -475,10 +476,12 @@ def overlap_run(engine, B, n_out, seed) -> dict:
 
 
 def cmd_overlap(args):
-    """Both loops on the real model with a CPU device of its own, batch by batch, side by side."""
+    """Both loops on the real model with a CPU device of its own, batch by batch, side by side; with
+    --cpu-device thread,process both devices, each in both loops."""
     path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
     batches = [1, 4] if args.quick else [int(b) for b in args.batches.split(",")]
     n_out = 8 if args.quick else args.output
+    devices = args.cpu_device.split(",")
     threads = args.device_threads or max(1, len(os.sched_getaffinity(0)) - 1)
     kw = {"model_path": path, "device": "cpu", "cpu_device_threads": threads, "max_total_tokens": 16384,
           "max_running_requests": max(batches), "enable_torch_compile": args.compile,
@@ -490,26 +493,51 @@ def cmd_overlap(args):
     traced = min(batches, key=lambda b: abs(b - OVERLAP_TRACE_BATCH))  # the batch of the trace and picture
     traces = {}
     results = {}
-    for loop in ("overlap", "serial"):
-        trace = os.path.join(args.trace, f"{loop}.json") if args.trace else None
-        with oe.Engine(disable_overlap_schedule=loop == "serial", trace=trace, **kw) as e:
+    for device, loop in itertools.product(devices, ("overlap", "serial")):
+        name = f"{loop}-{device}" if len(devices) > 1 else loop
+        trace = os.path.join(args.trace, f"{name}.json") if args.trace else None
+        with oe.Engine(disable_overlap_schedule=loop == "serial", trace=trace, cpu_device=device, **kw) as e:
             dtype = e.server_args.dtype
             engine_run(e, random_requests(2, 8, 8, args.seed + 9, e.model_config.vocab_size), 4, "warm-up")
             for B in batches:
-                results[loop, B] = overlap_run(e, B, n_out, args.seed + B)
+                results[device, loop, B] = overlap_run(e, B, n_out, args.seed + B)
                 if B == traced:
-                    traces[loop] = (results[loop, B]["stats"], list(e.tracer.events) if e.tracer else None)
+                    traces[device, loop] = (results[device, loop, B]["stats"],
+                                            list(e.tracer.events) if e.tracer else None)
             if e.tracer is not None:  # the trace file holds the traced batch only
-                e.tracer.events = collections.deque(traces[loop][1], maxlen=e.tracer.MAX_EVENTS)
+                e.tracer.events = collections.deque(traces[device, loop][1], maxlen=e.tracer.MAX_EVENTS)
     host = len(os.sched_getaffinity(0)) - threads
-    label = f"{os.path.basename(path)}, {dtype}, {threads} device + {host} host cores, {oe.cpu_name()}"
-    print_overlap(results, batches, label, n_out)
+    for device in devices:
+        label = (f"{os.path.basename(path)}, {dtype}, {device} device on {threads} cores + {host} host "
+                 f"cores, {oe.cpu_name()}")
+        print_overlap({(loop, B): results[device, loop, B] for _, loop, B in results if _ == device},
+                      batches, label, n_out)
+    if len(devices) > 1:
+        print_devices(results, devices, batches)
     if args.timeline:
-        draw_timeline(args.timeline, {loop: timeline_spans(traces[loop][0]) for loop in traces},
-                      f"{label}; B={traced}")
-        print(f"timeline of B={traced} written to {args.timeline}")
-    return [{"loop": loop, "B": B, **{k: v for k, v in r.items() if k != "stats"}}
-            for (loop, B), r in results.items()]
+        shown = devices[-1]  # the last device named: the one a picture shows
+        draw_timeline(args.timeline, {loop: timeline_spans(traces[shown, loop][0]) for loop in
+                                      ("overlap", "serial")},
+                      f"{os.path.basename(path)}, {dtype}, {shown} device, {oe.cpu_name()}; B={traced}")
+        print(f"timeline of the {shown} device at B={traced} written to {args.timeline}")
+    return [{"device": device, "loop": loop, "B": B, **{k: v for k, v in r.items() if k != "stats"}}
+            for (device, loop, B), r in results.items()]
+
+
+def print_devices(results, devices, batches):
+    """Each device's overlap / serial, and each device against the first one named, loop by loop."""
+    first = devices[0]
+    print(f"## the devices side by side: tok/s against the {first} device's in the same loop")
+    print("| B | device | overlap / serial | overlap vs " + first + " | serial vs " + first + " "
+          "| G overlap / G serial | device gap overlap / serial |")
+    print("|---|---|---|---|---|---|---|")
+    for B in batches:
+        for d in devices:
+            o, s = results[d, "overlap", B], results[d, "serial", B]
+            print(f"| {B} | {d} | {o['out_tok_s'] / s['out_tok_s']:.2f} "
+                  f"| {o['out_tok_s'] / results[first, 'overlap', B]['out_tok_s']:.2f} "
+                  f"| {s['out_tok_s'] / results[first, 'serial', B]['out_tok_s']:.2f} "
+                  f"| {o['G_ms'] / s['G_ms']:.2f} | {o['gap_ms'] / max(s['gap_ms'], 1e-9):.2f} |")
 
 
 def print_overlap(results, batches, label, n_out):
@@ -1979,6 +2007,8 @@ def add_overlap_command(sub):
     ov.add_argument("--output", type=int, default=OVERLAP_OUTPUT, help="tokens each request generates")
     ov.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: the engine's")
     ov.add_argument("--device-threads", type=int, default=0, help="cpu_device_threads; 0: all cores but one")
+    ov.add_argument("--cpu-device", default="thread,process",
+                    help="cpu_device: thread, process, or both (comma-separated, each in both loops)")
     ov.add_argument("--no-compile", dest="compile", action="store_false",
                     help="eager (default: torch.compile of the decode step where a C++ compiler is found)")
     ov.add_argument("--trace", default=None, help="write overlap.json and serial.json (Chrome traces of the "

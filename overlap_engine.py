@@ -2104,12 +2104,14 @@ import glob
 import hashlib
 import hmac
 import importlib.util
+import io
 import ipaddress
 import json
 import logging
 import pickle
 import platform
 import shutil
+import select
 import signal
 import socket
 import struct
@@ -2179,9 +2181,12 @@ class ServerArgs:
                                ("lpm", "fcfs"))
     schedule_conservativeness: float = arg(1.0, "scales the decode headroom kept when admitting; 0: none")
     mem_fraction_static: float = arg(0.8, "CUDA: share of free memory for weights and KV cache")
-    cpu_device_threads: int = arg(0, "CPU: the device thread's torch ops run on this many cores of their "
-                                     "own, the host (planning, committing, serving) on the others; 0: all "
-                                     "share every core")
+    cpu_device: str = arg("thread", "CPU: where the device runs: a thread of this process (the lesson's "
+                                    "simplest form; it shares the interpreter with the host) or a worker "
+                                    "process on cores of its own", ("thread", "process"))
+    cpu_device_threads: int = arg(0, "CPU: the device's torch ops run on this many cores of their own, the "
+                                     "host (planning, committing, serving) on the others; 0: every core "
+                                     "shared (thread), all but one for the device (process)")
     random_seed: int = arg(0, "seeds the requests that give no sampling_seed")
     constrained_json_disable_any_whitespace: bool = arg(
         False, "a json_schema grammar allows no whitespace between tokens of JSON (by default any)")
@@ -2908,6 +2913,12 @@ def check_engine_args(kwargs: dict) -> ServerArgs:
         raise ValueError(f"cpu_device_threads={args.cpu_device_threads} must be >= 0")
     if args.cpu_device_threads:
         split_cores(args.cpu_device_threads)
+    if args.cpu_device == "process" and args.device != "cpu":
+        raise ValueError(f"cpu_device='process' is for device='cpu' (a GPU is a device of its own), not "
+                         f"device={args.device!r}")
+    if args.cpu_device == "process" and args.tp_size > 1:
+        raise ValueError(f"cpu_device='process' works with tp_size=1 only (tp_size={args.tp_size}): each rank "
+                         "is a process of its own already")
     if args.trace is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
         raise ValueError(f"trace={args.trace!r}: its folder does not exist")
     if args.quantization and args.device != "cpu":
@@ -2922,6 +2933,58 @@ def check_engine_args(kwargs: dict) -> ServerArgs:
                          f"{args.tp_size // args.nnodes} GPUs per machine; torch sees "
                          f"{torch.cuda.device_count()}")
     return args
+
+
+def build_worker(args: ServerArgs, cfg: ModelConfig, model: nn.Module, make_stream: Callable,
+                 tracer: Optional[Tracer], context_len: int, max_total_tokens: int,
+                 kv_heads: int) -> tuple[ModelWorker, ReqToTokenPool, TokenToKVPool]:
+    """The device side of an engine, around its built model: the pools, the attention backend, the
+    FutureMap, the model callable (compiled, or with a draft model alongside) and the ModelWorker that runs
+    steps on make_stream()'s stream, made last (a draft model that fails to load leaves no thread). In the
+    engine's process, or in the device process (cpu_device="process")."""
+    dtype = getattr(torch, args.dtype)
+    req_to_token_pool = ReqToTokenPool(args.max_running_requests, context_len + 1, args.device)
+    kv_pool = TokenToKVPool(max_total_tokens, cfg.num_hidden_layers, kv_heads, cfg.head_dim, dtype, args.device)
+    if args.speculative_algorithm == "STANDALONE":
+        draft_model = StandaloneDrafter(args, cfg, dtype, kv_pool, req_to_token_pool)
+    compile_max_bs = args.torch_compile_max_bs if args.enable_torch_compile else 0
+    if args.attention_backend == "triton":
+        backend = TritonAttnBackend(kv_pool, req_to_token_pool)
+    elif args.attention_backend == "c":
+        widths = (1, 1 + args.speculative_num_draft_tokens) if args.speculative_algorithm else (1,)
+        backend = CDecodeBackend(kv_pool, req_to_token_pool, cfg.num_attention_heads // args.tp_size, widths)
+    elif compile_max_bs:
+        backend = FusedGatherDecodeBackend(kv_pool, req_to_token_pool, compile_max_bs)
+    else:
+        backend = GroupedDecodeBackend(kv_pool, req_to_token_pool)
+    traced = {"tracer": tracer} if tracer else {}
+    future_map = (TracedFutureMap if tracer else FutureMap)(args.max_running_requests, args.device,
+                                                            args.debug_future_map, **traced)
+    if compile_max_bs:
+        model = CompiledDecode(model, compile_max_bs, verify=args.speculative_algorithm is not None)
+    drafter = None
+    if args.speculative_algorithm == "NGRAM":
+        drafter = functools.partial(ngram_drafter, lo=args.speculative_ngram_min_match_window_size,
+                                    hi=args.speculative_ngram_max_match_window_size)
+    elif args.speculative_algorithm == "STANDALONE":
+        drafter = draft_model
+        model = DraftsAlongside(model, draft_model)
+    worker = (TracedWorker if tracer else ModelWorker)(
+        model, req_to_token_pool, future_map, backend, make_stream(), args.device, drafter=drafter,
+        race_rows=race_in_blocks if args.device == "cpu" else None, **traced)
+    return worker, req_to_token_pool, kv_pool
+
+
+def memory_usage(model: nn.Module, kv_pool: TokenToKVPool) -> dict:
+    """Bytes held: the KV cache, the weight matrices (split across tensor-parallel ranks) and the norm
+    weights (every rank has them all); a tied head counts once."""
+    params = list(model.parameters())
+    held = [t for m in model.modules() if isinstance(m, QuantizedLinear) for t in m.buffers()]
+    held += [PACKED_WEIGHTS[m.key] for m in model.modules() if isinstance(m, PackedLinear)]
+    size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    return {"kv_cache": size(kv_pool.k_buffer + kv_pool.v_buffer),
+            "sharded_weights": size(p for p in params if p.dim() == 2) + size(held),
+            "replicated_weights": size(p for p in params if p.dim() == 1)}
 
 
 class Engine:
@@ -2962,8 +3025,10 @@ class Engine:
             self.model_path = args.model_path or default_model_path()
             cfg, state, self.tokenizer = load_checkpoint(self.model_path, shard)
         self.model_config = cfg
-        self.model = build_model(cfg, state, dtype, args.device, shard, args.quantization)
-        del state
+        self.device_process: Optional[DeviceProcess] = None  # cpu_device="process": the device's end
+        process = args.cpu_device == "process"
+        self.model = None if process else build_model(cfg, state, dtype, args.device, shard, args.quantization)
+        state = state if process else None  # the model holds what it needs of it
         if args.tp_size > 1:  # rank 0 starts the other local ranks once its own shard has loaded
             self.tp = TPGroup(args, tp_rank, cfg)
             shard.group = self.tp.device_group
@@ -2973,50 +3038,26 @@ class Engine:
         self.max_total_tokens = args.max_total_tokens or self._profile_max_total_tokens(cfg, dtype)
         if self.tp is not None:  # every rank plans with the same pool: the smallest one
             self.max_total_tokens = min(self.tp.all_gather(self.max_total_tokens))
-        req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.context_len + 1, args.device)
-        kv_pool = TokenToKVPool(self.max_total_tokens, cfg.num_hidden_layers, self.kv_heads, cfg.head_dim,
-                                dtype, args.device)
-        if args.speculative_algorithm == "STANDALONE":  # loaded (and checked) before any thread starts
-            draft_model = StandaloneDrafter(args, cfg, dtype, kv_pool, req_to_token_pool)
-        compile_max_bs = args.torch_compile_max_bs if args.enable_torch_compile else 0
-        if args.attention_backend == "triton":
-            backend = TritonAttnBackend(kv_pool, req_to_token_pool)
-        elif args.attention_backend == "c":
-            widths = (1, 1 + args.speculative_num_draft_tokens) if args.speculative_algorithm else (1,)
-            backend = CDecodeBackend(kv_pool, req_to_token_pool, cfg.num_attention_heads // args.tp_size,
-                                     widths)
-        elif compile_max_bs:
-            backend = FusedGatherDecodeBackend(kv_pool, req_to_token_pool, compile_max_bs)
-        else:
-            backend = GroupedDecodeBackend(kv_pool, req_to_token_pool)
+        sizes = {"context_len": self.context_len, "max_total_tokens": self.max_total_tokens,
+                 "kv_heads": self.kv_heads}
         self.tracer = Tracer() if args.trace else None
         self.host_cores: Optional[set] = None  # cpu_device_threads: the host's cores (the device: the rest)
-        if args.device == "cuda":
-            stream = CudaDeviceStream()
-        else:
-            keep_freed_memory_in_process()  # before the device thread exists: it shares the host's arena
-            if args.cpu_device_threads:
-                device_cores, self.host_cores = split_cores(args.cpu_device_threads)
+        if process:  # the device's side is built in its process; the host plans with pools of shapes only
+            device_cores, self.host_cores = device_process_cores(args.cpu_device_threads)
+            if self.host_cores:
                 self._unpinned = pin_host_threads(self.host_cores)
-                stream = PinnedCpuDeviceStream(device_cores, args.worker_jitter_ms, args.random_seed)
-            else:
-                stream = CpuDeviceStream(args.worker_jitter_ms, args.random_seed)
-        traced = {"tracer": self.tracer} if self.tracer else {}
-        future_map = TracedFutureMap if self.tracer else FutureMap
-        self.future_map = future_map(args.max_running_requests, args.device, args.debug_future_map, **traced)
-        model = self.model
-        if compile_max_bs:
-            model = CompiledDecode(model, compile_max_bs, verify=args.speculative_algorithm is not None)
-        drafter = None
-        if args.speculative_algorithm == "NGRAM":
-            drafter = functools.partial(ngram_drafter, lo=args.speculative_ngram_min_match_window_size,
-                                        hi=args.speculative_ngram_max_match_window_size)
-        elif args.speculative_algorithm == "STANDALONE":
-            drafter = draft_model
-            model = DraftsAlongside(model, draft_model)
-        worker = (TracedWorker if self.tracer else ModelWorker)(
-            model, req_to_token_pool, self.future_map, backend, stream, args.device, drafter=drafter,
-            race_rows=race_in_blocks if args.device == "cpu" else None, **traced)
+            self.device_process = DeviceProcess(args, cfg, state, sizes, device_cores,
+                                                self.tracer.t0 if self.tracer else None)
+            worker = ProcessWorker(self.device_process)
+            req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.context_len + 1, "meta")
+            kv_pool = TokenToKVPool(self.max_total_tokens, cfg.num_hidden_layers, self.kv_heads, cfg.head_dim,
+                                    dtype, "meta")
+            self.future_map = None
+        else:
+            worker, req_to_token_pool, kv_pool = build_worker(args, cfg, self.model, self._make_stream,
+                                                              self.tracer, **sizes)
+            self.future_map = worker.future_map
+        del state
         self.scheduler = TimedScheduler(args, self.tokenizer, worker, req_to_token_pool, kv_pool,
                                         cfg.vocab_size, tracer=self.tracer)
         self._grammars: Optional[GrammarBackend] = None  # made for the first grammar (xgrammar)
@@ -3029,8 +3070,20 @@ class Engine:
         self._finished_streams: set[str] = set()  # awaited ones that finished, until their generate() sees it
         self._ctrl_c_held = CtrlCHeld()
         self._closed = False
-        if compile_max_bs:
-            self._compile_decode(min(compile_max_bs, args.max_running_requests))
+        if args.enable_torch_compile:
+            self._compile_decode(min(args.torch_compile_max_bs, args.max_running_requests))
+
+    def _make_stream(self):
+        """The device stream: CUDA's, or on a CPU a thread (with cpu_device_threads, on cores of its own)."""
+        args = self.server_args
+        if args.device == "cuda":
+            return CudaDeviceStream()
+        keep_freed_memory_in_process()  # before the device thread exists: it shares the host's arena
+        if not args.cpu_device_threads:
+            return CpuDeviceStream(args.worker_jitter_ms, args.random_seed)
+        device_cores, self.host_cores = split_cores(args.cpu_device_threads)
+        self._unpinned = pin_host_threads(self.host_cores)
+        return PinnedCpuDeviceStream(device_cores, args.worker_jitter_ms, args.random_seed)
 
     def _compile_decode(self, max_bs: int):
         """Compiles the decode graphs before the first request, so that none waits on the compiler: one
@@ -3453,7 +3506,11 @@ class Engine:
         check_ledger(scheduler)  # with no request holding anything: every slot free or in the tree
         assert not scheduler.row_owner and scheduler.tree_cache.protected_size() == 0, \
             "a request still holds a row or a lock"
-        assert bool((self.future_map.output_tokens_buf == -1).all()), "FutureMap holds unread tokens"
+        if self.device_process is not None:  # the device's state, seen across the boundary
+            wrong = self.device_process.call("idle_check")
+            assert not wrong, "; ".join(wrong)
+        else:
+            assert bool((self.future_map.output_tokens_buf == -1).all()), "FutureMap holds unread tokens"
 
     def flush_cache(self):
         """Empties the radix cache (SGLang's flush_cache); only at idle, when no request holds a prefix."""
@@ -3469,13 +3526,9 @@ class Engine:
         return self._on_every_rank("_memory_usage_here")
 
     def _memory_usage_here(self) -> dict:
-        kv, params = self.scheduler.kv_pool, list(self.model.parameters())  # a tied head counts once
-        held = [t for m in self.model.modules() if isinstance(m, QuantizedLinear) for t in m.buffers()]
-        held += [PACKED_WEIGHTS[m.key] for m in self.model.modules() if isinstance(m, PackedLinear)]
-        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        return {"kv_cache": size(kv.k_buffer + kv.v_buffer),
-                "sharded_weights": size(p for p in params if p.dim() == 2) + size(held),
-                "replicated_weights": size(p for p in params if p.dim() == 1)}
+        if self.device_process is not None:
+            return self.device_process.call("memory_usage")
+        return memory_usage(self.model, self.scheduler.kv_pool)
 
     def _settle_idle(self, caller: str) -> Scheduler:
         """Commits the overshoot steps of finished requests still in flight; the engine must then be idle."""
@@ -3499,6 +3552,9 @@ class Engine:
             with contextlib.suppress(Exception):  # a rank that died cannot hear it: close() ends it
                 self._tp_send("shutdown")
             try:
+                if self.tracer is not None and self.device_process is not None:  # the device lane's events
+                    with contextlib.suppress(Exception):
+                        self.tracer.events.extend(self.device_process.call("trace_events"))
                 self.scheduler.worker.stream.shutdown()
                 if self._grammars is not None:
                     self._grammars.shutdown()
@@ -5296,6 +5352,14 @@ def split_cores(device_threads: int) -> tuple[set, set]:
     return set(cores[:device_threads]), set(cores[device_threads:])
 
 
+def device_process_cores(device_threads: int) -> tuple:
+    """(the device process's cores, the host's) for cpu_device="process": device_threads of them, all but
+    one if 0; (None, None) where there is one core, or no affinity to set (macOS): all share them."""
+    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) == 1:
+        return None, None
+    return split_cores(device_threads or len(os.sched_getaffinity(0)) - 1)
+
+
 def pin_host_threads(host: set) -> tuple:
     """Every thread of this process onto the host's cores (threads made later inherit it from their
     maker), and this thread's torch ops onto as many threads. Returns what unpin_host_threads restores."""
@@ -5331,6 +5395,503 @@ class PinnedCpuDeviceStream(CpuDeviceStream):
         super()._run()
 
 
+# -- the CPU device in a worker process: the interpreter off the device's path --
+#
+# The thread device shares the host's interpreter: between its torch ops the device thread needs the GIL,
+# which the host's Python holds while it plans and commits, so on a CPU the overlap loop's device steps
+# grow longer than the serial loop's. With cpu_device="process" the model, the KV pool, req_to_token, the
+# FutureMap and the sampler's device state live in a worker process on cores of its own (vLLM runs its CPU
+# model in a worker process too). The host sends each device op in order over a socket (a step's inputs, a
+# grammar's deferred sample, a row's write or poison); the tensors in a message cross through a ring of
+# shared memory, and so do the results, which the host reads at wait_for, as from a GPU. The host's pools
+# are on torch's meta device (shapes, no memory): it holds no device tensor, so every write to device
+# state is an op on the device's stream by construction.
+
+DEVICE_RING_BYTES = 8 << 20  # each direction's ring of shared memory (a message that finds it full is
+                             # pickled whole); the weights cross once, through a block of their own size
+
+
+class Ring:
+    """Shared memory that carries the bulk tensors of one direction's messages. The writer puts each at the
+    head, under its message's number, and reuses the space once the reader says it has read that message
+    (release); the reader copies tensors out by offset. The maker (name None) owns and unlinks it."""
+
+    ALIGN = 64
+
+    def __init__(self, size: int = 0, name: Optional[str] = None):
+        from multiprocessing import resource_tracker, shared_memory
+        self.shm = shared_memory.SharedMemory(name=name, create=name is None, size=size)
+        if name is not None:  # the maker unlinks it: this process's tracker must not (Python < 3.13 does)
+            resource_tracker.unregister(self.shm._name, "shared_memory")
+        self.data = np.ndarray((self.shm.size,), np.uint8, self.shm.buf)  # (bytes,)
+        self.size = self.shm.size
+        self.head = 0
+        self.live: deque = deque()  # (message number, start) of what the reader may still read, oldest first
+
+    def put(self, a: np.ndarray, number: int) -> Optional[int]:
+        """a's bytes copied to a free place: its offset, or None when there is none."""
+        at = self.place(-(-a.nbytes // self.ALIGN) * self.ALIGN)
+        if at is not None:
+            self.data[at:at + a.nbytes] = a.reshape(-1).view(np.uint8)
+            self.live.append((number, at))
+        return at
+
+    def place(self, n: int) -> Optional[int]:
+        if not self.live:
+            self.head = 0
+        tail = self.live[0][1] if self.live else 0
+        if self.head >= tail and self.head + n <= self.size:  # the live bytes are [tail, head)
+            at = self.head
+        elif self.head >= tail:
+            at = 0 if n < tail else None  # wrap round to the front
+        else:  # wrapped: the live bytes are [tail, end) and [0, head)
+            at = self.head if self.head + n < tail else None
+        if at is not None:
+            self.head = at + n
+        return at
+
+    def release(self, number: int):
+        """The reader has read every message up to `number`: their space is free."""
+        while self.live and self.live[0][0] <= number:
+            self.live.popleft()
+
+    def read(self, at: int, n: int, copy: bool = True) -> np.ndarray:
+        a = self.data[at:at + n]
+        return a.copy() if copy else a
+
+    def close(self, unlink: bool):
+        del self.data  # the views go first: shared memory with live views cannot close
+        self.shm.close()
+        if unlink:
+            self.shm.unlink()
+
+
+DEVICE_SPIN_S = 0.002  # the device process waits this long for the next op awake, then asleep: a host that
+                       # plans for less than it is answered without the wake-up of a sleeping process
+RING_MIN_BYTES = 4096  # a smaller tensor travels inside its message's pickle (a decode step's all do)
+
+
+def tensor_bytes(t: torch.Tensor) -> np.ndarray:
+    """t's contents as a numpy array, for the wire (bf16, which numpy lacks, as int16)."""
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.numpy() if not t.requires_grad else t.detach().numpy()
+
+
+def tensor_from(a: np.ndarray, dtype: str, shape: tuple) -> torch.Tensor:
+    """The tensor tensor_bytes() gave `a` for (its bytes, or the array itself, shared)."""
+    t = torch.from_numpy(a.view(WIRE_DTYPES[dtype]).reshape(shape))
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+
+WIRE_DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": np.int16,
+               "int64": np.int64, "int32": np.int32, "int16": np.int16, "int8": np.int8, "uint8": np.uint8,
+               "bool": np.bool_}  # torch's dtype name -> the numpy dtype its bytes travel as
+WIRE_NAMES = {getattr(torch, name): name for name in WIRE_DTYPES}
+
+
+class RingPickler(pickle.Pickler):
+    """Pickles a message with its bulk tensors put in a Ring (the pickle holds their places) and the
+    others as plain bytes; a tensor the ring has no room for goes as bytes too. Only tensors take the
+    Python path (dispatch_table): everything else pickles in C."""
+
+    def __init__(self, file, ring: Ring, number: int):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.ring, self.number = ring, number
+        self.dispatch_table = {torch.Tensor: self.reduce_tensor}
+
+    def reduce_tensor(self, t: torch.Tensor):
+        a = tensor_bytes(t)
+        at = self.ring.put(a, self.number) if a.nbytes >= RING_MIN_BYTES else None
+        return wire_tensor, (WIRE_NAMES[t.dtype], t.shape, a.tobytes() if at is None else (at, a.nbytes))
+
+
+def wire_tensor(dtype: str, shape: tuple, where):
+    """Stands for a tensor in a RingPickler's pickle: RingUnpickler reads it (its load_tensor)."""
+    raise TypeError("a device message's tensor is read by RingUnpickler only")
+
+
+class RingUnpickler(pickle.Unpickler):
+    """The other side of RingPickler: tensors copied out of the ring (or views of it, copy=False). This
+    file's classes are found under whatever name this process imported it (__main__ run as a script)."""
+
+    def __init__(self, file, ring: Ring, copy: bool = True):
+        super().__init__(file)
+        self.ring, self.copy = ring, copy
+
+    def load_tensor(self, dtype: str, shape: tuple, where) -> torch.Tensor:
+        a = np.frombuffer(where, np.uint8).copy() if isinstance(where, bytes) else self.ring.read(*where,
+                                                                                                 self.copy)
+        return tensor_from(a, dtype, shape)
+
+    def find_class(self, module: str, name: str):
+        if module in ("__main__", "__mp_main__", "overlap_engine"):
+            return self.load_tensor if name == "wire_tensor" else getattr(sys.modules[__name__], name)
+        return super().find_class(module, name)
+
+
+class DeviceChannel:
+    """One end of the device process's channel: messages over a socket, their tensors through two rings
+    (`out` written by this end, `into` by the other). Each message carries its number and the number of
+    the last message this end has read, which frees that much of the other end's ring."""
+
+    def __init__(self, conn, out: Ring, into: Ring):
+        self.conn, self.out, self.into = conn, out, into
+        self.sent = 0  # the number of the last message sent
+        self.read = 0  # the number of the last message read
+
+    def send(self, body, ring: Optional[Ring] = None):
+        self.sent += 1
+        buf = io.BytesIO()
+        RingPickler(buf, ring or self.out, self.sent).dump((self.sent, self.read, body))
+        self.conn.send_bytes(buf.getbuffer())
+        return self.sent
+
+    def recv(self, ring: Optional[Ring] = None, copy: bool = True):
+        raw = self.conn.recv_bytes()
+        number, their_read, body = RingUnpickler(io.BytesIO(raw), ring or self.into, copy).load()
+        self.out.release(their_read)
+        self.read = number
+        return body
+
+
+def readable(poller, spin_s: float, timeout_s: Optional[float]) -> bool:
+    """Whether the socket `poller` watches has a message within timeout_s (None: waits for one), looked at
+    awake for spin_s first: a process on a core of its own then answers without a wake-up's latency."""
+    deadline = time.perf_counter() + spin_s
+    while not poller.poll(0):
+        if time.perf_counter() >= deadline:
+            return bool(poller.poll(None if timeout_s is None else 1e3 * timeout_s))
+    return True
+
+
+class DeviceProcessError(RuntimeError):
+    """The device process died, or could not be started: the steps it held are lost."""
+
+
+def device_process_command(fd: int) -> list:
+    """The device process's command line: this file's device_process_main on the socket at fd. A fresh
+    interpreter, not multiprocessing's: a user's script without a __main__ guard must not run twice."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return [sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import overlap_engine; "
+                                  f"overlap_engine.device_process_main({fd})"]
+
+
+class DeviceProcess:
+    """The host's end of the CPU device in a worker process: starts it on `cores`, hands it the weights,
+    sends ops in order (send) and reads the results of those that have one, in order (result). A device
+    that raised is broken for good (every later op raises its error), as a device stream is; one that
+    died is told apart from a slow one (it is looked at while the host waits)."""
+
+    def __init__(self, args: ServerArgs, cfg: ModelConfig, state: dict, sizes: dict, cores: Optional[set],
+                 t0: Optional[float]):
+        import multiprocessing.connection
+        import socket
+        host_end, device_end = socket.socketpair()
+        env = dict(os.environ)
+        if sys.platform == "linux":  # the device's OpenMP team waits spinning (OPENMP_SPIN), as the CLI's
+            env.update({k: os.environ.get(k, v) for k, v in OPENMP_SPIN.items()})
+        self.proc = subprocess.Popen(device_process_command(device_end.fileno()), env=env,
+                                     pass_fds=(device_end.fileno(),), start_new_session=True)  # no Ctrl-C
+        device_end.close()
+        self.conn = multiprocessing.connection.Connection(host_end.detach())
+        self.poller = select.poll()
+        self.poller.register(self.conn.fileno(), select.POLLIN)
+        self.spin = bool(cores)  # the host has cores of its own too: it waits for a result awake
+        self.channel = DeviceChannel(self.conn, Ring(DEVICE_RING_BYTES), Ring(DEVICE_RING_BYTES))
+        self.replies: dict = {}  # op -> (ok, value, t_start, t_end), read but not yet asked for
+        self.error: Optional[BaseException] = None
+        weights = weights_ring(state)
+        try:
+            self.conn.send_bytes(pickle.dumps((self.channel.out.shm.name, self.channel.into.shm.name,
+                                               weights and weights.shm.name)))
+            self.result(self.channel.send(("build", args, cfg, sizes, sorted(cores or ()), t0)))
+            self.result(self.channel.send(("weights", state), ring=weights))  # it builds the model now
+        except BaseException:
+            self.shutdown()
+            raise
+        finally:
+            if weights is not None:  # the device maps them still: the memory stays while it does
+                weights.close(unlink=True)
+
+    def send(self, kind: str, *payload) -> int:
+        """Queues an op on the device; its number, for result()."""
+        if self.error is not None:  # broken: every later op re-raises its error
+            raise self.error
+        return self.channel.send((kind, *payload))
+
+    def result(self, op: int) -> tuple:
+        """(value, t_start, t_end) of op, once the device has run it (sync point)."""
+        while op not in self.replies:
+            self.receive(op)
+        ok, value, t_start, t_end = self.replies.pop(op)
+        if not ok:
+            raise value
+        return value, t_start, t_end
+
+    def receive(self, op: int):
+        """The next reply; a device that died while the host waits raises DeviceProcessError."""
+        if self.error is not None:
+            raise self.error
+        spin = DEVICE_SPIN_S if self.spin else 0.0
+        while not readable(self.poller, spin, 0.1):
+            if self.proc.poll() is not None:
+                self.died()
+            spin = 0.0
+        try:
+            with CtrlCHeld():  # a message is read whole or not at all
+                number, ok, value, t_start, t_end = self.channel.recv()
+        except (EOFError, OSError):
+            self.died()
+        if not ok:  # the device raised: it is broken from this op on
+            self.error = value
+        self.replies[number] = (ok, value, t_start, t_end)
+
+    def died(self):
+        code = self.proc.wait()
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+        self.error = DeviceProcessError(f"the device process (pid {self.proc.pid}) died ({how}): the "
+                                        "requests it held cannot finish")
+        raise self.error
+
+    def call(self, name: str):
+        """A query of the device's state, answered after every op queued before it."""
+        return self.result(self.send("call", name))[0]
+
+    def synchronize(self):
+        self.call("sync")
+
+    def shutdown(self):
+        """Stops the device process once the ops queued before have run (a broken one at once: its socket
+        closes), killed if it does not end within seconds, and frees the rings."""
+        if self.conn is None:
+            return
+        if self.proc.poll() is None and self.error is None:
+            with contextlib.suppress(Exception):
+                self.result(self.send("stop"))
+        self.conn.close()  # a device that did not stop reads the end of its socket and ends
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.channel.out.close(unlink=True)
+        self.channel.into.close(unlink=True)
+        self.conn = None
+
+
+def weights_ring(state: dict) -> Optional[Ring]:
+    """A Ring that holds the weights, or None where shared memory has no room for them (they are then
+    pickled through the socket: slower, once)."""
+    size = sum(-(-t.numel() * t.element_size() // Ring.ALIGN) * Ring.ALIGN for t in state.values())
+    if sys.platform == "linux":  # a tmpfs that cannot hold it would fault on write, not refuse to create
+        st = os.statvfs("/dev/shm")
+        if size > st.f_bavail * st.f_frsize:
+            return None
+    try:
+        return Ring(max(size, 1))
+    except OSError:
+        return None
+
+
+class DeviceProcessHandle(StepHandle):
+    """A step launched on the device process: wait() reads its result, and the times it ran."""
+
+    def __init__(self, device: DeviceProcess, op: int):
+        super().__init__()
+        self.device, self.op = device, op
+
+    def wait(self):
+        if not self.done.is_set():
+            try:
+                self.value, self.t_start, self.t_end = self.device.result(self.op)
+            except BaseException as e:
+                if isinstance(e, KeyboardInterrupt):  # not read yet: the next wait reads it
+                    raise
+                self.error = e
+            self.done.set()
+        return super().wait()
+
+
+@dataclass
+class DeviceProcessForwarded:
+    """A deferred step's forward on the device process: its sample refers to it by its op."""
+    op: int
+
+
+class ProcessWorker:
+    """The Scheduler's worker for cpu_device="process": launch, launch_sample, write_row and poison_row
+    become ops of the ModelWorker in the device process; its stream is the DeviceProcess."""
+
+    def __init__(self, device: DeviceProcess):
+        self.stream = device
+
+    def launch(self, batch: ForwardBatch):
+        if batch.deferred:
+            return DeviceProcessForwarded(self.stream.send("forward", batch))
+        return DeviceProcessHandle(self.stream, self.stream.send("step", batch))
+
+    def launch_sample(self, batch: ForwardBatch, kept: DeviceProcessForwarded, bitmask: torch.Tensor,
+                      publish_idx: torch.Tensor) -> StepHandle:
+        return DeviceProcessHandle(self.stream, self.stream.send("sample", kept.op, bitmask, publish_idx))
+
+    def write_row(self, row: int, slots: torch.Tensor):
+        self.stream.send("write_row", row, slots)
+
+    def poison_row(self, row: int):
+        self.stream.send("poison_row", row)
+
+
+class InlineStream:
+    """The device process's stream: ops arrive in order, so each runs when it is launched (with
+    worker_jitter_ms, after a random pause, as the thread device's)."""
+
+    def __init__(self, jitter_ms: float = 0.0, seed: int = 0):
+        self.jitter, self.rng = jitter_ms / 1e3, random.Random(seed)
+
+    def launch(self, fn: Callable) -> StepHandle:
+        h = StepHandle()
+        self.pause()
+        h.t_start = time.perf_counter()
+        h.value = fn()
+        h.t_end = time.perf_counter()
+        h.done.set()
+        return h
+
+    def pause(self):
+        if self.jitter:
+            time.sleep(self.rng.random() * self.jitter)
+
+
+class DeviceSide:
+    """The device process's state: the ModelWorker built from the host's first messages, running the
+    host's ops in order. After an op raises, every later op that has a reply answers with its error."""
+
+    REPLIES = ("step", "sample", "call", "stop", "build", "weights")
+
+    def __init__(self, args: ServerArgs, cfg: ModelConfig, sizes: dict, cores: list, t0: Optional[float]):
+        if cores:
+            os.sched_setaffinity(0, set(cores))  # every thread after this one inherits it
+            torch.set_num_threads(len(cores))
+        keep_freed_memory_in_process()
+        self.args, self.cfg, self.sizes = args, cfg, sizes
+        self.spin = bool(cores)  # it waits for the next op awake (DEVICE_SPIN_S) on cores of its own
+        self.tracer = Tracer(t0) if args.trace else None
+        self.stream = InlineStream(args.worker_jitter_ms, args.random_seed)
+        self.worker: Optional[ModelWorker] = None
+        self.forwarded: dict = {}  # a deferred step's op -> (its batch, logits, Verify), until its sample
+        self.error: Optional[tuple] = None
+
+    def build(self, state: dict):
+        args = self.args
+        if args.enable_torch_compile:  # Inductor's cache, as the host's Engine would set it
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_root(), "inductor"))
+            logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+        self.model = build_model(self.cfg, state, getattr(torch, args.dtype), "cpu", TPShard(),
+                                 args.quantization)
+        self.worker, _, self.kv_pool = build_worker(args, self.cfg, self.model, lambda: self.stream,
+                                                    self.tracer, **self.sizes)
+
+    def run(self, op: int, kind: str, payload: tuple):
+        """Runs one op; the value of those that reply."""
+        worker = self.worker
+        if kind == "weights":
+            return self.build(payload[0])
+        if kind == "step":
+            return worker.forward_step(payload[0])
+        if kind == "forward":
+            batch = payload[0]
+            self.forwarded[op] = (batch, *worker.forward_logits(batch))
+        elif kind == "sample":
+            batch, logits, verify = self.forwarded.pop(payload[0])
+            return worker.sample_step(batch, logits, verify, *payload[1:])
+        elif kind == "write_row":
+            worker.write_row(*payload)
+        elif kind == "poison_row":
+            worker.poison_row(*payload)
+        elif kind == "call":
+            return getattr(self, "call_" + payload[0])()
+
+    def call_sync(self):
+        return None
+
+    def call_idle_check(self) -> list:
+        """What is wrong at idle, as the host's check_invariants sees it across the boundary."""
+        wrong = []
+        if not bool((self.worker.future_map.output_tokens_buf == -1).all()):
+            wrong.append("FutureMap holds unread tokens")
+        if self.forwarded:
+            wrong.append(f"deferred forwards never sampled: ops {sorted(self.forwarded)}")
+        return wrong
+
+    def call_memory_usage(self) -> dict:
+        return memory_usage(self.model, self.kv_pool)
+
+    def call_trace_events(self) -> list:
+        return list(self.tracer.events) if self.tracer is not None else []
+
+
+def device_process_main(fd: int):
+    """The device process: attaches the host's rings, builds the device side from its first messages,
+    then runs its ops in order, replying to those that have a result, until it stops or the host goes."""
+    import multiprocessing.connection
+    die_with_parent()
+    conn = multiprocessing.connection.Connection(fd)
+    into_name, out_name, weights_name = pickle.loads(conn.recv_bytes())
+    channel = DeviceChannel(conn, Ring(name=out_name), Ring(name=into_name))
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    weights = Ring(name=weights_name) if weights_name else None  # mapped for good: the weights are views
+    side = None
+    while True:
+        building = side is not None and side.worker is None  # the next message brings the weights
+        readable(poller, DEVICE_SPIN_S if side is not None and side.spin else 0.0, None)
+        try:
+            body = channel.recv(ring=weights if building else None, copy=not (building and weights))
+        except (EOFError, OSError):  # the host went away
+            return
+        op, kind, payload = channel.read, body[0], tuple(body[1:])
+        t_start = time.perf_counter()
+        ok, value = True, None
+        if side is not None and side.error is not None:
+            ok, value = False, side.error
+        else:
+            try:
+                if kind == "build":
+                    side = DeviceSide(*payload)
+                else:
+                    value = side.run(op, kind, payload)
+                    side.stream.pause()
+            except BaseException as e:
+                ok, value = False, device_error(e)
+                if side is not None:
+                    side.error = value
+        if kind in DeviceSide.REPLIES or not ok:
+            channel.send((op, ok, value, t_start, time.perf_counter()))
+        if kind == "stop" or (not ok and side is None):
+            return
+
+
+def device_error(e: BaseException) -> BaseException:
+    """e, to raise on the host: as it is where it pickles (AssertionError, ValueError, ...), else a
+    RuntimeError with its type and words; either way saying that the device process raised it."""
+    note = f"{e} (raised in the device process)"
+    try:
+        out = type(e)(note)
+        pickle.loads(pickle.dumps(out))
+        return out
+    except Exception:
+        return RuntimeError(f"{type(e).__name__}: {note}")
+
+
+def die_with_parent():
+    """On Linux the device process is killed when the host dies, even mid-step (elsewhere it ends when
+    the socket closes)."""
+    if sys.platform == "linux":
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 # -- the trace of a run: host and device lanes, for chrome://tracing and ui.perfetto.dev --
 
 
@@ -5343,9 +5904,9 @@ class Tracer:
     LANES = {"host": 1, "device": 2}
     MAX_EVENTS = 1_000_000
 
-    def __init__(self):
+    def __init__(self, t0: Optional[float] = None):
         self.events: deque = deque(maxlen=self.MAX_EVENTS)
-        self.t0 = time.perf_counter()
+        self.t0 = time.perf_counter() if t0 is None else t0  # the device process takes the host's
 
     def us(self, t: float) -> float:
         return round((t - self.t0) * 1e6, 1)
@@ -5713,7 +6274,7 @@ CLI_GROUPS = {
                               "max_prefill_tokens", "chunked_prefill_size", "disable_radix_cache",
                               "enable_mixed_chunk",
                               "schedule_policy", "schedule_conservativeness", "mem_fraction_static",
-                              "cpu_device_threads"),
+                              "cpu_device", "cpu_device_threads"),
     "sampling": ("random_seed", "constrained_json_disable_any_whitespace"),
     "speculative decoding": ("speculative_algorithm", "speculative_num_draft_tokens",
                              "speculative_ngram_min_match_window_size",

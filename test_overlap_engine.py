@@ -95,6 +95,7 @@ def no_device_thread_outlives_the_tests():
     gc.collect()
     alive = [t.name for t in threading.enumerate() if t.name == "overlap-engine-device" and t.is_alive()]
     assert not alive, f"{len(alive)} device worker thread(s) outlived their engines"
+    assert not device_processes(), "a device process outlived its engine"
 
 
 def reference_logits(state, cfg, ids):
@@ -2462,6 +2463,163 @@ def test_compiled_engines_of_two_models_in_one_process_keep_their_own_graphs(ckp
     finally:
         for e in engines:
             e.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The CPU device in a worker process (cpu_device="process")
+
+
+def device_processes() -> list:
+    """Pids of this process's children that run a device process (Linux's /proc; [] elsewhere)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if ppid == os.getpid() and b"device_process_main" in cmdline:
+            found.append(int(pid))
+    return found
+
+
+def device_process_with(monkeypatch, code: str):
+    """Device processes started from now on run `code` (with `oe` imported) before their main loop:
+    how a test reaches into the device's side of the boundary."""
+    here = os.path.dirname(os.path.abspath(oe.__file__))
+    monkeypatch.setattr(oe, "device_process_command", lambda fd: [
+        sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import overlap_engine as oe\n"
+                              f"{code}\noe.device_process_main({fd})"])
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_process_device_gives_the_reference_tokens_and_keeps_no_device_tensor(ckpt, mixed_workload,
+                                                                              loop, tmp_path):
+    """The device in a worker process, with mixed chunks in a pool small enough to retract, and random
+    pauses between its ops: greedy requests with stops and shared prefixes, penalties, logit_bias and
+    min_new_tokens, seeded sampling, a grammar's deferred sample, logprobs and aborts give the tokens of
+    the independent reference (and of the thread device where there is none); check_invariants looks
+    across the boundary. The host holds no device tensor: its pools are shapes on the meta device."""
+    wl, expected = mixed_workload
+    kw = {"enable_mixed_chunk": True, "chunked_prefill_size": 16, "max_total_tokens": 96,
+          "schedule_conservativeness": 0.0}
+    rest = grammar_workload(n=5) + [(p, {**sp, "max_new_tokens": 9}) for p, sp in penalty_workload(ckpt, n=4)]
+    logprob = (True, 3, 0)
+    with make_engine(ckpt, loop, **kw) as e:
+        want = run_workload(e, rest)
+        want_lp = e.generate(input_ids=wl[1][0], sampling_params=wl[1][1], return_logprob=True,
+                             top_logprobs_num=3, logprob_start_len=0)
+    trace = str(tmp_path / "trace.json")
+    with make_engine(ckpt, loop, cpu_device="process", worker_jitter_ms=0.3, trace=trace, **kw) as e:
+        assert e.model is None and e.future_map is None and device_processes()
+        assert {t.device.type for t in [e.scheduler.req_to_token_pool.req_to_token,
+                                        *e.scheduler.kv_pool.k_buffer, *e.scheduler.kv_pool.v_buffer]} == {"meta"}
+        assert [o["output_ids"] for o in run_workload(e, wl)] == expected
+        got = run_workload(e, rest)
+        lp = e.generate(input_ids=wl[1][0], sampling_params=wl[1][1], return_logprob=True, top_logprobs_num=3,
+                        logprob_start_len=0)
+        rids = [e.add_request(input_ids=p, sampling_params={**sp, "max_new_tokens": 30}) for p, sp in wl[:4]]
+        done = {o["meta_info"]["id"]: o for _ in range(6) for o in e.step()}
+        for rid in rids[::2]:  # two aborted while running or waiting (or a no-op, if finished)
+            e.abort(rid)
+        steps_until_done(e, [rid for rid in rids if rid not in done])
+        e.check_invariants()
+        assert e.stats()["retractions"] > 0
+        assert any(s["forward_mode"] == "mixed" for s in e.stats()["steps"])
+        usage = e.memory_usage()[0]
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    assert [o["output_ids"] for o in got[-4:]] == [reference_penalized(ckpt, p, sp) for p, sp in rest[-4:]]
+    assert_same_logprobs(lp["meta_info"], want_lp["meta_info"], len(lp["output_ids"]), False)
+    assert usage["kv_cache"] > 0 and usage["sharded_weights"] > 0  # read across the boundary
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    device_lane = {ev["name"] for ev in events if ev.get("tid") == 2}  # the device process's, merged
+    assert {"forward", "sample"} <= device_lane and ("FutureMap.publish" in device_lane) == (loop == "overlap")
+    assert not device_processes()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_process_device_speculates_as_plain_decoding(cycling_ckpt, loop):
+    """NGRAM speculation on the process device: SPEC_CASES give plain decoding's tokens and logprobs."""
+    wl = spec_workload(seed=11)
+    with make_engine(cycling_ckpt, "serial") as plain:
+        want = run_spec_workload(plain, wl)
+    with make_engine(cycling_ckpt, loop, speculative_algorithm="NGRAM", cpu_device="process") as e:
+        got = run_spec_workload(e, wl)
+    for (p, sp, lp), outs, refs in zip(wl, got, want):
+        for out, ref in zip(outs, refs):
+            assert out["output_ids"] == ref["output_ids"], sp
+            if lp[0]:
+                assert_same_logprobs(out["meta_info"], ref["meta_info"], len(ref["output_ids"]), False)
+    assert max(o["meta_info"].get("spec_accept_length", 0) for outs in got for o in outs) > 3
+
+
+def test_process_device_catches_a_missing_publish_and_a_device_error(ckpt, monkeypatch):
+    """Inside the device process: a publish dropped is caught by the poison check (the AssertionError
+    reaches the host); a step that raises breaks the device for good, as a stream does."""
+    lossy = ("real, calls = oe.FutureMap.publish, []\n"
+             "def lossy(self, *a):\n    calls.append(1)\n    return None if len(calls) == 2 else real(self, *a)\n"
+             "oe.FutureMap.publish = lossy")
+    device_process_with(monkeypatch, lossy)
+    with make_engine(ckpt, "overlap", cpu_device="process") as e:
+        e.add_request(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 8, "temperature": 0})
+        with pytest.raises(AssertionError, match="unpublished"):
+            for _ in range(20):
+                e.step()
+    failing = ("real, calls = oe.ModelWorker.forward_step, []\n"
+               "def failing(self, fb):\n    calls.append(1)\n"
+               "    if len(calls) == 3:\n        raise RuntimeError('injected device failure')\n"
+               "    return real(self, fb)\noe.ModelWorker.forward_step = failing")
+    device_process_with(monkeypatch, failing)
+    for loop in LOOPS:
+        with make_engine(ckpt, loop, cpu_device="process") as e:
+            sp = {"max_new_tokens": 10, "temperature": 0}
+            with pytest.raises(RuntimeError, match="injected device failure.*device process"):
+                e.generate(input_ids=[1, 2, 3], sampling_params=sp)
+            with pytest.raises(RuntimeError, match="injected device failure"):
+                e.generate(input_ids=[4, 5], sampling_params=sp)  # broken for good
+    assert not device_processes()
+
+
+def test_a_dead_device_process_fails_its_requests_and_the_server_answers_503(chat_ckpt):
+    """A device process killed mid-step: the request in flight fails at once with an error that says so
+    (no hang), /health turns 503, new requests get 503, and the server stops cleanly, leaving no process."""
+    import signal
+    import threading
+    pytest.importorskip("fastapi")
+    server = oe.Server(make_engine(chat_ckpt, "overlap", cpu_device="process"), port=0).start()
+    try:
+        pid, = device_processes()
+        body = {"input_ids": [1, 2, 3], "stream": True,
+                "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+        events = []
+        reader = threading.Thread(target=sse_events, args=(server, "/generate", body), kwargs={"events": events})
+        reader.start()
+        deadline = time.monotonic() + 30
+        while not events and time.monotonic() < deadline:  # a chunk or two has come
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+        reader.join(30)
+        assert not reader.is_alive() and "died (signal SIGKILL)" in events[-1]["error"]["message"], events[-1]
+        assert http_call(server, "GET", "/health")[0] == 503
+        status, err = http_call(server, "POST", "/generate", {"input_ids": [1], "sampling_params": {}})
+        assert status == 503 and "device process" in err["error"]["message"]
+    finally:
+        server.stop()
+    assert not device_processes()
+
+
+def test_process_device_arguments_are_checked(ckpt):
+    for kw, words in (({"cpu_device": "gpu"}, "cpu_device"), ({"cpu_device": "process", "tp_size": 2},
+                                                                "tp_size=1 only")):
+        with pytest.raises(ValueError, match=words):
+            Engine(model_path=ckpt, **kw)
+    r = subprocess.run([sys.executable, "overlap_engine.py", "--model-path", ckpt, "--cpu-device", "process",
+                        "--tp-size", "2", "--prompt", "hi"], capture_output=True, text=True, timeout=120,
+                       cwd=HERE)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "tp_size=1 only" in r.stderr, r.stderr
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -5140,8 +5298,9 @@ def http_call(server, method, path, body=None, timeout=60):
         conn.close()
 
 
-def sse_events(server, path, body, timeout=60, stop_after=None):
-    """The parsed `data:` events of a streamed request (up to [DONE], or the first stop_after events)."""
+def sse_events(server, path, body, timeout=60, stop_after=None, events=None):
+    """The parsed `data:` events of a streamed request (up to [DONE], or the first stop_after events),
+    appended to `events` as they come if given."""
     import http.client
     host, port = server.url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
@@ -5150,7 +5309,7 @@ def sse_events(server, path, body, timeout=60, stop_after=None):
                      headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
         assert resp.status == 200, resp.read()
-        events = []
+        events = [] if events is None else events
         for line in resp:
             line = line.decode().strip()
             if not line.startswith("data: "):
