@@ -2135,6 +2135,9 @@ __version__ = "0.4.0"  # /server_info's version
 # Engine API: arguments, sampling parameters, and the Engine that wires everything together
 
 
+LOG = logging.getLogger("overlap_engine")  # the server's lines beside uvicorn's (--log-level)
+
+
 def arg(default, help: str, choices: tuple = (), secret: bool = False):
     """A ServerArgs field: its default, the one line of help the CLI prints, and its allowed values;
     a secret one is left out of repr() (and of /server_info)."""
@@ -2204,6 +2207,9 @@ class ServerArgs:
         None, "how tool calls are written and read: qwen25 (or qwen: <tool_call>{...}</tool_call>, also how "
               "tools are shown to a chat template without a tools section) or llama3 (Llama 3's JSON); none: "
               "llama3 for a Llama chat template with tools, else qwen25", (None, "qwen25", "qwen", "llama3"))
+    log_level: str = arg("warning", "the server's log on stderr (SGLang's flag): info adds uvicorn's start "
+                                    "and stop, debug each abort too", ("critical", "error", "warning", "info",
+                                                                       "debug"))
     incremental_streaming_output: bool = arg(
         False, "/generate streams only each chunk's new text and ids (SGLang's switch); by default each chunk "
                "holds the text and ids so far, as SGLang streams them")
@@ -2911,8 +2917,10 @@ def check_engine_args(kwargs: dict) -> ServerArgs:
                          "device of its own)")
     if args.cpu_device_threads < 0:
         raise ValueError(f"cpu_device_threads={args.cpu_device_threads} must be >= 0")
-    if args.cpu_device_threads:
+    if args.cpu_device_threads and args.cpu_device == "thread":
         split_cores(args.cpu_device_threads)
+    elif args.cpu_device_threads:
+        device_process_cores(args.cpu_device_threads)
     if args.cpu_device == "process" and args.device != "cpu":
         raise ValueError(f"cpu_device='process' is for device='cpu' (a GPU is a device of its own), not "
                          f"device={args.device!r}")
@@ -3046,7 +3054,7 @@ class Engine:
             device_cores, self.host_cores = device_process_cores(args.cpu_device_threads)
             if self.host_cores:
                 self._unpinned = pin_host_threads(self.host_cores)
-            self.device_process = DeviceProcess(args, cfg, state, sizes, device_cores,
+            self.device_process = DeviceProcess(args, cfg, state, sizes, device_cores, bool(self.host_cores),
                                                 self.tracer.t0 if self.tracer else None)
             worker = ProcessWorker(self.device_process)
             req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.context_len + 1, "meta")
@@ -3314,11 +3322,14 @@ class Engine:
             check_plan_agrees(self.tp, self.scheduler)
 
     def abort(self, rid: str):
-        """Aborts a queued or running request; its output (finish_reason abort) comes from a later step()."""
+        """Aborts a queued or running request; its output (finish_reason abort) comes from a later step(),
+        with SGLang's message for one that never ran ("Abort in waiting queue")."""
         r = self._reqs.get(rid)
         if r is not None:
+            LOG.debug("Abort request rid=%s", rid)
             self._tp_record("abort", rid)
-            self.scheduler.abort_req(r)
+            waiting = r.req_pool_idx is None and not r.output_ids
+            self.scheduler.abort_req(r, "Abort in waiting queue" if waiting else "aborted")
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None, stream: bool = False,
                  return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1,
@@ -5354,10 +5365,12 @@ def split_cores(device_threads: int) -> tuple[set, set]:
 
 def device_process_cores(device_threads: int) -> tuple:
     """(the device process's cores, the host's) for cpu_device="process": device_threads of them, all but
-    one if 0; (None, None) where there is one core, or no affinity to set (macOS): all share them."""
+    one if 0; every core (the host's None: it shares them) if device_threads is their number; (None,
+    None) where there is one core, or no affinity to set (macOS)."""
     if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) == 1:
         return None, None
-    return split_cores(device_threads or len(os.sched_getaffinity(0)) - 1)
+    cores = os.sched_getaffinity(0)
+    return (set(cores), None) if device_threads == len(cores) else split_cores(device_threads or len(cores) - 1)
 
 
 def pin_host_threads(host: set) -> tuple:
@@ -5491,37 +5504,44 @@ WIRE_NAMES = {getattr(torch, name): name for name in WIRE_DTYPES}
 
 
 class RingPickler(pickle.Pickler):
-    """Pickles a message with its bulk tensors put in a Ring (the pickle holds their places) and the
-    others as plain bytes; a tensor the ring has no room for goes as bytes too. Only tensors take the
-    Python path (dispatch_table): everything else pickles in C."""
+    """Pickles a message with its bulk tensors put in a Ring and the others' bytes gathered in one blob
+    that travels ahead of the pickle (the pickle holds their places); a tensor the ring has no room for
+    goes in the blob too. Only tensors take the Python path (dispatch_table): the rest pickles in C."""
 
     def __init__(self, file, ring: Ring, number: int):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.ring, self.number = ring, number
         self.dispatch_table = {torch.Tensor: self.reduce_tensor}
+        self.blob: list = []  # the small tensors' bytes, each padded to 8
+        self.blob_size = 0
 
     def reduce_tensor(self, t: torch.Tensor):
         a = tensor_bytes(t)
         at = self.ring.put(a, self.number) if a.nbytes >= RING_MIN_BYTES else None
-        return wire_tensor, (WIRE_NAMES[t.dtype], t.shape, a.tobytes() if at is None else (at, a.nbytes))
+        in_ring = at is not None
+        if not in_ring:
+            at, pad = self.blob_size, -a.nbytes % 8  # 8-aligned: a view of any dtype
+            self.blob += [a.tobytes(), bytes(pad)]
+            self.blob_size += a.nbytes + pad
+        return wire_tensor, (WIRE_NAMES[t.dtype], t.shape, at, a.nbytes, in_ring)
 
 
-def wire_tensor(dtype: str, shape: tuple, where):
+def wire_tensor(dtype: str, shape: tuple, at: int, n: int, in_ring: bool):
     """Stands for a tensor in a RingPickler's pickle: RingUnpickler reads it (its load_tensor)."""
     raise TypeError("a device message's tensor is read by RingUnpickler only")
 
 
 class RingUnpickler(pickle.Unpickler):
-    """The other side of RingPickler: tensors copied out of the ring (or views of it, copy=False). This
-    file's classes are found under whatever name this process imported it (__main__ run as a script)."""
+    """The other side of RingPickler: tensors copied out of the ring (or views of it, copy=False), or
+    views of the message's blob (a copy of its own). This file's classes are found under whatever name
+    this process imported it (__main__ run as a script)."""
 
-    def __init__(self, file, ring: Ring, copy: bool = True):
+    def __init__(self, file, blob: bytearray, ring: Ring, copy: bool = True):
         super().__init__(file)
-        self.ring, self.copy = ring, copy
+        self.blob, self.ring, self.copy = blob, ring, copy
 
-    def load_tensor(self, dtype: str, shape: tuple, where) -> torch.Tensor:
-        a = np.frombuffer(where, np.uint8).copy() if isinstance(where, bytes) else self.ring.read(*where,
-                                                                                                 self.copy)
+    def load_tensor(self, dtype: str, shape: tuple, at: int, n: int, in_ring: bool) -> torch.Tensor:
+        a = self.ring.read(at, n, self.copy) if in_ring else np.frombuffer(self.blob, np.uint8, n, at)
         return tensor_from(a, dtype, shape)
 
     def find_class(self, module: str, name: str):
@@ -5531,9 +5551,9 @@ class RingUnpickler(pickle.Unpickler):
 
 
 class DeviceChannel:
-    """One end of the device process's channel: messages over a socket, their tensors through two rings
-    (`out` written by this end, `into` by the other). Each message carries its number and the number of
-    the last message this end has read, which frees that much of the other end's ring."""
+    """One end of the device process's channel: messages over a socket, their bulk tensors through two
+    rings (`out` written by this end, `into` by the other). Each message carries its number and the
+    number of the last message this end has read, which frees that much of the other end's ring."""
 
     def __init__(self, conn, out: Ring, into: Ring):
         self.conn, self.out, self.into = conn, out, into
@@ -5543,13 +5563,16 @@ class DeviceChannel:
     def send(self, body, ring: Optional[Ring] = None):
         self.sent += 1
         buf = io.BytesIO()
-        RingPickler(buf, ring or self.out, self.sent).dump((self.sent, self.read, body))
-        self.conn.send_bytes(buf.getbuffer())
+        pickler = RingPickler(buf, ring or self.out, self.sent)
+        pickler.dump((self.sent, self.read, body))
+        self.conn.send_bytes(b"".join([struct.pack("<Q", pickler.blob_size), *pickler.blob, buf.getbuffer()]))
         return self.sent
 
     def recv(self, ring: Optional[Ring] = None, copy: bool = True):
-        raw = self.conn.recv_bytes()
-        number, their_read, body = RingUnpickler(io.BytesIO(raw), ring or self.into, copy).load()
+        raw = memoryview(self.conn.recv_bytes())
+        n = struct.unpack_from("<Q", raw)[0]
+        blob = bytearray(raw[8:8 + n])  # the small tensors are views of it: its own, writable
+        number, their_read, body = RingUnpickler(io.BytesIO(raw[8 + n:]), blob, ring or self.into, copy).load()
         self.out.release(their_read)
         self.read = number
         return body
@@ -5584,7 +5607,7 @@ class DeviceProcess:
     died is told apart from a slow one (it is looked at while the host waits)."""
 
     def __init__(self, args: ServerArgs, cfg: ModelConfig, state: dict, sizes: dict, cores: Optional[set],
-                 t0: Optional[float]):
+                 spin: bool, t0: Optional[float]):
         import multiprocessing.connection
         import socket
         host_end, device_end = socket.socketpair()
@@ -5597,7 +5620,7 @@ class DeviceProcess:
         self.conn = multiprocessing.connection.Connection(host_end.detach())
         self.poller = select.poll()
         self.poller.register(self.conn.fileno(), select.POLLIN)
-        self.spin = bool(cores)  # the host has cores of its own too: it waits for a result awake
+        self.spin = spin  # host and device have cores of their own: each waits for the other awake
         self.channel = DeviceChannel(self.conn, Ring(DEVICE_RING_BYTES), Ring(DEVICE_RING_BYTES))
         self.replies: dict = {}  # op -> (ok, value, t_start, t_end), read but not yet asked for
         self.error: Optional[BaseException] = None
@@ -5605,7 +5628,7 @@ class DeviceProcess:
         try:
             self.conn.send_bytes(pickle.dumps((self.channel.out.shm.name, self.channel.into.shm.name,
                                                weights and weights.shm.name)))
-            self.result(self.channel.send(("build", args, cfg, sizes, sorted(cores or ()), t0)))
+            self.result(self.channel.send(("build", args, cfg, sizes, sorted(cores or ()), spin, t0)))
             self.result(self.channel.send(("weights", state), ring=weights))  # it builds the model now
         except BaseException:
             self.shutdown()
@@ -5769,13 +5792,14 @@ class DeviceSide:
 
     REPLIES = ("step", "sample", "call", "stop", "build", "weights")
 
-    def __init__(self, args: ServerArgs, cfg: ModelConfig, sizes: dict, cores: list, t0: Optional[float]):
+    def __init__(self, args: ServerArgs, cfg: ModelConfig, sizes: dict, cores: list, spin: bool,
+                 t0: Optional[float]):
         if cores:
             os.sched_setaffinity(0, set(cores))  # every thread after this one inherits it
             torch.set_num_threads(len(cores))
         keep_freed_memory_in_process()
         self.args, self.cfg, self.sizes = args, cfg, sizes
-        self.spin = bool(cores)  # it waits for the next op awake (DEVICE_SPIN_S) on cores of its own
+        self.spin = spin  # it waits for the next op awake (DEVICE_SPIN_S): its cores are not the host's
         self.tracer = Tracer(t0) if args.trace else None
         self.stream = InlineStream(args.worker_jitter_ms, args.random_seed)
         self.worker: Optional[ModelWorker] = None
@@ -6279,7 +6303,7 @@ CLI_GROUPS = {
     "speculative decoding": ("speculative_algorithm", "speculative_num_draft_tokens",
                              "speculative_ngram_min_match_window_size",
                              "speculative_ngram_max_match_window_size", "speculative_draft_model_path"),
-    "serving": ("api_key", "tool_call_parser", "incremental_streaming_output"),
+    "serving": ("api_key", "tool_call_parser", "incremental_streaming_output", "log_level"),
     "tensor parallelism": ("tp_size", "nnodes", "node_rank", "dist_init_addr", "dist_timeout"),
     "debugging": ("debug_future_map", "debug_ledger", "worker_jitter_ms", "debug_tp_plan", "trace"),
 }
@@ -6369,7 +6393,7 @@ def main(argv=None):
         engine = Engine(**engine_args)
         if line:  # once the engine stands: bad input ends in its one line alone
             print(line, file=sys.stderr, flush=True)
-    except (ValueError, DefaultModelUnavailable) as e:
+    except (ValueError, DefaultModelUnavailable, DeviceProcessError) as e:
         cli_error(e)
     if args.serve:
         return serve(engine, args.host, args.port, args.read_timeout)
@@ -6378,7 +6402,7 @@ def main(argv=None):
             run_prompts(engine, args.prompt, sp, args.raw)
         else:
             chat(engine, sp, args.raw)
-    except ValueError as e:  # a prompt the engine refuses (too long for the context, ...)
+    except (ValueError, DeviceProcessError) as e:  # a prompt the engine refuses, a device that died
         cli_error(e)
     finally:
         engine.shutdown()
@@ -7618,7 +7642,8 @@ def detokenize_inputs(srv: Served, raw: bytes) -> dict:
     V = srv.engine.model_config.vocab_size
     for ids in tokens if many else [tokens]:
         if not all(0 <= t < V for t in ids):
-            raise HTTPError(400, f"field 'tokens' holds an id outside the vocabulary [0, {V})")
+            raise HTTPError(400, f"field 'tokens' holds an id outside the vocabulary [0, {V}): token ids are "
+                                 "non-negative integers")
     skip = body.get("skip_special_tokens", True)
     texts = [srv.engine.tokenizer.decode(ids, skip) for ids in (tokens if many else [tokens])]
     return {"text": texts if many else texts[0]}
@@ -7827,11 +7852,13 @@ class OpenAIReply:
         if first:  # OpenAI's first delta: the role, and content "" where no tools may take its place
             empty = {"content": ""} if stream and not message and self.tools is None else {}
             message = {"role": "assistant", **empty, **message}
+        if stream:  # SGLang's deltas carry it always (null: no reasoning parser runs); its clients read it
+            message["reasoning_content"] = None
         return {"index": i, "delta" if stream else "message": message, **end}
 
     def says_nothing(self, c: dict) -> bool:
         """A streamed choice with no text, calls, logprobs or finish (its text is held back): not sent."""
-        news = c.get("text") if not self.chat else c["delta"]
+        news = c.get("text") if not self.chat else any(v is not None for v in c["delta"].values())
         return not news and c["finish_reason"] is None and not (c["logprobs"] or {}).get(
             "content" if self.chat else "tokens")
 
@@ -8139,9 +8166,13 @@ class Server:
             print(f"overlap_engine: warning: serving on {host} without --api-key: whoever reaches the port "
                   "may generate, flush the cache and abort requests", file=sys.stderr, flush=True)
         self.scheduler = SchedulerThread(engine)
+        level = engine.server_args.log_level
         config = uvicorn.Config(build_app(self.scheduler, read_timeout, api_key), host=host, port=port,
-                                log_level="warning", timeout_graceful_shutdown=5,
+                                log_level=level, access_log=False, timeout_graceful_shutdown=5,
                                 http=head_timeout_protocol(read_timeout))
+        if not LOG.handlers:  # the engine's own lines (aborts), as uvicorn's: on stderr
+            LOG.addHandler(logging.StreamHandler())
+        LOG.setLevel(level.upper())
         self.uvicorn = uvicorn.Server(config)
         self.thread: Optional[threading.Thread] = None
 

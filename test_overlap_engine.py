@@ -3654,9 +3654,9 @@ def test_abort_queued_running_and_finished(ckpt, loop):
             done.update({o["meta_info"]["id"]: o for o in e.step()})
         e.abort(rids[2])  # finished already: no effect
         e.check_invariants()
-    assert (done[rids[3]]["meta_info"]["finish_reason"]["type"] == "abort"
-            and done[rids[3]]["output_ids"] == [])
-    assert done[rids[0]]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert done[rids[3]]["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+    assert done[rids[3]]["output_ids"] == []  # SGLang's words for one that never ran
+    assert done[rids[0]]["meta_info"]["finish_reason"] == {"type": "abort", "message": "aborted"}
     exp = expected_greedy(ckpt, wl)
     assert done[rids[0]]["output_ids"] == exp[0][:len(done[rids[0]]["output_ids"])]
     assert done[rids[1]]["output_ids"] == exp[1] and done[rids[2]]["output_ids"] == exp[2]
@@ -6181,6 +6181,12 @@ def test_server_speaks_sglangs_errors_and_meta_info(served):
                                  for o in outs)  # one flat list: every prompt's
     status, err = http_call(server, "POST", "/generate", {"text": ["Hello", "World"], "rid": ["d", "d"]})
     assert status == 400 and "Duplicate request ID" in err["error"]["message"]
+    for tokens in ([-1], [[1], [-1]]):
+        status, err = http_call(server, "POST", "/v1/detokenize", {"tokens": tokens})
+        assert status == 400 and "non-negative" in err["error"]["message"]
+    events = sse_events(server, "/v1/chat/completions", {"messages": hi, "max_tokens": 3, "stream": True})
+    deltas = [e["choices"][0]["delta"] for e in events]  # SGLang's clients read reasoning_content on each
+    assert all(d["reasoning_content"] is None for d in deltas) and events[-1]["choices"][0]["finish_reason"]
     sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}  # stop ids past the vocabulary never
     status, out = http_call(server, "POST", "/generate", {  # match (SGLang's tests send Llama 3's)
         "input_ids": [5, 6], "sampling_params": {**sp, "ignore_eos": False, "stop_token_ids": [119690]}})
@@ -6446,7 +6452,8 @@ def test_tool_calls_forced_are_valid_exact_under_overlap_and_stream_alike(tool_s
             assert c["finish_reason"] == "tool_calls" and len(calls) == 1 and valid_call(calls[0]), c
             assert choice == "required" or calls[0]["function"]["name"] == "get_time"
             events = sse_events(servers["overlap"], "/v1/chat/completions", {**body, "stream": True})
-            deltas = [e["choices"][0]["delta"] for e in events]
+            deltas = [{k: v for k, v in e["choices"][0]["delta"].items() if k != "reasoning_content"}
+                      for e in events]  # (SGLang's null reasoning_content is on each)
             assert deltas[0]["role"] == "assistant" and all(  # as OpenAI's: no delta that says nothing
                 d or e["choices"][0]["finish_reason"] for d, e in zip(deltas[1:], events[1:]))
             assert not any("content" in d for d in deltas), deltas  # a forced reply is calls alone
@@ -6627,13 +6634,15 @@ def http_call_text(server, path: str, timeout=30) -> tuple:
 def test_server_cli_sigterm_stops_cleanly(tmp_path):
     """`python overlap_engine.py --serve --port 0` prints its URL once ready, serves, and on SIGTERM
     stops accepting, aborts what runs, joins the scheduler and exits 0, at once even with a connection
-    that is half-way through a body, and without a traceback."""
+    that is half-way through a body, and without a traceback; --log-level debug adds uvicorn's lines and
+    each abort (SGLang's tests read them)."""
     import signal
     import threading
     pytest.importorskip("fastapi")
     ckpt = oe.write_random_checkpoint(str(tmp_path / "long"), max_pos=4096)  # room for a long answer
     p = subprocess.Popen([sys.executable, "overlap_engine.py", "--serve", "--port", "0", "--model-path",
-                          ckpt, "--dtype", "float64", "--no-enable-torch-compile"], stdout=subprocess.PIPE,
+                          ckpt, "--dtype", "float64", "--no-enable-torch-compile", "--log-level", "debug"],
+                         stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
     try:
         line = []
@@ -6660,6 +6669,7 @@ def test_server_cli_sigterm_stops_cleanly(tmp_path):
         p.send_signal(signal.SIGTERM)
         code, exit_s, err = p.wait(timeout=60), time.monotonic() - t0, p.stderr.read()
         assert code == 0 and "Traceback" not in err and "Error" not in err, err
+        assert "Uvicorn running on" in err and "Abort request rid=" in err, err  # --log-level debug's lines
         assert exit_s < 4, exit_s  # it waited 5 s for the half-sent body (uvicorn's graceful timeout)
         streamer.join(10)
         for c in slow:
