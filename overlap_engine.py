@@ -43,6 +43,7 @@ that are not the lesson (the sampler's per-row tensors, the logprobs' books), ca
     Tensor parallelism        apply_tp shards the built model; a process and a scheduler per rank
     Quantization, compile     int8/int4 modules swapped in for nn.Linear; the compiled decode callable
     Checkpoint loading        HF directories, GGUF, tokenizer, chat template, the default model
+    CPU devices               a device thread on cores of its own; the device in a worker process
     CPU tuning, CLI, serving  allocator and OpenMP settings; the chat; the OpenAI-compatible server
 
 One decode step in the overlap loop, function by function, with the moment each one works in
@@ -2184,12 +2185,13 @@ class ServerArgs:
                                ("lpm", "fcfs"))
     schedule_conservativeness: float = arg(1.0, "scales the decode headroom kept when admitting; 0: none")
     mem_fraction_static: float = arg(0.8, "CUDA: share of free memory for weights and KV cache")
-    cpu_device: str = arg("thread", "CPU: where the device runs: a thread of this process (the lesson's "
-                                    "simplest form; it shares the interpreter with the host) or a worker "
-                                    "process on cores of its own", ("thread", "process"))
+    cpu_device: str = arg("auto", "CPU: where the device runs: a thread of this process (the lesson's "
+                                  "simplest form; it shares the interpreter with the host) or a worker "
+                                  "process (no interpreter shared); auto: process on a CPU",
+                          ("auto", "thread", "process"))
     cpu_device_threads: int = arg(0, "CPU: the device's torch ops run on this many cores of their own, the "
-                                     "host (planning, committing, serving) on the others; 0: every core "
-                                     "shared (thread), all but one for the device (process)")
+                                     "host (planning, committing, serving) on the others; 0: the device and "
+                                     "the host share every core")
     random_seed: int = arg(0, "seeds the requests that give no sampling_seed")
     constrained_json_disable_any_whitespace: bool = arg(
         False, "a json_schema grammar allows no whitespace between tokens of JSON (by default any)")
@@ -2211,8 +2213,8 @@ class ServerArgs:
                                     "and stop, debug each abort too", ("critical", "error", "warning", "info",
                                                                        "debug"))
     incremental_streaming_output: bool = arg(
-        False, "/generate streams only each chunk's new text and ids (SGLang's switch); by default each chunk "
-               "holds the text and ids so far, as SGLang streams them")
+        False, "/generate streams only each chunk's new text and ids (SGLang's switch); by default each "
+               "chunk holds the text and ids so far, as SGLang streams them")
     api_key: Optional[str] = arg(None, "the server answers 401 to a request without `Authorization: Bearer "
                                        "<this key>` (GET /health and /metrics stay open)", secret=True)
     # tensor parallelism: one scheduler per rank, in lockstep
@@ -2912,6 +2914,8 @@ def check_engine_args(kwargs: dict) -> ServerArgs:
     if args.quantization and args.dtype == "float64":
         raise ValueError(f"quantization={args.quantization!r} needs 32- or 16-bit float activations, "
                          "not dtype='float64'")
+    if args.cpu_device == "auto":  # measured at least as fast on a CPU for the chat, batches and serving
+        args.cpu_device = "process" if args.device == "cpu" and args.tp_size == 1 else "thread"
     if args.cpu_device_threads and args.device != "cpu":
         raise ValueError(f"cpu_device_threads={args.cpu_device_threads} is for device='cpu' (a GPU is a "
                          "device of its own)")
@@ -2925,8 +2929,8 @@ def check_engine_args(kwargs: dict) -> ServerArgs:
         raise ValueError(f"cpu_device='process' is for device='cpu' (a GPU is a device of its own), not "
                          f"device={args.device!r}")
     if args.cpu_device == "process" and args.tp_size > 1:
-        raise ValueError(f"cpu_device='process' works with tp_size=1 only (tp_size={args.tp_size}): each rank "
-                         "is a process of its own already")
+        raise ValueError(f"cpu_device='process' works with tp_size=1 only (tp_size={args.tp_size}): each "
+                         "rank is a process of its own already")
     if args.trace is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
         raise ValueError(f"trace={args.trace!r}: its folder does not exist")
     if args.quantization and args.device != "cpu":
@@ -2952,7 +2956,8 @@ def build_worker(args: ServerArgs, cfg: ModelConfig, model: nn.Module, make_stre
     engine's process, or in the device process (cpu_device="process")."""
     dtype = getattr(torch, args.dtype)
     req_to_token_pool = ReqToTokenPool(args.max_running_requests, context_len + 1, args.device)
-    kv_pool = TokenToKVPool(max_total_tokens, cfg.num_hidden_layers, kv_heads, cfg.head_dim, dtype, args.device)
+    kv_pool = TokenToKVPool(max_total_tokens, cfg.num_hidden_layers, kv_heads, cfg.head_dim, dtype,
+                            args.device)
     if args.speculative_algorithm == "STANDALONE":
         draft_model = StandaloneDrafter(args, cfg, dtype, kv_pool, req_to_token_pool)
     compile_max_bs = args.torch_compile_max_bs if args.enable_torch_compile else 0
@@ -3035,7 +3040,8 @@ class Engine:
         self.model_config = cfg
         self.device_process: Optional[DeviceProcess] = None  # cpu_device="process": the device's end
         process = args.cpu_device == "process"
-        self.model = None if process else build_model(cfg, state, dtype, args.device, shard, args.quantization)
+        self.model = None if process else build_model(cfg, state, dtype, args.device, shard,
+                                                      args.quantization)
         state = state if process else None  # the model holds what it needs of it
         if args.tp_size > 1:  # rank 0 starts the other local ranks once its own shard has loaded
             self.tp = TPGroup(args, tp_rank, cfg)
@@ -5364,13 +5370,12 @@ def split_cores(device_threads: int) -> tuple[set, set]:
 
 
 def device_process_cores(device_threads: int) -> tuple:
-    """(the device process's cores, the host's) for cpu_device="process": device_threads of them, all but
-    one if 0; every core (the host's None: it shares them) if device_threads is their number; (None,
-    None) where there is one core, or no affinity to set (macOS)."""
-    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) == 1:
+    """(the device process's cores, the host's) for cpu_device="process": device_threads of them and the
+    rest; 0, or all of them: (None, None), every core shared (the device's torch ops take them all)."""
+    if not device_threads or not hasattr(os, "sched_getaffinity") or device_threads == len(
+            os.sched_getaffinity(0)):  # (macOS sets no affinity)
         return None, None
-    cores = os.sched_getaffinity(0)
-    return (set(cores), None) if device_threads == len(cores) else split_cores(device_threads or len(cores) - 1)
+    return split_cores(device_threads)
 
 
 def pin_host_threads(host: set) -> tuple:
@@ -5468,10 +5473,6 @@ class Ring:
         while self.live and self.live[0][0] <= number:
             self.live.popleft()
 
-    def read(self, at: int, n: int, copy: bool = True) -> np.ndarray:
-        a = self.data[at:at + n]
-        return a.copy() if copy else a
-
     def close(self, unlink: bool):
         del self.data  # the views go first: shared memory with live views cannot close
         self.shm.close()
@@ -5491,16 +5492,9 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     return t.numpy() if not t.requires_grad else t.detach().numpy()
 
 
-def tensor_from(a: np.ndarray, dtype: str, shape: tuple) -> torch.Tensor:
-    """The tensor tensor_bytes() gave `a` for (its bytes, or the array itself, shared)."""
-    t = torch.from_numpy(a.view(WIRE_DTYPES[dtype]).reshape(shape))
-    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
-
-
-WIRE_DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": np.int16,
-               "int64": np.int64, "int32": np.int32, "int16": np.int16, "int8": np.int8, "uint8": np.uint8,
-               "bool": np.bool_}  # torch's dtype name -> the numpy dtype its bytes travel as
-WIRE_NAMES = {getattr(torch, name): name for name in WIRE_DTYPES}
+WIRE_DTYPES = {name: getattr(torch, name) for name in ("float64", "float32", "float16", "bfloat16", "int64",
+                                                      "int32", "int16", "int8", "uint8", "bool")}
+WIRE_NAMES = {dtype: name for name, dtype in WIRE_DTYPES.items()}  # a tensor's dtype, by name on the wire
 
 
 class RingPickler(pickle.Pickler):
@@ -5523,7 +5517,7 @@ class RingPickler(pickle.Pickler):
             at, pad = self.blob_size, -a.nbytes % 8  # 8-aligned: a view of any dtype
             self.blob += [a.tobytes(), bytes(pad)]
             self.blob_size += a.nbytes + pad
-        return wire_tensor, (WIRE_NAMES[t.dtype], t.shape, at, a.nbytes, in_ring)
+        return wire_tensor, (WIRE_NAMES[t.dtype], tuple(t.shape), at, a.nbytes, in_ring)
 
 
 def wire_tensor(dtype: str, shape: tuple, at: int, n: int, in_ring: bool):
@@ -5541,8 +5535,12 @@ class RingUnpickler(pickle.Unpickler):
         self.blob, self.ring, self.copy = blob, ring, copy
 
     def load_tensor(self, dtype: str, shape: tuple, at: int, n: int, in_ring: bool) -> torch.Tensor:
-        a = self.ring.read(at, n, self.copy) if in_ring else np.frombuffer(self.blob, np.uint8, n, at)
-        return tensor_from(a, dtype, shape)
+        dt = WIRE_DTYPES[dtype]
+        if not n:
+            return torch.empty(shape, dtype=dt)
+        t = torch.frombuffer(self.ring.shm.buf if in_ring else self.blob, dtype=dt, count=n // dt.itemsize,
+                             offset=at)
+        return (t.clone() if in_ring and self.copy else t).view(shape)
 
     def find_class(self, module: str, name: str):
         if module in ("__main__", "__mp_main__", "overlap_engine"):
@@ -5572,7 +5570,8 @@ class DeviceChannel:
         raw = memoryview(self.conn.recv_bytes())
         n = struct.unpack_from("<Q", raw)[0]
         blob = bytearray(raw[8:8 + n])  # the small tensors are views of it: its own, writable
-        number, their_read, body = RingUnpickler(io.BytesIO(raw[8 + n:]), blob, ring or self.into, copy).load()
+        unpickler = RingUnpickler(io.BytesIO(raw[8 + n:]), blob, ring or self.into, copy)
+        number, their_read, body = unpickler.load()
         self.out.release(their_read)
         self.read = number
         return body
@@ -5815,6 +5814,11 @@ class DeviceSide:
                                  args.quantization)
         self.worker, _, self.kv_pool = build_worker(args, self.cfg, self.model, lambda: self.stream,
                                                     self.tracer, **self.sizes)
+        import gc
+        gc.collect()
+        gc.freeze()  # the model and torch's objects: never walked again by the collector
+        gc.set_threshold(100_000, 50, 100)  # a step's objects die young (refcounts): a collection every few
+                                            # hundred allocations would walk them on the device's path
 
     def run(self, op: int, kind: str, payload: tuple):
         """Runs one op; the value of those that reply."""
@@ -6176,9 +6180,11 @@ FORMAT_CHECK_TOKENS, FORMAT_CHECK_ANSWER, FORMAT_CHECK_SHARE = 16, 8, 0.75
 
 
 def format_engine(model_path: str, name: str) -> Engine:
+    """The engine of a format's check; its replies are the same on either CPU device, the thread's starts
+    sooner."""
     dtype, quantization = ONE_REQUEST_CANDIDATES[name]
     return Engine(model_path=model_path, device="cpu", dtype=dtype, quantization=quantization,
-                  max_total_tokens=2048)
+                  max_total_tokens=2048, cpu_device="thread")
 
 
 def greedy_replies(engine: Engine) -> list:
@@ -7730,7 +7736,7 @@ async def generate(request):
 
 
 def cumulative(chunk: dict, so_far: dict) -> dict:
-    """SGLang's streamed /generate chunk: the text and ids so far (its meta_info's logprobs are all so far)."""
+    """SGLang's streamed /generate chunk: the text and ids so far (its meta_info's logprobs: all so far)."""
     so_far["text"] += chunk["text"]
     so_far["output_ids"] += chunk["output_ids"]
     return {**chunk, "text": so_far["text"], "output_ids": list(so_far["output_ids"])}
@@ -8027,7 +8033,7 @@ def chat_inputs(srv: Served, raw: bytes) -> OpenAIReply:
     if body.get("max_tokens") is None and m is not None:
         body["max_tokens"] = m
     C = srv.engine.context_len
-    if body.get("max_tokens") is not None and body["max_tokens"] > C:  # alone past the context: SGLang's words
+    if body.get("max_tokens") is not None and body["max_tokens"] > C:  # past the context alone: SGLang's
         raise HTTPError(400, f"max_completion_tokens is too large: {body['max_tokens']}. This model supports "
                              f"at most {C} completion tokens.")
     check_max_tokens(srv, body, input_ids)

@@ -162,6 +162,7 @@ def make_engine(path, loop, **kw):
     kw.setdefault("debug_ledger", True)
     kw.setdefault("debug_tp_plan", True)
     kw.setdefault("max_total_tokens", 2048)
+    kw.setdefault("cpu_device", "thread")  # the lesson's device; the process device's tests name it
     # a random model fills JSON with whitespace where a grammar lets it (SGLang's default): the grammar
     # tests want short records (test_json_whitespace_is_allowed_unless_disabled checks the default)
     kw.setdefault("constrained_json_disable_any_whitespace", True)
@@ -2090,7 +2091,7 @@ def test_native_bf16_is_read_from_the_cpu_flags(tmp_path, flags, native):
 @pytest.mark.parametrize("native", [True, False])
 def test_dtype_auto_on_cpu_follows_native_bf16(ckpt, monkeypatch, native):
     monkeypatch.setattr(oe, "cpu_has_native_bf16", lambda: native)
-    with Engine(model_path=ckpt, device="cpu", max_total_tokens=64) as e:
+    with Engine(cpu_device="thread", model_path=ckpt, device="cpu", max_total_tokens=64) as e:
         want = torch.bfloat16 if native else torch.float32
         assert e.server_args.dtype == str(want).removeprefix("torch.")
         assert e.model.lm_head.weight.dtype == want and e.scheduler.kv_pool.k_buffer[0].dtype == want
@@ -2254,7 +2255,7 @@ def test_int4_keeps_what_it_cannot_pack_in_int8(tmp_path):
     """torch packs int4 in whole groups of 32 inputs and outputs in 16s: with hidden 48 each weight that
     reads the hidden state (48 inputs) stays int8; down (64 inputs, 48 outputs) packs."""
     odd = oe.write_random_checkpoint(str(tmp_path / "odd"), hidden=48, heads=4, kv_heads=2)
-    with Engine(model_path=odd, quantization="int4", max_total_tokens=64) as e:
+    with Engine(cpu_device="thread", model_path=odd, quantization="int4", max_total_tokens=64) as e:
         assert e.server_args.dtype == "bfloat16"  # auto: the packed matmuls want bf16 activations
         layer = e.model.model.layers[0]
         assert (layer.self_attn.qkv_proj.mode, layer.mlp.gate_up_proj.mode, layer.mlp.down_proj.mode,
@@ -2396,7 +2397,7 @@ def test_packed_bf16_linear_gives_f_linears_bits_and_counts_its_bytes(ckpt):
     gc.collect()
     assert handle not in oe.PACKED_WEIGHTS  # the packed copy goes with its module
     for dtype, kind in (("bfloat16", oe.PackedLinear), ("float32", torch.nn.Linear)):
-        with Engine(model_path=ckpt, dtype=dtype, max_total_tokens=256) as e:
+        with Engine(cpu_device="thread", model_path=ckpt, dtype=dtype, max_total_tokens=256) as e:
             linears = [m for m in e.model.modules() if isinstance(m, (torch.nn.Linear, oe.PackedLinear))]
             assert linears and all(type(m) is kind for m in linears)
             weights = sum(p.numel() * p.element_size() for p in e.model.parameters() if p.dim() == 2)
@@ -2410,13 +2411,13 @@ def test_attention_backend_c_is_the_cpus_default_where_its_kernel_builds(ckpt, m
     for dtype, want in (("bfloat16", "c"), ("float32", "c"), ("float64", "torch")):
         if want == "c" and not oe.c_kernel_builds():
             want = "torch"
-        with Engine(model_path=ckpt, dtype=dtype, max_total_tokens=256) as e:
+        with Engine(cpu_device="thread", model_path=ckpt, dtype=dtype, max_total_tokens=256) as e:
             assert e.server_args.attention_backend == want
             assert isinstance(e.scheduler.worker.attn, oe.CDecodeBackend) == (want == "c")
     with pytest.raises(ValueError, match="attention_backend='c' needs device='cpu', a bf16 or float32"):
         Engine(model_path=ckpt, dtype="float64", attention_backend="c")
     monkeypatch.setattr(oe, "c_kernel_builds", lambda: False)  # a compiler that fails to build it
-    with Engine(model_path=ckpt, dtype="bfloat16", max_total_tokens=256) as e:
+    with Engine(cpu_device="thread", model_path=ckpt, dtype="bfloat16", max_total_tokens=256) as e:
         assert e.server_args.attention_backend == "torch"
 
 
@@ -2447,7 +2448,7 @@ def test_compiled_engines_of_two_models_in_one_process_keep_their_own_graphs(ckp
     the inputs) look the same to both, and only the modules differ."""
     sp = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
     setups = [{}, {"quantization": "int4"}]
-    kw = {"model_path": ckpt, "dtype": "float32", "max_total_tokens": 256}
+    kw = {"model_path": ckpt, "dtype": "float32", "max_total_tokens": 256, "cpu_device": "thread"}
     expected = []
     for setup in setups:
         with Engine(**kw, **setup) as e:
@@ -2514,8 +2515,9 @@ def test_process_device_gives_the_reference_tokens_and_keeps_no_device_tensor(ck
     trace = str(tmp_path / "trace.json")
     with make_engine(ckpt, loop, cpu_device="process", worker_jitter_ms=0.3, trace=trace, **kw) as e:
         assert e.model is None and e.future_map is None and device_processes()
-        assert {t.device.type for t in [e.scheduler.req_to_token_pool.req_to_token,
-                                        *e.scheduler.kv_pool.k_buffer, *e.scheduler.kv_pool.v_buffer]} == {"meta"}
+        pools = e.scheduler.req_to_token_pool, e.scheduler.kv_pool
+        assert {t.device.type for t in [pools[0].req_to_token, *pools[1].k_buffer, *pools[1].v_buffer]} == {
+            "meta"}
         assert [o["output_ids"] for o in run_workload(e, wl)] == expected
         got = run_workload(e, rest)
         lp = e.generate(input_ids=wl[1][0], sampling_params=wl[1][1], return_logprob=True, top_logprobs_num=3,
@@ -2536,7 +2538,8 @@ def test_process_device_gives_the_reference_tokens_and_keeps_no_device_tensor(ck
     with open(trace) as f:
         events = json.load(f)["traceEvents"]
     device_lane = {ev["name"] for ev in events if ev.get("tid") == 2}  # the device process's, merged
-    assert {"forward", "sample"} <= device_lane and ("FutureMap.publish" in device_lane) == (loop == "overlap")
+    assert {"forward", "sample"} <= device_lane
+    assert ("FutureMap.publish" in device_lane) == (loop == "overlap")
     assert not device_processes()
 
 
@@ -2560,7 +2563,8 @@ def test_process_device_catches_a_missing_publish_and_a_device_error(ckpt, monke
     """Inside the device process: a publish dropped is caught by the poison check (the AssertionError
     reaches the host); a step that raises breaks the device for good, as a stream does."""
     lossy = ("real, calls = oe.FutureMap.publish, []\n"
-             "def lossy(self, *a):\n    calls.append(1)\n    return None if len(calls) == 2 else real(self, *a)\n"
+             "def lossy(self, *a):\n    calls.append(1)\n"
+             "    return None if len(calls) == 2 else real(self, *a)\n"
              "oe.FutureMap.publish = lossy")
     device_process_with(monkeypatch, lossy)
     with make_engine(ckpt, "overlap", cpu_device="process") as e:
@@ -2595,7 +2599,8 @@ def test_a_dead_device_process_fails_its_requests_and_the_server_answers_503(cha
         body = {"input_ids": [1, 2, 3], "stream": True,
                 "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
         events = []
-        reader = threading.Thread(target=sse_events, args=(server, "/generate", body), kwargs={"events": events})
+        reader = threading.Thread(target=sse_events, args=(server, "/generate", body),
+                                  kwargs={"events": events})
         reader.start()
         deadline = time.monotonic() + 30
         while not events and time.monotonic() < deadline:  # a chunk or two has come
@@ -3145,7 +3150,9 @@ CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."
 @pytest.fixture(scope="module")
 def smollm_engines(smollm):
     engines = {loop: Engine(model_path=smollm[0], disable_overlap_schedule=loop == "serial", device="cpu",
-                            dtype="float32", max_total_tokens=4096, debug_future_map=True) for loop in LOOPS}
+                            dtype="float32", max_total_tokens=4096, debug_future_map=True,
+                            cpu_device="thread")
+               for loop in LOOPS}  # the thread device: its tests look at what a step samples
     yield engines
     for e in engines.values():
         e.shutdown()
@@ -3296,6 +3303,23 @@ def test_default_model_in_bf16_matches_transformers_in_bf16(smollm, hf_bf16):
         else:
             assert out == ref  # neither stopped early where the other went on
     assert agreed >= 24  # the comparison covers real text, not only a first-token tie
+
+
+def test_default_model_on_the_default_device_gives_the_thread_devices_tokens(smollm, smollm_engines):
+    """The engine's default on a CPU (the device in a worker process), both loops, on the chat prompts:
+    the thread device's tokens, with nothing left behind on either side of the boundary."""
+    sp = {"max_new_tokens": 24, "temperature": 0}
+    want = None
+    for loop in LOOPS:
+        with Engine(model_path=smollm[0], disable_overlap_schedule=loop == "serial", dtype="float32",
+                    max_total_tokens=4096) as e:
+            assert e.server_args.cpu_device == "process" and e.model is None
+            prompts = [e.tokenizer.encode(e.tokenizer.apply_chat_template([{"role": "user", "content": p}]))
+                       for p in CHAT_PROMPTS]
+            want = want or [o["output_ids"] for o in smollm_engines[loop].generate(input_ids=prompts,
+                                                                                  sampling_params=sp)]
+            assert [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=sp)] == want
+            e.check_invariants()
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -3654,7 +3678,8 @@ def test_abort_queued_running_and_finished(ckpt, loop):
             done.update({o["meta_info"]["id"]: o for o in e.step()})
         e.abort(rids[2])  # finished already: no effect
         e.check_invariants()
-    assert done[rids[3]]["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+    waiting = {"type": "abort", "message": "Abort in waiting queue"}
+    assert done[rids[3]]["meta_info"]["finish_reason"] == waiting
     assert done[rids[3]]["output_ids"] == []  # SGLang's words for one that never ran
     assert done[rids[0]]["meta_info"]["finish_reason"] == {"type": "abort", "message": "aborted"}
     exp = expected_greedy(ckpt, wl)
@@ -3848,7 +3873,7 @@ BAD_SAMPLING = [
     ({"temperature": float("inf")}, "temperature"), ({"temperature": "hot"}, "temperature"),
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": 0}, "top_k"), ({"top_k": 2.0}, "top_k"),
     ({"min_p": -0.1}, "min_p"), ({"stop": [1, 2]}, "stop"), ({"stop": ""}, "stop"),
-    ({"stop_token_ids": [999999]}, "stop_token_ids"), ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"sampling_seed": 1.5}, "sampling_seed"), ({"max_tokens": 5}, "max_tokens"),
     ({"temprature": 1}, "temprature"), ({"temperature": 10**400}, "temperature"),
     ({"top_p": -10**400}, "top_p"), ({"min_p": 10**400}, "min_p"),
@@ -6011,8 +6036,8 @@ def test_server_accepts_sglang_fields_at_their_defaults_and_names_the_rest(serve
     status, out = http_call(server, "POST", "/v1/chat/completions", {
         "messages": messages, "max_tokens": 2, "return_cached_tokens_details": True})
     assert status == 200 and set(out["sglext"]["cached_tokens_details"]) == {"device", "host"}
-    assert "sglext" not in http_call(server, "POST", "/v1/completions", {**body, "stream": False,
-                                                                         "return_cached_tokens_details": False})[1]
+    plain = {**body, "return_cached_tokens_details": False}
+    assert "sglext" not in http_call(server, "POST", "/v1/completions", plain)[1]
     wait_idle_and_check(server)
 
 
@@ -6827,7 +6852,8 @@ def test_two_servers_behind_sglang_router(chat_ckpt):
                 pass
             assert time.monotonic() < deadline and router.poll() is None, "the router did not get ready"
             time.sleep(0.2)
-        with Engine(model_path=chat_ckpt, dtype="float64", max_total_tokens=2048) as offline:
+        with Engine(cpu_device="thread", model_path=chat_ckpt, dtype="float64",
+                    max_total_tokens=2048) as offline:
             rng = random.Random(3)  # no shared prefixes: the cache-aware policy balances by tree size
             prompts = ["".join(rng.choice("abcdefghijkl mnopqrstuvwxyz") for _ in range(40))
                        for _ in range(16)]
@@ -6879,18 +6905,19 @@ def run_bench(*args) -> subprocess.CompletedProcess:
 
 
 def test_bench_overlap_quick_runs(tmp_path):
-    """bench.py overlap --quick: both loops on a CPU device of its own, with the trace of each loop and
-    the timeline picture; the table's figures are there for every batch and loop."""
+    """bench.py overlap --quick: both loops on both CPU devices (a thread, a process) of their own, with the
+    trace of each and the timeline picture; the table's figures are there for every batch, loop and device."""
     out = tmp_path / "overlap.json"
     run_bench("overlap", "--quick", "--json", str(out), "--trace", str(tmp_path / "traces"),
               "--timeline", str(tmp_path / "timeline.png"))
     rows = json.loads(out.read_text())
-    assert {(r["loop"], r["B"]) for r in rows} == {(loop, B) for loop in LOOPS for B in (1, 4)}
+    assert {(r["device"], r["loop"], r["B"]) for r in rows} == {
+        (d, loop, B) for d in ("thread", "process") for loop in LOOPS for B in (1, 4)}
     assert all(r["G_ms"] > 0 and r["C_ms"] > 0 and r["out_tok_s"] > 0 and r["gap_ms"] >= 0 for r in rows)
     assert os.path.getsize(tmp_path / "timeline.png") > 0
-    for loop in LOOPS:
-        events = json.loads((tmp_path / "traces" / f"{loop}.json").read_text())["traceEvents"]
-        assert {"forward", "sample", "plan", "commit"} <= {ev["name"] for ev in events}
+    for name in (f"{loop}-{d}" for loop in LOOPS for d in ("thread", "process")):
+        events = json.loads((tmp_path / "traces" / f"{name}.json").read_text())["traceEvents"]
+        assert {"forward", "sample", "plan", "commit"} <= {ev["name"] for ev in events}, name
 
 
 def test_bench_serve_quick_runs(tmp_path):
