@@ -292,6 +292,14 @@ def cmd_all(args):
                                   chunk=MIXED_CHUNK, output=MIXED_OUTPUT, seed=TP_SEED))}
 
 
+ENGINE_DEFAULTS: dict = {}  # set by --quick: a smoke test of the bench's code on the lesson's thread device
+
+
+def new_engine(**kw) -> "oe.Engine":
+    """oe.Engine with ENGINE_DEFAULTS under the arguments given."""
+    return oe.Engine(**{**ENGINE_DEFAULTS, **kw})
+
+
 def tiny_checkpoint():
     return oe.write_random_checkpoint(os.path.join(tempfile.mkdtemp(), "tiny"))
 
@@ -305,7 +313,7 @@ def sim_run(ckpt, overlap: bool, G: float, B: int, out_len: int, grammar_share: 
     grammar_share of the requests is constrained by SIM_REGEX (their steps sample after the commit).
     spec: speculative decoding with this many drafts a verify (the simulated device accepts 0 to k)."""
     kw = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": spec} if spec else {}
-    engine = oe.Engine(model_path=ckpt, device="cpu", dtype="float32", disable_overlap_schedule=not overlap,
+    engine = new_engine(model_path=ckpt, device="cpu", dtype="float32", disable_overlap_schedule=not overlap,
                        cpu_device="thread", max_running_requests=B,
                        max_total_tokens=B * (out_len + 24 + 2 * spec),
                        max_prefill_tokens=1 << 20, chunked_prefill_size=-1, **kw)
@@ -503,7 +511,7 @@ def cmd_overlap(args):
             name = f"{loop}-{device}" if len(devices) > 1 else loop
             trace = os.path.join(args.trace, f"{name}.json") if args.trace and rep == repeat - 1 else None
             serial = loop == "serial"
-            with oe.Engine(disable_overlap_schedule=serial, trace=trace, cpu_device=device, **kw) as e:
+            with new_engine(disable_overlap_schedule=serial, trace=trace, cpu_device=device, **kw) as e:
                 dtype = e.server_args.dtype
                 engine_run(e, random_requests(2, 8, 8, args.seed + 9, e.model_config.vocab_size), 4,
                            f"warm-up {name}")
@@ -814,7 +822,7 @@ def engine_runs(path, kw, reqs, out_lens, args, compiled=False) -> tuple:
     for name in names:
         t0 = time.perf_counter()
         device = next((d for d in devices if name.endswith(", " + d)), devices[0])
-        engines[name] = oe.Engine(model_path=path, disable_overlap_schedule=name.startswith("serial"),
+        engines[name] = new_engine(model_path=path, disable_overlap_schedule=name.startswith("serial"),
                                   enable_torch_compile=compiled and name != "overlap, eager",
                                   cpu_device=device, **kw)
         if compiled:
@@ -986,7 +994,7 @@ def prefix_run(path, args, vocab, kw) -> dict:
     reqs = random_requests(n, PREFIX_TAIL // 2, PREFIX_TAIL, args.seed + 2, vocab, prefix=system)
     out = {}
     for name, off in (("radix", False), ("no radix", True)):
-        with oe.Engine(model_path=path, disable_radix_cache=off, **kw) as e:
+        with new_engine(model_path=path, disable_radix_cache=off, **kw) as e:
             out[name] = engine_run(e, reqs, 8, f"shared prefix, {name}")
     print(f"## shared prefix: {n} requests behind one {plen}-token system prompt, output 8")
     print("| run | TTFT p50 s | TTFT p99 s | total tok/s |")
@@ -1030,7 +1038,7 @@ def cmd_profile(args):
     path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
     B, steps = (4, 3) if args.quick else (args.batch, args.steps)
     captured = []
-    with oe.Engine(model_path=path, cpu_device="thread", device="cpu", dtype=args.dtype,
+    with new_engine(model_path=path, cpu_device="thread", device="cpu", dtype=args.dtype,
                    disable_overlap_schedule=True,
                    quantization=args.quantization, max_total_tokens=args.max_total_tokens,
                    enable_torch_compile=args.torch_compile, torch_compile_max_bs=max(B, 1),
@@ -1118,7 +1126,7 @@ def cmd_sampling(args):
     path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
     B, steps = (4, 3) if args.quick else (args.batch, args.steps)
     rows, batches = {}, {}
-    with oe.Engine(model_path=path, cpu_device="thread", device="cpu", dtype=args.dtype,
+    with new_engine(model_path=path, cpu_device="thread", device="cpu", dtype=args.dtype,
                    disable_overlap_schedule=True,
                    max_total_tokens=args.max_total_tokens) as e:
         worker, forward_step = e.scheduler.worker, e.scheduler.worker.forward_step
@@ -1174,7 +1182,7 @@ def cmd_grammar(args):
     step (one request); then one constrained request decoding beside a plain one, tok/s each."""
     path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
     rows = {}
-    with oe.Engine(model_path=path, device="cpu", dtype=args.dtype, max_total_tokens=4096) as e:
+    with new_engine(model_path=path, device="cpu", dtype=args.dtype, max_total_tokens=4096) as e:
         t0 = time.perf_counter()
         backend = e.grammars()
         rows["tokenizer info ms"] = 1e3 * (time.perf_counter() - t0)
@@ -1246,9 +1254,10 @@ def single_setup(text: str) -> dict:
     quant = parts[0].removesuffix("-weightonly")
     quant = quant if quant in ("int8", "int4") else None
     device = "thread" if "thread" in parts[1:] or "-weightonly" in text else "process" if "process" in parts[
-        1:] else "auto"  # -weightonly patches this process's kernels: the thread device's alone see it
-    return {"dtype": "bfloat16" if quant else parts[0], "quantization": quant, "cpu_device": device,
-            "enable_torch_compile": "compile" in parts[1:], "torch_compile_max_bs": 1}
+        1:] else None  # -weightonly patches this process's kernels: the thread device's alone see it
+    return {"dtype": "bfloat16" if quant else parts[0], "quantization": quant,
+            "enable_torch_compile": "compile" in parts[1:], "torch_compile_max_bs": 1,
+            **({"cpu_device": device} if device else {})}
 
 
 @contextlib.contextmanager
@@ -1271,7 +1280,7 @@ def cmd_single(args):
     for setup in ("float32,int8,int4" if args.quick else args.setups).split(","):
         t0 = time.perf_counter()
         with weight_only(setup):
-            e = oe.Engine(model_path=path, device="cpu", max_total_tokens=4096, **single_setup(setup))
+            e = new_engine(model_path=path, device="cpu", max_total_tokens=4096, **single_setup(setup))
         with e:
             start_s = time.perf_counter() - t0
             tk = e.tokenizer
@@ -1399,7 +1408,7 @@ def cmd_mixed(args):
     chunk, out_len = (16, 24) if args.quick else (args.chunk, args.output)
     results = {}
     for name, mixed in (("mixed chunks off", False), ("mixed chunks on", True)):
-        with oe.Engine(model_path=path, device="cpu", dtype="float32", chunked_prefill_size=chunk,
+        with new_engine(model_path=path, device="cpu", dtype="float32", chunked_prefill_size=chunk,
                        max_prefill_tokens=chunk, enable_mixed_chunk=mixed,
                        max_total_tokens=n * (out_len + 40) + plen + 64) as e:
             results[name] = itl_during_prefill(e, n, plen, out_len, args.seed)
@@ -1466,6 +1475,7 @@ def start_server_processes(model_path, extras: list) -> list:
     import threading
     here = os.path.dirname(os.path.abspath(__file__))
     model = ["--model-path", model_path] if model_path else []
+    model += ["--cpu-device", ENGINE_DEFAULTS["cpu_device"]] if "cpu_device" in ENGINE_DEFAULTS else []
     procs = [subprocess.Popen([sys.executable, "overlap_engine.py", "--serve", "--port", "0", *extra, *model],
                               stdout=subprocess.PIPE, text=True, cwd=here) for extra in extras]
     lines = [[] for _ in procs]  # each server's first line, read by a thread of its own
@@ -1636,7 +1646,7 @@ def spec_run(kw, workload, B, n_out, repeat, chat_setup: bool = False, k: int = 
             setup = {}
             if chat_setup:
                 setup = oe.one_request_defaults({}, steps=(1, 1 + k) if extra else (1,))[0]
-            e = engines[name] = stack.enter_context(oe.Engine(**kw, **extra, **setup))
+            e = engines[name] = stack.enter_context(new_engine(**kw, **extra, **setup))
             prompts = spec_prompts(e.tokenizer, workload, B)
             e.generate(input_ids=prompts[:1], sampling_params={**sp, "max_new_tokens": 8})  # warm-up
             rows[name] = {"tok_s": 0.0, "setup": setup, "runs": []}
@@ -1775,7 +1785,7 @@ def cmd_queue(args):
     distinct = [[rng.randrange(256) for _ in range(4)] for _ in range(args.distinct)]
     sp = {"max_new_tokens": QUEUE_OUT, "temperature": 0, "ignore_eos": True}
     kw = {"model_path": ckpt, "dtype": "float32"}
-    with oe.Engine(**kw, disable_overlap_schedule=True, disable_radix_cache=True) as ref:
+    with new_engine(**kw, disable_overlap_schedule=True, disable_radix_cache=True) as ref:
         want = [ref.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in distinct]
     prompts = [distinct[i % len(distinct)] for i in range(max(sizes))]
     expected = [want[i % len(distinct)] for i in range(max(sizes))]
@@ -1795,7 +1805,7 @@ def cmd_queue(args):
             proc.terminate()
             proc.wait(30)
     for loop, row in res.items():
-        with oe.Engine(**kw, disable_overlap_schedule=loop == "serial") as e:
+        with new_engine(**kw, disable_overlap_schedule=loop == "serial") as e:
             for n in sizes:
                 gc.collect()  # each run starts without the garbage of the last (its collections cost more)
                 t0 = time.perf_counter()
@@ -1927,7 +1937,7 @@ def gpu_engine_runs(args, device):
 def dummy_engine_run(path, serial, B, in_len, out_len, dtype, device, seed):
     """One batch of B requests through an engine with dummy weights; timings of its steady decode."""
     ctx = in_len + out_len + 8
-    with oe.Engine(model_path=path, load_format="dummy", device=device, dtype=dtype,
+    with new_engine(model_path=path, load_format="dummy", device=device, dtype=dtype,
                    disable_overlap_schedule=serial, max_running_requests=B, max_total_tokens=B * ctx,
                    context_length=ctx, max_prefill_tokens=max(8192, 4 * in_len)) as e:
         vocab = e.model_config.vocab_size
@@ -2144,6 +2154,8 @@ def main():
     add_model_commands(sub)
     add_serving_commands(sub)
     args = p.parse_args()
+    if getattr(args, "quick", False):
+        ENGINE_DEFAULTS["cpu_device"] = "thread"
     if getattr(args, "compile", False) and not oe.cpp_compiler():
         args.compile = False
     with contextlib.ExitStack() as stack:

@@ -2543,13 +2543,13 @@ def test_process_device_gives_the_reference_tokens_and_keeps_no_device_tensor(ck
     assert not device_processes()
 
 
-@pytest.mark.parametrize("loop", LOOPS)
-def test_process_device_speculates_as_plain_decoding(cycling_ckpt, loop):
-    """NGRAM speculation on the process device: SPEC_CASES give plain decoding's tokens and logprobs."""
+def test_process_device_speculates_as_plain_decoding(cycling_ckpt):
+    """NGRAM speculation on the process device, the overlap loop (where a verify's accept count is the
+    device's alone to know): SPEC_CASES give plain decoding's tokens and logprobs."""
     wl = spec_workload(seed=11)
     with make_engine(cycling_ckpt, "serial") as plain:
         want = run_spec_workload(plain, wl)
-    with make_engine(cycling_ckpt, loop, speculative_algorithm="NGRAM", cpu_device="process") as e:
+    with make_engine(cycling_ckpt, "overlap", speculative_algorithm="NGRAM", cpu_device="process") as e:
         got = run_spec_workload(e, wl)
     for (p, sp, lp), outs, refs in zip(wl, got, want):
         for out, ref in zip(outs, refs):
@@ -2577,13 +2577,12 @@ def test_process_device_catches_a_missing_publish_and_a_device_error(ckpt, monke
                "    if len(calls) == 3:\n        raise RuntimeError('injected device failure')\n"
                "    return real(self, fb)\noe.ModelWorker.forward_step = failing")
     device_process_with(monkeypatch, failing)
-    for loop in LOOPS:
-        with make_engine(ckpt, loop, cpu_device="process") as e:
-            sp = {"max_new_tokens": 10, "temperature": 0}
-            with pytest.raises(RuntimeError, match="injected device failure.*device process"):
-                e.generate(input_ids=[1, 2, 3], sampling_params=sp)
-            with pytest.raises(RuntimeError, match="injected device failure"):
-                e.generate(input_ids=[4, 5], sampling_params=sp)  # broken for good
+    with make_engine(ckpt, "serial", cpu_device="process") as e:
+        sp = {"max_new_tokens": 10, "temperature": 0}
+        with pytest.raises(RuntimeError, match="injected device failure.*device process"):
+            e.generate(input_ids=[1, 2, 3], sampling_params=sp)
+        with pytest.raises(RuntimeError, match="injected device failure"):
+            e.generate(input_ids=[4, 5], sampling_params=sp)  # broken for good
     assert not device_processes()
 
 
@@ -3306,20 +3305,17 @@ def test_default_model_in_bf16_matches_transformers_in_bf16(smollm, hf_bf16):
 
 
 def test_default_model_on_the_default_device_gives_the_thread_devices_tokens(smollm, smollm_engines):
-    """The engine's default on a CPU (the device in a worker process), both loops, on the chat prompts:
-    the thread device's tokens, with nothing left behind on either side of the boundary."""
+    """The engine's default on a CPU (the device in a worker process), the overlap loop, on the chat
+    prompts: the thread device's tokens, with nothing left behind on either side of the boundary."""
     sp = {"max_new_tokens": 24, "temperature": 0}
-    want = None
-    for loop in LOOPS:
-        with Engine(model_path=smollm[0], disable_overlap_schedule=loop == "serial", dtype="float32",
-                    max_total_tokens=4096) as e:
-            assert e.server_args.cpu_device == "process" and e.model is None
-            prompts = [e.tokenizer.encode(e.tokenizer.apply_chat_template([{"role": "user", "content": p}]))
-                       for p in CHAT_PROMPTS]
-            want = want or [o["output_ids"] for o in smollm_engines[loop].generate(input_ids=prompts,
-                                                                                  sampling_params=sp)]
-            assert [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=sp)] == want
-            e.check_invariants()
+    with Engine(model_path=smollm[0], dtype="float32", max_total_tokens=4096) as e:
+        assert e.server_args.cpu_device == "process" and e.model is None
+        prompts = [e.tokenizer.encode(e.tokenizer.apply_chat_template([{"role": "user", "content": p}]))
+                   for p in CHAT_PROMPTS]
+        want = [o["output_ids"] for o in smollm_engines["overlap"].generate(input_ids=prompts,
+                                                                          sampling_params=sp)]
+        assert [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=sp)] == want
+        e.check_invariants()
 
 
 @pytest.mark.parametrize("loop", LOOPS)
