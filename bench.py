@@ -1037,22 +1037,14 @@ def cmd_profile(args):
     from torch.profiler import ProfilerActivity, profile
     path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
     B, steps = (4, 3) if args.quick else (args.batch, args.steps)
-    captured = []
     with new_engine(model_path=path, cpu_device="thread", device="cpu", dtype=args.dtype,
                    disable_overlap_schedule=True,
                    quantization=args.quantization, max_total_tokens=args.max_total_tokens,
                    enable_torch_compile=args.torch_compile, torch_compile_max_bs=max(B, 1),
                    attention_backend=args.attention_backend) as e:
-        worker, forward_step = e.scheduler.worker, e.scheduler.worker.forward_step
-        worker.forward_step = lambda batch: captured.append(batch) or forward_step(batch)
-        reqs = random_requests(B, *((8, 32) if args.quick else map(int, args.input.split(","))), args.seed,
-                               e.model_config.vocab_size)
-        e.add_requests(reqs, [{"max_new_tokens": steps + 2, "ignore_eos": True}] * B)
-        while not (captured and captured[-1].forward_mode.is_decode() and len(captured[-1].seq_lens) == B
-                   and min(len(r.output_ids) for r in e.scheduler.running_batch.reqs) >= steps):
-            e.step()
-        worker.forward_step = forward_step
-        batch = captured[-1]
+        lengths = (8, 32) if args.quick else tuple(map(int, args.input.split(",")))
+        _, batch = captured_steps(e, B, lengths, steps, args.seed)
+        forward_step = e.scheduler.worker.forward_step
         ms = 1e3 * min(timed(lambda: forward_step(batch)) for _ in range(5))
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             forward_step(batch)
@@ -1080,6 +1072,62 @@ def cmd_profile(args):
               f"{attn['gbps']:.1f} GB/s, {100 * attn['share_of_stream']:.0f}% of this machine's streaming "
               f"read ({attn['stream_gbps']:.0f} GB/s)")
     return {"step_ms": ms, "shares": {k: v / total for k, v in groups.items()}, "attention": attn}
+
+
+def captured_steps(e, B: int, lengths: tuple, steps: int, seed: int) -> tuple:
+    """Runs B random requests (input lengths in `lengths`) on e, a serial engine, up to the decode step
+    `steps` tokens into their outputs: (their first prefill batch, that decode batch), for forward_step
+    to replay. The requests stay running."""
+    captured, worker = [], e.scheduler.worker
+    forward_step = worker.forward_step
+    worker.forward_step = lambda batch: captured.append(batch) or forward_step(batch)
+    reqs = random_requests(B, *lengths, seed, e.model_config.vocab_size)
+    e.add_requests(reqs, [{"max_new_tokens": steps + 2, "ignore_eos": True}] * B)
+    try:
+        while not (captured and captured[-1].forward_mode.is_decode() and len(captured[-1].seq_lens) == B
+                   and min(len(r.output_ids) for r in e.scheduler.running_batch.reqs) >= steps):
+            e.step()
+    finally:
+        worker.forward_step = forward_step
+    return captured[0], captured[-1]
+
+
+DETERMINISTIC_SETUPS = {"eager": {}, "compiled": {"enable_torch_compile": True},
+                        "deterministic": {"enable_deterministic_inference": True}}
+
+
+def cmd_deterministic(args):
+    """What enable_deterministic_inference costs: one decode step at each batch size, and the prefill of
+    those requests, replayed on their own (the best of five), against the eager and the compiled engine."""
+    path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
+    batches = [1, 4] if args.quick else [int(b) for b in args.batches.split(",")]
+    lengths = (8, 32) if args.quick else tuple(map(int, args.input.split(",")))
+    steps = 3 if args.quick else args.steps
+    ms = {}
+    for name, kw in DETERMINISTIC_SETUPS.items():
+        with new_engine(model_path=path, cpu_device="thread", device="cpu", dtype=args.dtype,
+                        disable_overlap_schedule=True, max_total_tokens=args.max_total_tokens,
+                        torch_compile_max_bs=max(batches), **kw) as e:
+            for B in batches:
+                prefill, decode = captured_steps(e, B, lengths, steps, args.seed)
+                step = e.scheduler.worker.forward_step
+                ms[name, B] = [1e3 * min(timed(lambda: step(b)) for _ in range(5)) for b in (decode, prefill)]
+                while not e.scheduler.is_idle():  # the batch drains
+                    e.step()
+                e.flush_cache()
+    print(f"## deterministic: one step, {os.path.basename(path)}, {args.dtype}, input {lengths[0]}-"
+          f"{lengths[1]} tokens, decode {steps} tokens in; ms, best of 5")
+    print("| batch | decode eager | compiled | deterministic | / eager | / compiled | prefill eager | "
+          "deterministic | / eager |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for B in batches:
+        (de, pe), (dc, _), (dd, pd) = (ms[n, B] for n in DETERMINISTIC_SETUPS)
+        rows.append({"batch": B, "decode_ms": {"eager": de, "compiled": dc, "deterministic": dd},
+                     "prefill_ms": {"eager": pe, "deterministic": pd}})
+        print(f"| {B} | {de:.1f} | {dc:.1f} | {dd:.1f} | {dd / de:.2f}x | {dd / dc:.2f}x | {pe:.1f} | {pd:.1f} | "
+              f"{pd / pe:.2f}x |")
+    return {"rows": rows}
 
 
 ATTENTION_OPS = ("overlap_engine::decode_attention_c", "overlap_engine::fused_gather_decode",
@@ -2074,6 +2122,9 @@ def add_model_commands(sub):
     pr.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "c"),
                     help="torch: the grouped SDPA (eager) or fused-gather (compiled) decode attention")
     pr.add_argument("--top-ops", type=int, default=0, help="also print the profiler's N costliest ops")
+    de = command(sub, "deterministic", cmd_deterministic, "what enable_deterministic_inference costs a step")
+    decode_step_args(de, 32, "output tokens before the timed decode step")
+    de.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes")
     sa = command(sub, "sampling", cmd_sampling, "what logprobs and penalties cost a decode step (on and off)")
     decode_step_args(sa, 32, "output tokens before the timed step")
     gr = command(sub, "grammar", cmd_grammar, "grammar compile time and per-step mask cost, real vocabulary")

@@ -2193,6 +2193,10 @@ class ServerArgs:
                                      "host (planning, committing, serving) on the others; 0: the device and "
                                      "the host share every core")
     random_seed: int = arg(0, "seeds the requests that give no sampling_seed")
+    enable_deterministic_inference: bool = arg(
+        False, "a request's tokens depend on its prompt and sampling parameters alone, not on the batch, "
+               "the prefill chunk, cache hits or the loop (CPU, tp_size 1; runs the model eager: "
+               "enable_torch_compile is then ignored)")
     constrained_json_disable_any_whitespace: bool = arg(
         False, "a json_schema grammar allows no whitespace between tokens of JSON (by default any)")
     # speculative decoding
@@ -2884,6 +2888,21 @@ def c_attention_fits(args: ServerArgs) -> bool:
     return args.device == "cpu" and args.dtype not in ("float64", "float16") and cpp_compiler() is not None
 
 
+def check_deterministic(args: ServerArgs):
+    """enable_deterministic_inference: on a CPU, one rank, no drafts; compiled graphs give way to eager."""
+    if args.device != "cpu":
+        raise ValueError(f"enable_deterministic_inference is implemented for device='cpu', not "
+                         f"device={args.device!r}")
+    if args.tp_size > 1:
+        raise ValueError(f"enable_deterministic_inference works with tp_size=1 only (tp_size={args.tp_size})")
+    if args.speculative_algorithm:
+        raise ValueError(f"enable_deterministic_inference does not combine with speculative_algorithm="
+                         f"{args.speculative_algorithm!r}")
+    if args.enable_torch_compile:
+        LOG.warning("enable_deterministic_inference runs the model eager: enable_torch_compile is ignored")
+        args.enable_torch_compile = False
+
+
 def check_engine_args(kwargs: dict) -> ServerArgs:
     """ServerArgs from keyword arguments, with unknown names refused and `auto` values resolved, except
     attention_backend's (Engine._check_args). Nothing is built, fetched or written: the CLI refuses a bad
@@ -2911,6 +2930,8 @@ def check_engine_args(kwargs: dict) -> ServerArgs:
     if args.enable_torch_compile and cpp_compiler() is None:
         raise ValueError("enable_torch_compile needs a C++ compiler (Inductor builds C++ on a CPU): "
                          "none found ($CXX, g++, c++, clang++)")
+    if args.enable_deterministic_inference:
+        check_deterministic(args)
     if args.quantization and args.dtype == "float64":
         raise ValueError(f"quantization={args.quantization!r} needs 32- or 16-bit float activations, "
                          "not dtype='float64'")
@@ -2961,7 +2982,10 @@ def build_worker(args: ServerArgs, cfg: ModelConfig, model: nn.Module, make_stre
     if args.speculative_algorithm == "STANDALONE":
         draft_model = StandaloneDrafter(args, cfg, dtype, kv_pool, req_to_token_pool)
     compile_max_bs = args.torch_compile_max_bs if args.enable_torch_compile else 0
-    if args.attention_backend == "triton":
+    if args.enable_deterministic_inference:
+        block_rows(model)
+        backend = RowInvariantAttnBackend(kv_pool, req_to_token_pool, cfg.num_attention_heads)
+    elif args.attention_backend == "triton":
         backend = TritonAttnBackend(kv_pool, req_to_token_pool)
     elif args.attention_backend == "c":
         widths = (1, 1 + args.speculative_num_draft_tokens) if args.speculative_algorithm else (1,)
@@ -4526,6 +4550,86 @@ def fused_gather_decode(q, kb, vb, slots, visible) -> torch.Tensor:
     p = torch.softmax(scores.masked_fill(~visible[:, :, None, None], -math.inf), dim=1)
     o = (p[..., None] * vb[slots][:, :, :, None, :].to(acc)).sum(1)       # (B, Hkv, H // Hkv, D)
     return o.reshape(B, H, D).to(q.dtype)
+
+
+# -- deterministic inference: a row's result is a function of the row alone --
+#
+# A GEMM library picks its kernel, and with it the order in which a dot product is summed, by the shape of
+# the call: on one CPU an fp32 row times a weight matrix gives other bits alone than beside 3 or 15 others,
+# on another the bf16 one does. Attention over a prefill chunk sums over the chunk's keys, whose number
+# depends on where the chunk was cut. enable_deterministic_inference fixes the order per row: every linear
+# layer multiplies blocks of DETERMINISTIC_ROWS rows (the last padded with zeros), so each call has the same
+# shape, and every query attends as a decode of its own, over the keys up to its position in the C kernel's
+# order. The rest of a row's path (norms, sampling, logprobs) is per row already; eager only: a compiled
+# graph sums its norms in another order than the eager prefill that wrote the same tokens' KV.
+
+DETERMINISTIC_ROWS = 16  # rows a deterministic linear multiplies at a time
+
+
+class RowBlockedLinear(nn.Module):
+    """A linear layer (nn.Linear, PackedLinear or QuantizedLinear) run on blocks of DETERMINISTIC_ROWS rows:
+    a row's result does not depend on how many rows came with it, nor on their values."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        R, M = DETERMINISTIC_ROWS, x.shape[0]
+        if M % R:
+            x = torch.cat((x, x.new_zeros(R - M % R, x.shape[1])))
+        return torch.cat([self.inner(x[i:i + R]) for i in range(0, len(x), R)])[:M]
+
+
+LINEAR_LAYERS = (nn.Linear, PackedLinear, QuantizedLinear)
+
+
+def block_rows(model: nn.Module):
+    """Wraps each linear layer of the model in a RowBlockedLinear (a tied LM head keeps its weight)."""
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, LINEAR_LAYERS):
+                setattr(parent, name, RowBlockedLinear(child))
+
+
+class RowInvariantAttnBackend(TorchAttnBackend):
+    """enable_deterministic_inference's attention: each query, of a decode, a prefill chunk or a verify, is
+    one decode of the C kernel (kernels.decode_attention_cpu) over its request's keys up to its own
+    position, summed from the first key in chunks of 32: the same for a token in any batch, any chunk,
+    after any cache hit. Without the C kernel (no compiler, a float64 pool), kernels.decode_attention_ref,
+    one query at a time."""
+
+    def __init__(self, kv_pool: TokenToKVPool, req_to_token_pool: ReqToTokenPool, heads: int):
+        super().__init__(kv_pool, req_to_token_pool)
+        self.kernels = load_kernels()
+        kb = kv_pool.k_buffer[0]
+        self.in_c = (kb.dtype in (torch.float32, torch.bfloat16) and cpp_compiler() is not None
+                     and self.kernels.cpu_kernel(kb.dtype, kb.shape[2], kb.shape[1], heads // kb.shape[1],
+                                                 cpp_compiler()) is not None)
+
+    def init_forward_metadata(self, meta: ForwardMetadata):
+        """Per query: its request's pool row and the keys it sees (its position + 1)."""
+        self.meta, dev = meta, meta.seq_lens.device
+        if meta.forward_mode.is_extend():
+            rows, lens = [], []
+            for row, pre, ext in zip(meta.req_pool_indices_cpu, meta.prefix_lens_cpu, meta.extend_lens_cpu):
+                rows += [row] * ext
+                lens += range(pre + 1, pre + ext + 1)
+            self.rows, self.lens = (to_device(torch.tensor(x, dtype=torch.int64), dev) for x in (rows, lens))
+        else:  # a decode (E = 1) or a verify: query e of a request sees its base + e + 1 keys
+            E = meta.extend_lens_cpu[0]
+            self.rows = meta.req_pool_indices.repeat_interleave(E)
+            self.lens = (meta.seq_lens[:, None] - E + 1 + torch.arange(E, device=dev)).reshape(-1)
+
+    def forward(self, q, k, v, layer_id: int) -> torch.Tensor:
+        kb, vb = self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id]
+        kb.index_copy_(0, self.meta.out_cache_loc, k)
+        vb.index_copy_(0, self.meta.out_cache_loc, v)
+        scale = q.shape[-1] ** -0.5
+        if self.in_c:
+            return self.kernels.decode_attention_cpu(q.contiguous(), kb, vb, self.req_to_token, self.rows,
+                                                     self.lens, scale, cpp_compiler())
+        return self.kernels.decode_attention_ref(q, kb, vb, self.req_to_token, self.rows, self.lens, scale)
 
 
 # -- building the model: Part I's plain Llama from a checkpoint's tensors --
@@ -6305,7 +6409,7 @@ CLI_GROUPS = {
                               "enable_mixed_chunk",
                               "schedule_policy", "schedule_conservativeness", "mem_fraction_static",
                               "cpu_device", "cpu_device_threads"),
-    "sampling": ("random_seed", "constrained_json_disable_any_whitespace"),
+    "sampling": ("random_seed", "enable_deterministic_inference", "constrained_json_disable_any_whitespace"),
     "speculative decoding": ("speculative_algorithm", "speculative_num_draft_tokens",
                              "speculative_ngram_min_match_window_size",
                              "speculative_ngram_max_match_window_size", "speculative_draft_model_path"),
@@ -6391,8 +6495,10 @@ def main(argv=None):
             picked, line = one_request_defaults(cli_given(argv), chat=not args.prompt, steps=steps,
                                                 model_path=args.model_path)
             engine_args.update(picked)
+            if args.enable_deterministic_inference and "enable_torch_compile" not in cli_given(argv):
+                engine_args["enable_torch_compile"] = False  # the mode runs eager
         elif (on_cpu and args.tp_size == 1 and "enable_torch_compile" not in cli_given(argv)
-              and cpp_compiler()):
+              and cpp_compiler() and not args.enable_deterministic_inference):
             engine_args["enable_torch_compile"] = True  # batches: the server, several prompts
             line = ("overlap_engine: torch.compile of the decode step (once per model and machine, then "
                     "from Inductor's cache; --no-enable-torch-compile runs it eager)")

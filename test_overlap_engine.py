@@ -2627,6 +2627,133 @@ def test_process_device_arguments_are_checked(ckpt):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Deterministic inference: a request's tokens are a function of its own prompt and sampling parameters
+
+
+@pytest.fixture(scope="module")
+def det_ckpt(tmp_path_factory):
+    """A random model wide enough for a GEMM library to pick its kernels by the number of rows."""
+    return oe.write_random_checkpoint(str(tmp_path_factory.mktemp("det")), hidden=128, inter=256, heads=4,
+                                      kv_heads=2)
+
+
+def det_workload() -> tuple:
+    """Prompts (three share a 40-token prefix: cache hits), half greedy and half sampled with seeds of
+    their own, and strangers to run beside them."""
+    prompts = random_prompts(4, seed=71, lo=3, hi=90) + random_prompts(3, seed=72, lo=1, hi=30,
+                                                                        shared=random_prompts(1, 73, 40, 40)[0])
+    sps = [{"max_new_tokens": 8, "ignore_eos": True, "temperature": 0} if i % 2 else
+           {"max_new_tokens": 8, "ignore_eos": True, "temperature": 1.0, "top_p": 0.9, "sampling_seed": i}
+           for i in range(len(prompts))]
+    return prompts, sps, random_prompts(5, seed=74, lo=20, hi=120)
+
+
+def outputs_by_batching(engine, prompts, sps, strangers) -> dict:
+    """Each prompt's (output ids, output logprobs): alone (an empty cache each), all together, shuffled
+    (every prompt in the cache by then) and beside strangers."""
+    def run(order, extra=()):
+        outs = engine.generate(input_ids=[prompts[i] for i in order] + list(extra), return_logprob=True,
+                               sampling_params=[sps[i] for i in order] + [sps[0]] * len(extra))
+        return {i: (o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]])
+                for i, o in zip(order, outs)}
+    alone = {}
+    for i in range(len(prompts)):
+        alone.update(run([i]))
+        engine.flush_cache()
+    shuffled = random.Random(5).sample(range(len(prompts)), len(prompts))
+    got = {"alone": alone, "together": run(range(len(prompts))), "shuffled": run(shuffled),
+           "beside strangers": run(shuffled[:4], strangers)}
+    engine.check_invariants()
+    return got
+
+
+DET_ENGINE = {"chunked_prefill_size": 16, "max_prefill_tokens": 48, "debug_ledger": False}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_deterministic_inference_gives_each_request_its_tokens_alone(det_ckpt, dtype):
+    """enable_deterministic_inference: each request's tokens and logprobs, greedy and seeded, are the same
+    bits alone, together, shuffled and beside strangers, with chunked prefill cut where the batch's token
+    budget falls and cache hits, in both loops, on the process device and with compile asked for."""
+    prompts, sps, strangers = det_workload()
+    setups = [("overlap", {}), ("serial", {}),
+              ("overlap", {"cpu_device": "process", "enable_torch_compile": dtype == "float32"})]
+    seen = []
+    for loop, kw in setups:
+        engine = make_engine(det_ckpt, loop, dtype=dtype, enable_deterministic_inference=True,
+                             **DET_ENGINE, **kw)
+        try:
+            got = outputs_by_batching(engine, prompts, sps, strangers)
+        finally:
+            engine.shutdown()
+        for batching, outs in got.items():
+            assert outs == {i: got["alone"][i] for i in outs}, (loop, kw, batching)
+        seen.append(got["alone"])
+    assert seen[1] == seen[0] and seen[2] == seen[0]
+    assert any(sps[i]["temperature"] > 0 and len(set(seen[0][i][0])) > 1 for i in seen[0])  # sampled
+
+
+def test_without_the_mode_a_request_gets_other_logprobs_beside_others(det_ckpt):
+    """The switch matters: by default, in bf16, some request's logprobs change with what runs beside it
+    (the prefill's attention sums over the chunk it was cut into)."""
+    prompts, sps, strangers = det_workload()
+    engine = make_engine(det_ckpt, "overlap", dtype="bfloat16", **DET_ENGINE)
+    try:
+        got = outputs_by_batching(engine, prompts, sps, strangers)
+    finally:
+        engine.shutdown()
+    assert any(outs[i][1] != got["alone"][i][1] for outs in got.values() for i in outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_blocked_linear_gives_a_row_the_same_bits_in_any_batch(dtype):
+    """SmolLM2's MLP shape: each row of a RowBlockedLinear is bit for bit the row alone, for any number of
+    rows and any position among them."""
+    torch.manual_seed(0)
+    layer = oe.RowBlockedLinear(torch.nn.Linear(576, 1536, bias=False).to(dtype))
+    x = torch.randn(70, 576, dtype=dtype)
+    with torch.no_grad():
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+        for n in (2, 3, 5, 12, 16, 17, 70):
+            assert torch.equal(layer(x[:n]), alone[:n]), n
+        perm = torch.randperm(len(x))
+        assert torch.equal(layer(x[perm]), alone[perm])
+
+
+def test_deterministic_inference_arguments_are_checked(ckpt):
+    for kw, words in (({"tp_size": 2}, "tp_size=1 only"), ({"speculative_algorithm": "NGRAM"}, "speculative")):
+        with pytest.raises(ValueError, match=words):
+            Engine(model_path=ckpt, enable_deterministic_inference=True, **kw)
+
+
+def test_server_deterministic_clients_arriving_at_random_get_what_each_gets_alone(det_ckpt):
+    """--enable-deterministic-inference through the server: each prompt sent alone, then all from
+    concurrent clients that arrive at random: every client gets its tokens and logprobs alone."""
+    pytest.importorskip("fastapi")
+    prompts, sps, strangers = det_workload()
+    prompts, sps = prompts + strangers, sps + sps[:len(strangers)]
+    server = oe.Server(make_engine(det_ckpt, "overlap", dtype="bfloat16", enable_deterministic_inference=True,
+                                   **DET_ENGINE), port=0).start()
+    try:
+        def client(i, delay=0.0):
+            time.sleep(delay)
+            status, out = http_call(server, "POST", "/generate", {"input_ids": prompts[i], "sampling_params":
+                                                                  sps[i], "return_logprob": True})
+            assert status == 200, out
+            return out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        alone = [client(i) for i in range(len(prompts))]
+        server.scheduler.call(lambda e: e.flush_cache()).result(timeout=30)
+        rng = random.Random(9)
+        delays = [rng.uniform(0, 0.3) for _ in prompts]
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(client, range(len(prompts)), delays, timeout=120))
+        assert together == alone
+        wait_idle_and_check(server)
+    finally:
+        server.stop()
+
+
+# ----------------------------------------------------------------------------------------------------
 # Checkpoints and the tokenizer
 
 
