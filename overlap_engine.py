@@ -2090,9 +2090,10 @@ def causal_attention(q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
 
 # ====================================================================================================
 # Part II: the plumbing. The Engine API and its argument checks, tensor parallelism, quantization,
-# compile, checkpoint loading, CPU tuning, the CLI and the server. Each changes Part I's objects from
-# outside: apply_tp shards the built model, quantization swaps its nn.Linear modules, compile wraps the
-# model callable the worker is handed, and the Engine sizes the pools and times the loop it drives.
+# compile, deterministic inference, checkpoint loading, CPU tuning, the CLI and the server. Each changes
+# Part I's objects from outside: apply_tp shards the built model, quantization swaps its nn.Linear modules,
+# compile wraps the model callable the worker is handed, deterministic inference wraps the linear layers
+# and brings its attention backend, and the Engine sizes the pools and times the loop it drives.
 # Their imports sit here, so that Part I's list above shows what the lesson needs: torch alone.
 
 import _signal  # the C module under signal: see CtrlCHeld
@@ -4576,6 +4577,8 @@ class RowBlockedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         R, M = DETERMINISTIC_ROWS, x.shape[0]
+        if M == 0:
+            return self.inner(x)
         if M % R:
             x = torch.cat((x, x.new_zeros(R - M % R, x.shape[1])))
         return torch.cat([self.inner(x[i:i + R]) for i in range(0, len(x), R)])[:M]
