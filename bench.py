@@ -1125,8 +1125,8 @@ def cmd_deterministic(args):
         (de, pe), (dc, _), (dd, pd) = (ms[n, B] for n in DETERMINISTIC_SETUPS)
         rows.append({"batch": B, "decode_ms": {"eager": de, "compiled": dc, "deterministic": dd},
                      "prefill_ms": {"eager": pe, "deterministic": pd}})
-        print(f"| {B} | {de:.1f} | {dc:.1f} | {dd:.1f} | {dd / de:.2f}x | {dd / dc:.2f}x | {pe:.1f} | {pd:.1f} | "
-              f"{pd / pe:.2f}x |")
+        print(f"| {B} | {de:.1f} | {dc:.1f} | {dd:.1f} | {dd / de:.2f}x | {dd / dc:.2f}x | {pe:.1f} | "
+              f"{pd:.1f} | {pd / pe:.2f}x |")
     return {"rows": rows}
 
 

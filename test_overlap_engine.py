@@ -2640,8 +2640,8 @@ def det_ckpt(tmp_path_factory):
 def det_workload() -> tuple:
     """Prompts (three share a 40-token prefix: cache hits), half greedy and half sampled with seeds of
     their own, and strangers to run beside them."""
-    prompts = random_prompts(4, seed=71, lo=3, hi=90) + random_prompts(3, seed=72, lo=1, hi=30,
-                                                                        shared=random_prompts(1, 73, 40, 40)[0])
+    shared = random_prompts(1, seed=73, lo=40, hi=40)[0]
+    prompts = random_prompts(4, seed=71, lo=3, hi=90) + random_prompts(3, seed=72, lo=1, hi=30, shared=shared)
     sps = [{"max_new_tokens": 8, "ignore_eos": True, "temperature": 0} if i % 2 else
            {"max_new_tokens": 8, "ignore_eos": True, "temperature": 1.0, "top_p": 0.9, "sampling_seed": i}
            for i in range(len(prompts))]
@@ -2721,7 +2721,8 @@ def test_row_blocked_linear_gives_a_row_the_same_bits_in_any_batch(dtype):
 
 
 def test_deterministic_inference_arguments_are_checked(ckpt):
-    for kw, words in (({"tp_size": 2}, "tp_size=1 only"), ({"speculative_algorithm": "NGRAM"}, "speculative")):
+    for kw, words in (({"tp_size": 2}, "tp_size=1 only"),
+                      ({"speculative_algorithm": "NGRAM"}, "speculative")):
         with pytest.raises(ValueError, match=words):
             Engine(model_path=ckpt, enable_deterministic_inference=True, **kw)
 
