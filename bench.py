@@ -35,7 +35,11 @@ import tempfile
 import time
 
 if __name__ == "__main__" and sys.platform == "linux":  # overlap_engine's OPENMP_SPIN, before torch loads
-    for _name, _value in (("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "30000")):  # libgomp
+    import ast
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "overlap_engine.py")) as _f:
+        _spin = next(ast.literal_eval(line.split("=", 1)[1].split("#")[0]) for line in _f
+                     if line.startswith("OPENMP_SPIN = "))
+    for _name, _value in _spin.items():
         os.environ.setdefault(_name, _value)
 
 import torch  # noqa: E402
@@ -473,17 +477,24 @@ def overlap_run(engine, B, n_out, seed) -> dict:
         engine.tracer.events.clear()
     r = engine_run(engine, reqs, n_out, f"B={B}")
     st = engine.stats()
-    decode = [s for s in st["steps"] if s["forward_mode"] == "decode" and s["bs"] == B][2:-2]
-    if len(decode) < 3:
-        decode = [s for s in st["steps"] if s["forward_mode"] == "decode"]
-    gaps = [b["t_start"] - a["t_end"] for a, b in zip(decode, decode[1:])]
-    launches = [s["t_start"] for s in decode]
-    G = statistics.median(s["device_time"] for s in decode)
-    C = statistics.median(st["host_times"])
-    step = statistics.median(b - a for a, b in zip(launches, launches[1:]))
+    d = steady_decode(st, B, trim=2)
+    G, C, step, gaps = d["G"], d["C"], d["step"], d["gaps"]
     return {**r, "G_ms": 1e3 * G, "C_ms": 1e3 * C, "step_ms": 1e3 * step,
             "gap_ms": 1e3 * statistics.median(gaps), "gap_p99_ms": 1e3 * pct(gaps, 99),
             "step_over_max": step / max(G, C), "step_over_sum": step / (G + C), "stats": st}
+
+
+def steady_decode(st: dict, B: int, trim: int) -> dict:
+    """A run's steady decode steps (Engine.stats(): batch B, `trim` dropped at each end; every decode step
+    if fewer than 3 are left), reduced: the device's step G and the host's time C per iteration, the interval
+    between the device's step starts (medians, seconds) and the device's idle gaps between steps."""
+    decode = [s for s in st["steps"] if s["forward_mode"] == "decode" and s["bs"] == B][trim:-trim]
+    if len(decode) < 3:
+        decode = [s for s in st["steps"] if s["forward_mode"] == "decode"]
+    starts = [s["t_start"] for s in decode]
+    return {"G": statistics.median(s["device_time"] for s in decode), "C": statistics.median(st["host_times"]),
+            "step": statistics.median(b - a for a, b in zip(starts, starts[1:])),
+            "gaps": [b["t_start"] - a["t_end"] for a, b in zip(decode, decode[1:])]}
 
 
 def cmd_overlap(args):
@@ -1998,12 +2009,9 @@ def dummy_engine_run(path, serial, B, in_len, out_len, dtype, device, seed):
         e.generate(input_ids=random_requests(B, in_len, in_len, seed, vocab), sampling_params=sp)
         wall = time.perf_counter() - t0
         st = e.stats()
-    decode = [s for s in st["steps"] if s["forward_mode"] == "decode" and s["bs"] == B][4:-4]
-    launches = [s["t_launch"] for s in decode]
-    return {"out_tok_s": B * out_len / wall, "wall_s": wall,
-            "step_ms": 1e3 * statistics.median(b - a for a, b in zip(launches, launches[1:])),
-            "device_ms": 1e3 * statistics.median(s["device_time"] for s in decode),
-            "host_ms": 1e3 * statistics.median(st["host_times"]),
+    d = steady_decode(st, B, trim=4)
+    return {"out_tok_s": B * out_len / wall, "wall_s": wall, "step_ms": 1e3 * d["step"],
+            "device_ms": 1e3 * d["G"], "host_ms": 1e3 * d["C"],
             "device_idle": max(0.0, 1 - sum(s["device_time"] for s in st["steps"]) / wall)}, st
 
 

@@ -2188,7 +2188,8 @@ class ServerArgs:
     mem_fraction_static: float = arg(0.8, "CUDA: share of free memory for weights and KV cache")
     cpu_device: str = arg("auto", "CPU: where the device runs: a thread of this process (the lesson's "
                                   "simplest form; it shares the interpreter with the host) or a worker "
-                                  "process (no interpreter shared); auto: process on a CPU",
+                                  "process (no interpreter shared); auto: process where cpu_device_threads gives "
+                                  "the device cores of its own, else thread",
                           ("auto", "thread", "process"))
     cpu_device_threads: int = arg(0, "CPU: the device's torch ops run on this many cores of their own, the "
                                      "host (planning, committing, serving) on the others; 0: the device and "
@@ -2936,8 +2937,9 @@ def check_engine_args(kwargs: dict) -> ServerArgs:
     if args.quantization and args.dtype == "float64":
         raise ValueError(f"quantization={args.quantization!r} needs 32- or 16-bit float activations, "
                          "not dtype='float64'")
-    if args.cpu_device == "auto":  # measured at least as fast on a CPU for the chat, batches and serving
-        args.cpu_device = "process" if args.device == "cpu" and args.tp_size == 1 else "thread"
+    if args.cpu_device == "auto":  # sharing every core, a device process adds its messages and gains nothing
+        own_cores = args.device == "cpu" and args.tp_size == 1 and args.cpu_device_threads > 0
+        args.cpu_device = "process" if own_cores else "thread"
     if args.cpu_device_threads and args.device != "cpu":
         raise ValueError(f"cpu_device_threads={args.cpu_device_threads} is for device='cpu' (a GPU is a "
                          "device of its own)")

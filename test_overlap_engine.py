@@ -3432,11 +3432,14 @@ def test_default_model_in_bf16_matches_transformers_in_bf16(smollm, hf_bf16):
     assert agreed >= 24  # the comparison covers real text, not only a first-token tie
 
 
-def test_default_model_on_the_default_device_gives_the_thread_devices_tokens(smollm, smollm_engines):
-    """The engine's default on a CPU (the device in a worker process), the overlap loop, on the chat
-    prompts: the thread device's tokens, with nothing left behind on either side of the boundary."""
+def test_default_model_on_a_device_with_a_core_of_its_own_gives_the_thread_devices_tokens(smollm,
+                                                                                          smollm_engines):
+    """cpu_device auto with a core for the device is the device in a worker process; in the overlap loop,
+    on the chat prompts, it gives the thread device's tokens, with nothing left behind on either side of the
+    boundary. Without cores of its own, auto is the thread device."""
     sp = {"max_new_tokens": 24, "temperature": 0}
-    with Engine(model_path=smollm[0], dtype="float32", max_total_tokens=4096) as e:
+    assert oe.check_engine_args({"device": "cpu"}).cpu_device == "thread"
+    with Engine(model_path=smollm[0], dtype="float32", max_total_tokens=4096, cpu_device_threads=1) as e:
         assert e.server_args.cpu_device == "process" and e.model is None
         prompts = [e.tokenizer.encode(e.tokenizer.apply_chat_template([{"role": "user", "content": p}]))
                    for p in CHAT_PROMPTS]
