@@ -492,7 +492,8 @@ def steady_decode(st: dict, B: int, trim: int) -> dict:
     if len(decode) < 3:
         decode = [s for s in st["steps"] if s["forward_mode"] == "decode"]
     starts = [s["t_start"] for s in decode]
-    return {"G": statistics.median(s["device_time"] for s in decode), "C": statistics.median(st["host_times"]),
+    return {"G": statistics.median(s["device_time"] for s in decode),
+            "C": statistics.median(st["host_times"]),
             "step": statistics.median(b - a for a, b in zip(starts, starts[1:])),
             "gaps": [b["t_start"] - a["t_end"] for a, b in zip(decode, decode[1:])]}
 

@@ -2102,6 +2102,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
+import gc
 import glob
 import hashlib
 import hmac
@@ -2188,8 +2189,8 @@ class ServerArgs:
     mem_fraction_static: float = arg(0.8, "CUDA: share of free memory for weights and KV cache")
     cpu_device: str = arg("auto", "CPU: where the device runs: a thread of this process (the lesson's "
                                   "simplest form; it shares the interpreter with the host) or a worker "
-                                  "process (no interpreter shared); auto: process where cpu_device_threads gives "
-                                  "the device cores of its own, else thread",
+                                  "process (no interpreter shared); auto: process where cpu_device_threads "
+                                  "gives the device cores of its own, else thread",
                           ("auto", "thread", "process"))
     cpu_device_threads: int = arg(0, "CPU: the device's torch ops run on this many cores of their own, the "
                                      "host (planning, committing, serving) on the others; 0: the device and "
@@ -5923,7 +5924,6 @@ class DeviceSide:
                                  args.quantization)
         self.worker, _, self.kv_pool = build_worker(args, self.cfg, self.model, lambda: self.stream,
                                                     self.tracer, **self.sizes)
-        import gc
         gc.collect()
         gc.freeze()  # the model and torch's objects: never walked again by the collector
         gc.set_threshold(100_000, 50, 100)  # a step's objects die young (refcounts): a collection every few
