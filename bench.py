@@ -249,12 +249,13 @@ class SimWorker(oe.ModelWorker):
         start = max(time.perf_counter(), self.busy_until)
         self.busy_until = start + cost
         if batch.deferred:  # a grammar's step: its sample comes with launch_sample, after the commit
-            self.forward_start = start
-            return None
+            forward = SimHandle()
+            forward.t_start = start
+            return forward
         return self.sample(batch, None, start)
 
-    def launch_sample(self, batch, kept, bitmask, publish_idx):
-        return self.sample(batch, bitmask, self.forward_start)
+    def launch_sample(self, batch, forward, bitmask, publish_idx):
+        return self.sample(batch, bitmask, forward.t_start)
 
     def sample(self, batch, bitmask, start):
         """The step's handle: done when its forward is, or when its sample was queued if that came later
@@ -498,6 +499,11 @@ def steady_decode(st: dict, B: int, trim: int) -> dict:
             "gaps": [b["t_start"] - a["t_end"] for a, b in zip(decode, decode[1:])]}
 
 
+def device_idle(st: dict, wall: float) -> float:
+    """The share of a run's wall time in which the device ran no step (Engine.stats()' step spans)."""
+    return max(0.0, 1 - sum(s["device_time"] for s in st["steps"]) / wall)
+
+
 def cmd_overlap(args):
     """Both loops on the real model with a CPU device of its own, batch by batch, side by side; with
     --cpu-device thread,process both devices, each in both loops."""
@@ -649,7 +655,6 @@ def engine_run(engine, reqs, out_lens, desc) -> dict:
     wall = time.perf_counter() - t0
     bar.close()
     st = engine.stats()
-    busy = sum(x["device_time"] for x in st["steps"])
     ttft = [ts[0] - t0 for ts in times]
     itl = [b - a for ts in times for a, b in zip(ts, ts[1:])]
     tpot = [(ts[-1] - ts[0]) / (len(ts) - 1) for ts in times if len(ts) > 1]
@@ -657,7 +662,7 @@ def engine_run(engine, reqs, out_lens, desc) -> dict:
     return {"wall_s": wall, "out_tok_s": n_out / wall, "total_tok_s": (n_in + n_out) / wall,
             "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "tpot_ms": 1e3 * statistics.mean(tpot),
             "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99),
-            "device_idle": max(0.0, 1 - busy / wall),
+            "device_idle": device_idle(st, wall),
             "host_ms_per_step": 1e3 * statistics.mean(st["host_times"]),
             "steps": len(st["steps"]), "overshoot_tokens": st["overshoot_tokens"] - over0}
 
@@ -1441,17 +1446,22 @@ def llama_cpp_single(path, ids, n_out, repeat) -> dict:
     t0 = time.perf_counter()
     llm = llama_cpp_load(path, n_ctx=len(ids) + n_out + 8)
     start_s = time.perf_counter() - t0
-
-    def stream(n):
-        llm.reset()  # no prompt cache between runs
-        for out in llm.generate(ids, temp=0.0, reset=True):
-            yield {"output_ids": [out]}
-            n -= 1
-            if n == 0:
-                return
+    stream = functools.partial(llama_cpp_stream, llm, ids)
     single_run(stream, 4)
     best = max((single_run(stream, n_out) for _ in range(repeat)), key=lambda r: r["decode_tok_s"])
     return {"llama.cpp (llama-cpp-python)": {**best, "start_s": start_s}}
+
+
+def llama_cpp_stream(llm, ids, n_out, to_eos=False):
+    """llama.cpp's greedy tokens for one prompt (Llama.generate, no prompt cache kept between runs), as
+    the engine's stream chunks: n_out of them, or with to_eos up to its EOS."""
+    llm.reset()
+    for n, token in enumerate(llm.generate(ids, temp=0.0, reset=True), 1):
+        if to_eos and token == llm.token_eos():
+            return
+        yield {"output_ids": [token]}
+        if n == n_out:
+            return
 
 
 def timed(fn) -> float:
@@ -1744,14 +1754,8 @@ def llama_cpp_spec(path, ids, n_out, k, repeat) -> dict:
     best, outs = {}, {}
     for _ in range(repeat):
         for name, llm in llms.items():
-            llm.reset()
-            t0, out = time.perf_counter(), []
-            for t in llm.generate(ids, temp=0.0, reset=True):
-                if t == llm.token_eos():
-                    break
-                out.append(t)
-                if len(out) == n_out:
-                    break
+            t0 = time.perf_counter()
+            out = [c["output_ids"][0] for c in llama_cpp_stream(llm, ids, n_out, to_eos=True)]
             best[name] = max(best.get(name, 0.0), len(out) / (time.perf_counter() - t0))
             outs[name] = out
     return {name: {"tok_s": best[name], "ids": outs[name]} for name in llms}
@@ -2013,7 +2017,7 @@ def dummy_engine_run(path, serial, B, in_len, out_len, dtype, device, seed):
     d = steady_decode(st, B, trim=4)
     return {"out_tok_s": B * out_len / wall, "wall_s": wall, "step_ms": 1e3 * d["step"],
             "device_ms": 1e3 * d["G"], "host_ms": 1e3 * d["C"],
-            "device_idle": max(0.0, 1 - sum(s["device_time"] for s in st["steps"]) / wall)}, st
+            "device_idle": device_idle(st, wall)}, st
 
 
 def write_gpu_timeline(out, timeline, label):

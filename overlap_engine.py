@@ -29,22 +29,23 @@ NanoFlow (intra-device pipelining of host and device work).
     python -m pytest -q test_overlap_engine.py        # overlap == serial == a plain reference
 
 Reading guide. Part I is the lesson: everything one decode step passes through, with a plain model,
-on torch alone. Part II is the plumbing, plugged in from outside, and a few helpers of Part I's steps
-that are not the lesson (the sampler's per-row tensors, the logprobs' books), called by name.
+on torch alone. Part II is the plumbing, plugged in from outside; Part I calls three of its names, none
+the lesson: WaitingQueue (the queue's order), prompts_being_prefilled (lpm's wait) and meta_info.
 
     Part I
-    Requests and batches      Req (its lengths, one table), ScheduleBatch, PrefillAdder
+    Requests and batches      Req (its lengths, one table), ScheduleBatch (a step's plan and its sampling
+                              inputs), PrefillAdder
     KV memory, radix cache    ReqToTokenPool, TokenToKVPool, RadixCache
     FutureMap, device streams FutureMap, StepHandle, CpuDeviceStream, CudaDeviceStream, ModelWorker
     Scheduler, the two loops  the loops first, then one batch from its plan to its commit
     Model and attention       a plain Llama (math only), sampling, NGRAM drafts, the torch attention backend
     Part II
     Engine API                ServerArgs, SamplingParams, Engine (builds and drives the scheduler)
-    Tensor parallelism        apply_tp shards the built model; a process and a scheduler per rank
-    Quantization, compile     int8/int4 modules swapped in for nn.Linear; the compiled decode callable
+    Tensor parallelism, quant apply_tp shards the built model, a scheduler per rank; int8/int4 nn.Linear
+    Grammars and kernels      xgrammar's masks; the compiled decode; Triton and C attention; determinism
     Checkpoint loading        HF directories, GGUF, tokenizer, chat template, the default model
-    CPU devices               a device thread on cores of its own; the device in a worker process
-    CPU tuning, CLI, serving  allocator and OpenMP settings; the chat; the OpenAI-compatible server
+    CPU tuning and devices    a device thread on cores of its own, the device in a worker process; trace
+    CLI, serving              the chat; the OpenAI-compatible server, SGLang's /generate, tool calls
 
 One decode step in the overlap loop, function by function, with the moment each one works in
 (planning never waits for the device; only 7 does):
@@ -57,7 +58,7 @@ One decode step in the overlap loop, function by function, with the moment each 
     5 run_batch -> ModelWorker.launch      in flight  queued on the device stream; returns at once
     6   ModelWorker.forward_step           in flight  on the device: FutureMap.resolve reads step n's tokens
                                                       (materialized), then forward, sample, FutureMap.publish;
-                                                      speculating, speculate drafts and accept verifies
+                                                      speculating, forward_verify drafts, verify_step accepts
     7 process_batch_result (step n)        committed  waits for step n's copy_done, appends its token(s)
     8   Req.update_finish_state            committed  advances its grammar; length, EOS, stop ids, strings
     9   release_kv_cache                   committed  a finished request's KV and row, by allocated length
@@ -81,7 +82,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, fields, is_dataclass, replace
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
 OPENMP_SPIN = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "30000"}  # run as a script; why: Part II
 if __name__ == "__main__" and sys.platform == "linux":  # before torch loads libgomp, which reads it once
@@ -112,6 +113,17 @@ class ForwardMode(enum.Enum):
         return self is ForwardMode.DECODE
 
 
+class PlannedStep(NamedTuple):
+    """One planned, uncommitted sampling step of a request (Req.planned_steps)."""
+    advance: int  # the most it moves the last token's position: 1, or 1 + k if it drafts; 0: a prompt's end
+    width: int    # the KV positions it writes from there: 1, or a verify's 1 + k; 0: a prompt's end
+
+    @property
+    def ends_prompt(self) -> bool:
+        """A prompt's last chunk: its sample is the first output (or, after a retraction, the next)."""
+        return self.width == 0
+
+
 class Req:
     """One request. `output_ids` holds committed tokens only; the KV counters run up to a step ahead.
 
@@ -138,11 +150,11 @@ class Req:
     kv_committed_len      positions whose KV committed steps wrote  planned: = len(prefix_indices) in
                           (a cached prefix counts as written)       assign_row; committed: = the
                                                                     seq_len of each committed step
-    planned_steps         per planned, uncommitted sampling step:   planned: appended (prepare_for_*);
-                          (advance, width): the most it moves the   committed: popped
-                          last token's position (1; 1 + k if it
-                          drafts; None: a prompt's last chunk) and
-                          the positions it writes
+    planned_steps         per planned, uncommitted sampling step,   planned: appended (prepare_for_*);
+                          a PlannedStep(advance, width): the most   committed: popped
+                          it moves the last token's position (1;
+                          1 + k if it drafts) and the positions it
+                          writes; (0, 0): a prompt's last chunk
     base_bound()          the last token's position once they       with planned_steps (derived)
                           commit: exact, or speculating its bound
     planned_outputs()     outputs of the steps planned so far, at   with planned_steps (derived)
@@ -182,7 +194,7 @@ class Req:
         self.streamed_ids_len = 0
         self.logprobs: Optional[ReqLogprobs] = None  # the logprobs asked for, and those committed (Part II)
         self.shares_prefill_of: Optional[Req] = None  # n > 1: the sibling whose prompt KV it waits for
-        self.planned_steps: deque = deque()  # (advance, width) of each planned, uncommitted sampling step
+        self.planned_steps: deque[PlannedStep] = deque()  # each planned, uncommitted sampling step
         # speculative decoding: verify steps, drafts fed and accepted; when it drafts again, and its pauses
         self.speculating = False  # its engine speculates (meta_info reports spec_* even before a verify)
         self.spec_verify_ct = 0
@@ -216,9 +228,9 @@ class Req:
     def base_bound(self) -> int:
         """The position of the last token once the planned steps commit (the next step feeds it there):
         exact, except past a step that drafts, where it is the most that step can accept."""
-        prompt_pending = self.planned_steps and self.planned_steps[0][0] is None
+        prompt_pending = self.planned_steps and self.planned_steps[0].ends_prompt
         base = len(self.fill_ids) if prompt_pending else self.kv_committed_len
-        return base + sum(advance for advance, _ in self.planned_steps if advance)
+        return base + sum(step.advance for step in self.planned_steps)
 
     def may_draft(self) -> bool:
         """Speculative decoding drafts for it: no grammar (its masks need the host's matcher at each
@@ -229,7 +241,7 @@ class Req:
 
     def verify_planned(self) -> bool:
         """A planned step drafts: until it commits, base_bound() is a bound (the device has the count)."""
-        return any((advance or 0) > 1 for advance, _ in self.planned_steps)
+        return any(step.advance > 1 for step in self.planned_steps)
 
     def finished(self) -> bool:
         return self.finished_reason is not None
@@ -237,6 +249,11 @@ class Req:
     def needs_decode(self) -> bool:
         """Unfinished, and its last token by length is not already planned: then it would overshoot."""
         return not self.finished() and self.planned_outputs() < self.sampling_params.max_new_tokens
+
+    def waits_for_sibling(self) -> bool:
+        """n > 1: the first sibling prefills the prompt once; the others wait to find it cached."""
+        s = self.shares_prefill_of
+        return s is not None and not s.finished() and s.kv_committed_len < len(s.origin_input_ids) - 1
 
     def update_finish_state(self, tokenizer: Optional[Tokenizer]):
         """Called at commit, after a token was appended: the grammar, EOS and stop ids, stop strings and
@@ -325,7 +342,7 @@ class LogprobsAsked:
 @dataclass(kw_only=True)
 class SamplingInputs:
     """A step's sampling tensors, one row per logits row (a verify: E rows a request, row i * E + j its
-    output j), made on the host by Part II's sampling_inputs. The optional parts exist only when a
+    output j), made on the host by ScheduleBatch.sampling_inputs. The optional parts exist only when a
     request of the batch uses them: the others pay no (rows, vocab) work."""
     temperature: torch.Tensor  # (R,) float64; 0: greedy
     top_p: torch.Tensor        # (R,)
@@ -396,7 +413,7 @@ class ScheduleBatch:
         self.is_last_chunk: list = []
         self.new_rows: list = []  # per request: it gets its row in this step (its first chunk)
         self.n_prefill = 0  # reqs[:n_prefill] feed prompt chunks, the others decode
-        self.logprob_slots: list = []  # set by Part II's plan_logprobs
+        self.logprob_slots: list = []  # set by plan_logprobs
         self.input_spans: list = []
         self.prompt_row_reqs: list = []
         self.verify_width = 0  # speculating decode: tokens each request feeds (its last and the drafts)
@@ -429,7 +446,7 @@ class ScheduleBatch:
         sched.req_to_token_pool.req_to_token_host[rows, positions] = loc
         for r in self.reqs:
             r.kv_allocated_len += 1
-            r.planned_steps.append((1, 1))
+            r.planned_steps.append(PlannedStep(1, 1))
         self.seq_lens = [r.kv_allocated_len for r in self.reqs]
         ids, future_rows = self.decode_inputs(use_future_map, rows)
         self.forward_batch = self.build_forward_batch(
@@ -462,7 +479,7 @@ class ScheduleBatch:
         sched.req_to_token_pool.req_to_token_host[write_rows, cols] = loc
         for r, b, d in zip(self.reqs, base, drafting):
             r.kv_allocated_len = max(r.kv_allocated_len, b + E)
-            r.planned_steps.append((E if d and E > 1 else 1, E))
+            r.planned_steps.append(PlannedStep(E if d and E > 1 else 1, E))
         self.seq_lens = [b + E for b in base]  # bounds: the device has the true lengths
         self.verify_width = E
         ids, future_rows = self.decode_inputs(use_future_map, rows)
@@ -489,12 +506,12 @@ class ScheduleBatch:
         return sum(max(0, r.base_bound() + width - r.kv_allocated_len) for r in self.reqs)
 
     def build_forward_batch(self, **plan) -> ForwardBatch:
-        """The step's plan: the fields above plus its sampling tensors (Part II's sampling_inputs: one set
-        per logits row, a verify's E = 1 + k a request), the logprobs asked for (plan_logprobs), and the
-        rows whose tokens the FutureMap gets."""
+        """The step's plan: the fields above plus its sampling tensors (sampling_inputs: one set per
+        logits row, a verify's E = 1 + k a request), the logprobs asked for (plan_logprobs), and the rows
+        whose tokens the FutureMap gets."""
         E = self.verify_width or 1
-        sampling = sampling_inputs(self, E)
-        rows, ids = plan_logprobs(self, sampling, plan["prefix_lens"], plan["extend_lens"], E)
+        sampling = self.sampling_inputs(E)
+        rows, ids = self.plan_logprobs(sampling, plan["prefix_lens"], plan["extend_lens"], E)
         # overlap mode publishes each sampled token (not a mid-prompt chunk's) for the next step to gather
         last = [i for i, is_last in enumerate(self.is_last_chunk) if is_last]
         publish = last if self.scheduler.enable_overlap else []
@@ -503,6 +520,99 @@ class ScheduleBatch:
         return ForwardBatch(forward_mode=mode, seq_lens=self.seq_lens, sampling=sampling,
                             prompt_logit_rows=int64(rows), prompt_logit_ids=int64(ids),
                             publish_idx=int64(publish), deferred=deferred, **plan)
+
+    def sampling_inputs(self, E: int) -> SamplingInputs:
+        """A batch's SamplingInputs, made on the host, E rows a request (a verify's positions). Penalties,
+        logit_bias and min_new_tokens add theirs only when a request of the batch uses them. A verify's rows
+        sample at positions only the device knows: there its penalties see the drafts before each row, and
+        its min_new_tokens window is decided (ModelWorker.see_drafts)."""
+        reqs = self.reqs
+        params = [r.sampling_params for r in reqs]
+        out_pos = [n - len(r.origin_input_ids) for n, r in zip(self.seq_lens, reqs)]  # the output it samples
+
+        def each(xs):  # a verify: one a row
+            return [x for x in xs for _ in range(E)]
+        f64 = functools.partial(torch.tensor, dtype=torch.float64)
+        s = SamplingInputs(
+            temperature=f64(each(p.temperature for p in params)), top_p=f64(each(p.top_p for p in params)),
+            top_k=int64(each(p.top_k for p in params)), min_p=f64(each(p.min_p for p in params)),
+            seed=int64(each(r.seed for r in reqs)),
+            # the noise is a function of (seed, out_pos) only; a verify's true ones are on the device
+            out_pos=int64([n - E + j + 1 for n in out_pos for j in range(E)] if E > 1 else out_pos),
+            all_greedy=all(p.temperature == 0 for p in params),
+            need_filter=any(p.top_k != -1 or p.top_p < 1 or p.min_p > 0 for p in params))
+        speculating = self.scheduler.draft_tokens > 0
+        if self.verify_width:
+            s.prompt_len = int64(each(len(r.origin_input_ids) for r in reqs))
+        # penalties: their state lives on the device (TokenCounts), rebuilt where a request gets its row;
+        # speculating, TokenCounts' tokens are also the history that drafts come from
+        new = [r for r, p, first in zip(reqs, params, self.new_rows)
+               if first and (p.has_penalties() or speculating)]
+        if new:
+            s.reset = (int64([r.req_pool_idx for r in new]),
+                       int64([[r.req_pool_idx, i, t] for r in new for i, t in enumerate(r.fill_ids)]),
+                       int64([[r.req_pool_idx, t] for r in new for t in r.output_ids]).view(-1, 2))
+        last = [i for i, is_last in enumerate(self.is_last_chunk) if is_last]  # the rows that really sample
+        if speculating and not self.verify_width:  # their tokens join the history drafts come from
+            s.history = (int64(last), int64([self.seq_lens[i] for i in last]))
+        pen = [i for i, p in enumerate(params) if p.has_penalties() and self.is_last_chunk[i]]
+        if pen:  # lens: tokens held, the new one's position (a verify's: bounds; the device's exact)
+            s.penalties = Penalties(
+                idx=int64([i * E + j for i in pen for j in range(E)]),
+                rows=int64(each(reqs[i].req_pool_idx for i in pen)),
+                lens=int64(each(self.seq_lens[i] for i in pen)),
+                max_len=max(self.seq_lens[i] for i in pen),
+                frequency=f64(each(params[i].frequency_penalty for i in pen)),
+                presence=f64(each(params[i].presence_penalty for i in pen)),
+                repetition=f64(each(params[i].repetition_penalty for i in pen)))
+        bias = [(i * E + j, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()
+                for j in range(E)]
+        if bias:
+            s.bias_at = int64([b[:2] for b in bias])
+            s.bias = f64([b[2] for b in bias])
+        # min_new_tokens: the tokens that would finish a request cannot be sampled while it is short (its
+        # output position below it: adjust_logits decides on the device; a grammar decides when it may stop)
+        banned = [(i * E + j, t, p.min_new_tokens) for i, (r, p) in enumerate(zip(reqs, params))
+                  if len(r.output_ids) < p.min_new_tokens and r.grammar is None
+                  for j in range(E) for t in r.stop_ids]
+        if banned:
+            s.banned = int64(banned)
+        return s
+
+    def plan_logprobs(self, s: SamplingInputs, prefix_lens: list, extend_lens: list,
+                      E: int) -> tuple[list, list]:
+        """The logprobs a step reports (s.logprobs), and where each request's land (self.logprob_slots: its
+        rows in the output logprobs; self.input_spans: its prompt logprobs). Output logprobs are for the rows
+        that really sample (not a chunk in the middle of a prompt); prompt logprobs take a logits row at each
+        fed position q whose next token q + 1 is a prompt token its request asks about. Returns those rows'
+        flat positions and tokens."""
+        reqs = self.reqs
+        wanted = [i for i, r in enumerate(reqs) if r.logprobs is not None and self.is_last_chunk[i]]
+        self.logprob_slots = [-1] * len(reqs)
+        for j, i in enumerate(wanted):
+            self.logprob_slots[i] = j  # its rows j * E.. of the output logprobs
+        rows, ids, start = [], [], 0
+        self.input_spans = [None] * len(reqs)
+        self.prompt_row_reqs = []  # the request of each prompt row
+        for i, (r, pre, ext) in enumerate(zip(reqs[:self.n_prefill], prefix_lens, extend_lens)):
+            if r.owes_input_logprobs():
+                lo = max(pre, max(r.logprobs.start_len, 1) - 1)
+                n = max(0, min(pre + ext, len(r.origin_input_ids) - 1) - lo)
+                self.input_spans[i] = (len(rows), n, lo + 1)
+                rows += range(start + lo - pre, start + lo - pre + n)
+                ids += r.origin_input_ids[lo + 1:lo + 1 + n]
+                self.prompt_row_reqs += [i] * n
+            start += ext
+        if wanted or rows:
+            top_k = max(r.logprobs.top_k for r in reqs if r.logprobs is not None)
+            s.logprobs = LogprobsAsked(idx=int64([i * E + j for i in wanted for j in range(E)]), top_k=top_k)
+            asked = [r.logprobs.token_ids for r in reqs if r.logprobs and r.logprobs.token_ids]
+            K = max(map(len, asked), default=0)
+            if K:  # token_ids_logprob: each row's ids, padded with 0 to (rows, K)
+                pad = [((r.logprobs and r.logprobs.token_ids or []) + [0] * K)[:K] for r in reqs]
+                s.logprobs.ids = int64([pad[i] for i in wanted for _ in range(E)]).view(-1, K)
+                s.logprobs.input_ids = int64([pad[i] for i in self.prompt_row_reqs]).view(-1, K)
+        return rows, ids
 
     def prepare_for_extend(self):
         """Each request's chunk gets KV slots; on its first chunk the request also gets a row, which
@@ -533,7 +643,7 @@ class ScheduleBatch:
         self.is_last_chunk = [r.kv_allocated_len == len(r.fill_ids) for r in self.reqs]
         for r, last in zip(self.reqs, self.is_last_chunk):
             if last:
-                r.planned_steps.append((None, 0))  # its sample: the first output (or the next, recomputed)
+                r.planned_steps.append(PlannedStep(0, 0))  # the prompt ends: its sample is the first output
         self.n_prefill = len(self.reqs)
         self.forward_batch = self.build_forward_batch(
             input_ids=torch.tensor(ids, dtype=torch.int64), future_input_rows=None,
@@ -908,6 +1018,7 @@ class StepHandle:
         self.t_start = None  # CPU: when the device thread ran it (CUDA: see TimedScheduler)
         self.t_end = None
         self.copy_done = None              # CUDA: event recorded on the copy stream
+        self.forwarded: Optional[Forwarded] = None  # a deferred step's forward: what its sample reads
 
     def wait(self):
         if self.copy_done is not None:
@@ -1045,7 +1156,7 @@ class Verify:
 
 
 class Forwarded:
-    """A deferred step's forward results, filled in on the device stream and read by its sample there."""
+    """A deferred step's forward results, left on the device for the sample queued behind it."""
     logits: Optional[torch.Tensor] = None
     verify: Optional[Verify] = None
 
@@ -1066,26 +1177,26 @@ class ModelWorker:
         self.race_rows = race_rows  # how sample() races rows (None: race)
         self.token_counts: Optional[TokenCounts] = None  # the penalties' per-row state, made on first use
 
-    def launch(self, batch: ForwardBatch):
-        """Queues the step: a StepHandle for its result. A deferred step (a grammar's) queues its forward
-        only and returns a Forwarded that launch_sample hands to the sample queued behind it."""
+    def launch(self, batch: ForwardBatch) -> StepHandle:
+        """Queues the step and returns its handle. A deferred step (a grammar's) queues its forward only:
+        its handle carries what the forward leaves (handle.forwarded) for launch_sample's sample."""
         if not batch.deferred:
             return self.stream.launch(lambda: self.forward_step(batch))
-        kept = Forwarded()
+        forwarded = Forwarded()
 
         def forward():
-            logits, verify = self.forward_logits(batch)
-            kept.logits = logits
-            kept.verify = verify
-        self.stream.launch(forward)
-        return kept
+            forwarded.logits, forwarded.verify = self.forward_logits(batch)
+        handle = self.stream.launch(forward)
+        handle.forwarded = forwarded
+        return handle
 
-    def launch_sample(self, batch: ForwardBatch, kept: Forwarded, bitmask: torch.Tensor,
+    def launch_sample(self, batch: ForwardBatch, forward: StepHandle, bitmask: torch.Tensor,
                       publish_idx: torch.Tensor) -> StepHandle:
-        """A deferred step's sample, queued behind its forward (whose logits wait on the device);
-        publish_idx: its rows that still publish (not those the commit in between finished)."""
+        """A deferred step's sample, queued behind its forward (launch's handle; the logits wait on the
+        device); publish_idx: its rows that still publish (not those the commit in between finished)."""
+        done = forward.forwarded
         return self.stream.launch(
-            lambda: self.sample_step(batch, kept.logits, kept.verify, bitmask, publish_idx))
+            lambda: self.sample_step(batch, done.logits, done.verify, bitmask, publish_idx))
 
     def forward_step(self, batch: ForwardBatch) -> StepOutput:
         """Runs on the device stream; everything it touches on the device is ordered after earlier steps.
@@ -1095,42 +1206,41 @@ class ModelWorker:
 
     def forward_logits(self, batch: ForwardBatch) -> tuple[torch.Tensor, Optional[Verify]]:
         """Writes req_to_token, resolves the inputs, runs the model: logits (R + M, vocab), R a row per
-        request (a verify: 1 + k) and M rows that score prompt tokens (prompt logprobs)."""
+        request and M rows that score prompt tokens (prompt logprobs). A verify's inputs are the device's
+        to know: forward_verify makes them."""
         to = functools.partial(to_device, device=self.device)
         rows = to(batch.req_pool_indices)
         write_rows, write_cols, write_slots = batch.req_to_token_writes
         self.req_to_token_pool.req_to_token[to(write_rows), to(write_cols)] = to(write_slots).to(torch.int32)
-        verify = None
-        if batch.verify_width:  # speculating: where each request stands is the device's to know
-            input_ids, verify = self.speculate(batch, rows)
-            positions = verify.positions
-            loc = self.req_to_token_pool.req_to_token[rows.repeat_interleave(batch.verify_width), positions]
-            loc = loc.long()
-            seq_lens = positions.view(len(rows), -1)[:, -1] + 1
-        else:
-            input_ids = to(batch.input_ids)  # (N,) or a mixed batch's prefill part; empty for overlap decode
-            if batch.future_input_rows is not None:
-                # the decode inputs of overlap mode: the previous step's tokens, materialized in the FutureMap
-                tails = self.future_map.resolve(to(batch.future_input_rows))
-                input_ids = torch.cat((input_ids, tails)) if len(batch.input_ids) else tails
-            positions = to(batch.positions)
-            loc = to(batch.out_cache_loc)
-            seq_lens = to(torch.tensor(batch.seq_lens))
+        if batch.verify_width:
+            return self.forward_verify(batch, rows)
+        input_ids = to(batch.input_ids)  # (N,) or a mixed batch's prefill part; empty for overlap decode
+        if batch.future_input_rows is not None:
+            # the decode inputs of overlap mode: the previous step's tokens, materialized in the FutureMap
+            tails = self.future_map.resolve(to(batch.future_input_rows))
+            input_ids = torch.cat((input_ids, tails)) if len(batch.input_ids) else tails
+        seq_lens = to(torch.tensor(batch.seq_lens))
+        loc = to(batch.out_cache_loc)
+        return self.run_model(batch, rows, input_ids, to(batch.positions), loc, seq_lens), None
+
+    def run_model(self, batch: ForwardBatch, rows, input_ids, positions, loc, seq_lens) -> torch.Tensor:
+        """The attention backend learns the step's layout, then the model runs: logits of each request's
+        rows, then of the prompt rows (prompt logprobs: more rows through the LM head, for who asks)."""
         self.attn.init_forward_metadata(ForwardMetadata(
             forward_mode=batch.forward_mode, req_pool_indices=rows, out_cache_loc=loc, seq_lens=seq_lens,
             req_pool_indices_cpu=batch.req_pool_indices.tolist(), seq_lens_cpu=batch.seq_lens,
             prefix_lens_cpu=batch.prefix_lens, extend_lens_cpu=batch.extend_lens))
         logit_rows = batch.logit_rows
-        if len(batch.prompt_logit_rows):  # prompt logprobs: more rows through the LM head, for who asks
+        if len(batch.prompt_logit_rows):
             logit_rows = torch.cat((logit_rows, batch.prompt_logit_rows))
-        logits = self.model(input_ids, positions, self.attn, to(logit_rows))  # (R + M, vocab)
-        return logits, verify
+        return self.model(input_ids, positions, self.attn, to_device(logit_rows, self.device))
 
-    def speculate(self, batch: ForwardBatch, rows: torch.Tensor) -> tuple[torch.Tensor, Verify]:
-        """A speculating decode step's inputs, on the device: each request's last token at its position
-        base (in overlap mode both from the FutureMap: the host does not know step n's accept count yet),
-        then E - 1 drafts after it (the drafter's; -1, never accepted, where it has none or the request
-        does not draft), and their positions. A verify of E = 1 is a decode (a draft model catches up)."""
+    def forward_verify(self, batch: ForwardBatch, rows: torch.Tensor) -> tuple[torch.Tensor, Verify]:
+        """A speculating decode step: each request's last token at its position base (in overlap mode
+        both from the FutureMap: the host does not know step n's accept count yet), then E - 1 drafts
+        after it (the drafter's; -1, never accepted, where it has none or the request does not draft),
+        at slots read from req_to_token on the device. A verify of E = 1 is a decode (a draft model
+        catches up)."""
         E = batch.verify_width
         to = functools.partial(to_device, device=self.device)
         if batch.future_input_rows is not None:
@@ -1143,45 +1253,62 @@ class ModelWorker:
         drafts = torch.where(to(batch.may_draft)[:, None], drafts, -1)
         positions = (base[:, None] + torch.arange(E, device=rows.device)).flatten()   # (B * E,)
         input_ids = torch.cat((last[:, None], drafts.clamp(min=0)), 1).flatten()
-        return input_ids, Verify(drafts, base, positions)
+        loc = self.req_to_token_pool.req_to_token[rows.repeat_interleave(E), positions].long()
+        seq_lens = positions.view(len(rows), E)[:, -1] + 1
+        logits = self.run_model(batch, rows, input_ids, positions, loc, seq_lens)
+        return logits, Verify(drafts, base, positions)
 
     def sample_step(self, batch: ForwardBatch, logits: torch.Tensor, verify: Optional[Verify],
                     bitmask: Optional[torch.Tensor] = None, publish_idx=None) -> StepOutput:
-        """Samples the step's tokens (a grammar's bitmask applied), adds the logprobs asked for, verifies
-        the drafts, and publishes each request's next input (and its position) to the FutureMap."""
-        publish_idx = batch.publish_idx if publish_idx is None else publish_idx
+        """Samples each request's next token (a grammar's bitmask applied) with the logprobs asked for,
+        and publishes it with its position to the FutureMap, the next step's input. A verify samples and
+        accepts its drafts in verify_step."""
         to = functools.partial(to_device, device=self.device)
         R = len(batch.logit_rows)
         rows = to(batch.req_pool_indices)
         s = map_tensors(batch.sampling, to)
         if bitmask is not None:
             s.bitmask = to(bitmask)
-        if verify is not None:  # the outputs its rows sample, and the history they see, at true positions
-            self.see_drafts(s, verify, rows, batch.verify_width)
-        out = self.sample_tokens(logits[:R], s)
+        if verify is None:
+            out = self.sample_tokens(logits[:R], s)
+            tokens, positions = out.next_ids, to(torch.tensor(batch.seq_lens))
+            self.count_sampled(s, rows, out.next_ids)
+        else:
+            out, tokens, positions = self.verify_step(batch, logits[:R], s, verify, rows)
         if s.logprobs is not None and len(batch.prompt_logit_rows):
             ids = to(batch.prompt_logit_ids)
             out.input_logprobs = logprobs(logits[R:], ids, s.logprobs.top_k, s.logprobs.input_ids)
-        if verify is not None:
-            out.accept_len, tokens, at = self.accept(rows, out.next_ids, verify)
-        else:
-            tokens = out.next_ids
-            at = to(torch.tensor(batch.seq_lens))
-            if s.history is not None:  # speculating: a prompt's first token joins its history
-                idx, pos = s.history
-                self.token_counts.tokens[rows[idx], pos] = tokens[idx]
-        if s.penalties is not None:  # what it sampled counts from the next step on (a verify's: if accepted)
-            pen = s.penalties
-            E = batch.verify_width or 1
-            if verify is not None:
-                kept = pen.idx % E <= out.accept_len[pen.idx // E]
-            else:
-                kept = torch.ones_like(pen.idx, dtype=torch.bool)
-            self.token_counts.add(pen.rows, pen.lens, out.next_ids[pen.idx], kept)
+        publish_idx = batch.publish_idx if publish_idx is None else publish_idx
         if len(publish_idx):  # host-known: no sync (a device boolean mask would sync)
             sel = to(publish_idx)
-            self.future_map.publish(rows[sel], tokens[sel], at[sel])
+            self.future_map.publish(rows[sel], tokens[sel], positions[sel])
         return out
+
+    def count_sampled(self, s: SamplingInputs, rows: torch.Tensor, next_ids: torch.Tensor,
+                      accept_len: Optional[torch.Tensor] = None, E: int = 1):
+        """What a step sampled joins the device's state that later steps read: speculating, a prompt's
+        first token joins the history drafts come from; with penalties, each sampled token counts from
+        the next step on (a verify's row j, if the drafts before it were accepted)."""
+        if s.history is not None:
+            idx, pos = s.history
+            self.token_counts.tokens[rows[idx], pos] = next_ids[idx]
+        if s.penalties is not None:
+            pen = s.penalties
+            counted = torch.ones_like(pen.idx, dtype=torch.bool)
+            if accept_len is not None:
+                counted = pen.idx % E <= accept_len[pen.idx // E]
+            self.token_counts.add(pen.rows, pen.lens, next_ids[pen.idx], counted)
+
+    def verify_step(self, batch: ForwardBatch, logits: torch.Tensor, s: SamplingInputs, verify: Verify,
+                    rows: torch.Tensor) -> tuple[StepOutput, torch.Tensor, torch.Tensor]:
+        """A verify's sample: its rows sample at positions the device knows (see_drafts), the drafts are
+        accepted while they match (accept), and what was sampled counts up to the bonus. Returns the
+        output, each request's next input (the bonus) and its position."""
+        self.see_drafts(s, verify, rows, batch.verify_width)
+        out = self.sample_tokens(logits, s)
+        out.accept_len, bonus, at = self.accept(rows, out.next_ids, verify)
+        self.count_sampled(s, rows, out.next_ids, out.accept_len, batch.verify_width)
+        return out, bonus, at
 
     def see_drafts(self, s: SamplingInputs, verify: Verify, rows: torch.Tensor, E: int):
         """A verify's rows sample outputs at positions the device knows: their out_pos, and with
@@ -1249,6 +1376,7 @@ IN_BATCH_PREFIX_MIN = 32  # shared tokens that make a waiting request wait for a
 # lpm matches and sorts every waiting request at every plan: above this many it plans as fcfs, which
 # matches only the requests it reaches (SGLang's literal 128 in SchedulePolicy._determine_active_policy)
 LPM_MAX_WAITING = 128
+SPEC_MAX_PAUSE = 64  # speculative decoding: the longest a request pauses drafting after misses (steps)
 
 
 class Scheduler:
@@ -1422,43 +1550,61 @@ class Scheduler:
         self.result_queue.popleft()
         for i, r in enumerate(batch.reqs):
             if r.finished() or r.epoch != batch.epochs[i]:
-                # overshoot (finished at the previous commit but already in this step), retracted or aborted:
-                # its token and logprobs are dropped
-                overshoot = r.finished() and r.finished_reason["type"] != "abort"
-                self.stats["overshoot_tokens" if overshoot else "stale_results"] += 1
+                self.drop_result(r)
                 continue
             r.kv_committed_len = batch.seq_lens[i]
-            if batch.input_spans[i] is not None:  # this chunk's prompt logprobs (Part II's books)
+            if batch.input_spans[i] is not None:  # this chunk's prompt logprobs
                 r.logprobs.commit_input(out, *batch.input_spans[i], done=batch.is_last_chunk[i])
             if not batch.is_last_chunk[i]:
                 self.cache_unfinished_req(r)  # a chunk in the middle of a prompt: share it already
                 continue                      # (its sample is meaningless)
             step = r.planned_steps.popleft()
-            E = batch.verify_width or 1
-            slot = batch.logprob_slots[i]
-            # a verify commits its accepted drafts and the bonus, up to the token that finishes it;
-            # max_new_tokens 0: a prefill for its prompt logprobs alone (echo), no token
-            n = out.accept_len[i] + 1 if batch.verify_width else int(r.sampling_params.max_new_tokens > 0)
-            for j in range(n):
-                r.output_ids.append(out.next_ids[i * E + j])
-                if slot >= 0:
-                    r.logprobs.commit_output(out, slot * E + j, r.output_ids[-1])
-                r.update_finish_state(self.tokenizer)
-                if r.finished():
-                    break
-            if not n:
-                r.update_finish_state(self.tokenizer)
-            if self.draft_tokens and i >= batch.n_prefill:  # a decode row (in a mixed batch, without drafts)
-                note_verify(r, step, out.accept_len[i] if batch.verify_width else 0)
-            if batch.verify_width:
-                r.kv_committed_len = len(r.fill_ids) - 1  # what the device knew: the bound was not needed
-                if not r.finished():
-                    self.settle_reserved_kv(r)
+            if self.draft_tokens and i >= batch.n_prefill:  # speculating: a decode row commits 1 to k + 1
+                self.commit_verify(batch, out, i, step)
+            else:  # one token; max_new_tokens 0: a prefill for its prompt logprobs alone (echo), none
+                n = int(r.sampling_params.max_new_tokens > 0)
+                self.commit_tokens(r, out, i, batch.logprob_slots[i], n)
             if r.finished():
                 self.release_kv_cache(r, insert=True)
                 self.finished_outputs.append(r.output())
             elif i < batch.n_prefill:
                 self.cache_unfinished_req(r)  # a prompt just prefilled: share it
+
+    def drop_result(self, r: Req):
+        """A request's row of a result that no longer counts: an overshoot (it finished at the previous
+        commit, yet was already in this step), or a request retracted or aborted since the launch."""
+        overshoot = r.finished() and r.finished_reason["type"] != "abort"
+        self.stats["overshoot_tokens" if overshoot else "stale_results"] += 1
+
+    def commit_tokens(self, r: Req, out: StepOutput, row: int, logprob_row: int, n: int):
+        """Appends the step's tokens next_ids[row:row + n] (with their logprobs from logprob_row on, if
+        asked) one by one, up to the one that finishes r."""
+        for j in range(n):
+            r.output_ids.append(out.next_ids[row + j])
+            if logprob_row >= 0:
+                r.logprobs.commit_output(out, logprob_row + j, r.output_ids[-1])
+            r.update_finish_state(self.tokenizer)
+            if r.finished():
+                return
+        if not n:
+            r.update_finish_state(self.tokenizer)
+
+    def commit_verify(self, batch: BatchSnapshot, out: StepOutput, i: int, step: PlannedStep):
+        """Speculating, a decode row's commit: a verify's accepted drafts and its bonus (a mixed batch's
+        decode row, which did not verify: one token), the books of drafting, and the slots reserved for
+        the drafts it did not accept back to the pool."""
+        r = batch.reqs[i]
+        if not batch.verify_width:
+            self.commit_tokens(r, out, i, batch.logprob_slots[i], 1)
+            note_verify(r, step, 0)
+            return
+        E = batch.verify_width
+        slot = batch.logprob_slots[i]
+        self.commit_tokens(r, out, i * E, slot * E if slot >= 0 else -1, out.accept_len[i] + 1)
+        note_verify(r, step, out.accept_len[i])
+        r.kv_committed_len = len(r.fill_ids) - 1  # what the device knew: the bound was not needed
+        if not r.finished():
+            self.settle_reserved_kv(r)
 
     def wait_for(self, batch: BatchSnapshot, result: StepHandle) -> StepOutput:
         """The one place the host blocks on the device (sync point): the step's tokens and logprobs once
@@ -1471,8 +1617,8 @@ class Scheduler:
         and what it reads past it is masked out."""
         keep = r.kv_committed_len
         if r.planned_steps:  # the step in flight writes from its base (at most the bound before it) on
-            advance, width = r.planned_steps[-1]
-            keep = r.base_bound() - (advance or 0) + width
+            step = r.planned_steps[-1]
+            keep = r.base_bound() - step.advance + step.width
         if keep < r.kv_allocated_len:
             row = self.req_to_token_pool.req_to_token_host[r.req_pool_idx]
             self.kv_pool.free(row[keep:r.kv_allocated_len].clone())
@@ -1547,7 +1693,7 @@ class Scheduler:
         pending = prompts_being_prefilled(self, adder.can_run_list) if lpm else None
         admitted = []
         for r in self.waiting:
-            if waits_for_sibling(r) and not self.tree_cache.disable:
+            if r.waits_for_sibling() and not self.tree_cache.disable:
                 continue  # n > 1: it will find the prompt its first sibling is prefilling in the cache
             if r.grammar is not None and not r.grammar.ready():
                 continue  # its grammar still compiles, off this thread (SGLang's grammar queue)
@@ -1683,12 +1829,21 @@ class Scheduler:
             self.release_kv_cache(r, insert=False)
         r.last_node = None  # a waiting request's matched prefix was never locked
 
-    def is_idle(self) -> bool:
-        """Nothing waits, runs or is in flight (the Engine's checks and the server read it; Part II's
-        check_ledger audits the books)."""
-        batches = [self.running_batch] + ([self.last_batch] if self.last_batch is not None else [])
-        unfinished = any(not r.finished() for batch in batches for r in batch.reqs)
-        return not (self.waiting or self.chunked_req or self.result_queue or self.deferred or unfinished)
+
+def note_verify(r: Req, step: PlannedStep, accepted: int):
+    """Speculation's books (meta_info's spec_*): one verify and, if the step drafted, its drafts and how
+    many were accepted. Keeping under half is a miss: drafting pauses 1, 4, 16 ... SPEC_MAX_PAUSE steps
+    while misses go on (a verify costs more than a decode); a hit ends the pauses. A miss right after
+    one was planned before that one was known (overlap mode), so it does not lengthen the pause."""
+    r.spec_verify_ct += 1
+    if step.advance > 1:
+        r.spec_drafted += step.width - 1
+        r.spec_accepted += accepted
+        hit = 2 * accepted >= step.width - 1
+        if hit or r.spec_last_miss != r.spec_verify_ct - 1:
+            r.spec_resume_at = r.spec_verify_ct + (0 if hit else r.spec_pause)
+            r.spec_pause = 1 if hit else min(4 * r.spec_pause, SPEC_MAX_PAUSE)
+        r.spec_last_miss = -1 if hit else r.spec_verify_ct
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1872,10 +2027,10 @@ def race(logits: torch.Tensor, s: SamplingInputs, rows: slice = slice(None),
 def filter_probs(probs, top_k, top_p, min_p) -> torch.Tensor:
     """probs (rows, V) where the filters keep them, else 0 (sorting every row whole)."""
     p, idx = probs.sort(dim=-1, descending=True, stable=True)                             # (rows, V)
-    return torch.zeros_like(probs).scatter_(1, idx, p * kept(p, top_k, top_p, min_p, probs.shape[1]))
+    return torch.zeros_like(probs).scatter_(1, idx, p * filter_mask(p, top_k, top_p, min_p, probs.shape[1]))
 
 
-def kept(p, top_k, top_p, min_p, V: int) -> torch.Tensor:
+def filter_mask(p, top_k, top_p, min_p, V: int) -> torch.Tensor:
     """Of probabilities p (rows, n) in stable descending order, those a filter keeps: rank below top_k,
     the mass before it below top_p, and p >= min_p * max p; the first always."""
     keep = torch.arange(p.shape[1], device=p.device)[None] < torch.where(top_k > 0, top_k, V)[:, None]
@@ -1936,10 +2091,10 @@ class TokenCounts:
         self.counts.index_put_(tuple(counted.T), torch.ones_like(counted[:, 0], dtype=torch.int32),
                                accumulate=True)
 
-    def add(self, rows: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, kept: torch.Tensor):
-        """Sampled tokens join their rows' history; kept: whether each counts (a verify's: if accepted)."""
+    def add(self, rows: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, counted: torch.Tensor):
+        """Sampled tokens join their rows' history; counted: whether each counts (a verify's: if accepted)."""
         self.tokens[rows, positions] = tokens
-        self.counts.index_put_((rows, tokens), kept.to(torch.int32), accumulate=True)
+        self.counts.index_put_((rows, tokens), counted.to(torch.int32), accumulate=True)
 
 
 def logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int,
@@ -2493,10 +2648,8 @@ def partial_match_start(patterns: list, text: str, pos: int) -> int:
     return min((m.start() for m in found if m is not None), default=len(text))
 
 
-# -- what Part I's scheduler calls by name: its waiting queue, lpm's wait for a prefix being prefilled,
-# the pauses of speculative drafting --
-
-SPEC_MAX_PAUSE = 64  # speculative decoding: the longest a request pauses drafting after misses (steps)
+# -- what Part I calls by name: the waiting queue, lpm's wait for a prompt being prefilled, and a
+# request's meta_info (with its logprobs' books) --
 
 
 class WaitingQueue:
@@ -2533,120 +2686,6 @@ def prompts_being_prefilled(scheduler: Scheduler, planned: list) -> RadixCache:
     for r in in_flight + planned:
         pending.insert(r.fill_ids, torch.empty(len(r.fill_ids), dtype=torch.int64))
     return pending
-
-
-def note_verify(r: Req, step: tuple, accepted: int):
-    """Speculation's books (meta_info's spec_*): one verify and, if the step drafted, its drafts and how
-    many were accepted. Keeping under half is a miss: drafting pauses 1, 4, 16 ... SPEC_MAX_PAUSE steps
-    while misses go on (a verify costs more than a decode); a hit ends the pauses. A miss right after
-    one was planned before that one was known (overlap mode), so it does not lengthen the pause."""
-    advance, width = step
-    r.spec_verify_ct += 1
-    if advance > 1:
-        r.spec_drafted += width - 1
-        r.spec_accepted += accepted
-        hit = 2 * accepted >= width - 1
-        if hit or r.spec_last_miss != r.spec_verify_ct - 1:
-            r.spec_resume_at = r.spec_verify_ct + (0 if hit else r.spec_pause)
-            r.spec_pause = 1 if hit else min(4 * r.spec_pause, SPEC_MAX_PAUSE)
-        r.spec_last_miss = -1 if hit else r.spec_verify_ct
-
-
-# -- the sampler's per-row tensors and the logprobs' books: Part I's step calls these by name --
-
-
-def sampling_inputs(batch: ScheduleBatch, E: int = 1) -> SamplingInputs:
-    """A batch's SamplingInputs, made on the host, E rows a request (a verify's positions). Penalties,
-    logit_bias and min_new_tokens add theirs only when a request of the batch uses them. A verify's rows
-    sample at positions only the device knows: there its penalties see the drafts before each row, and
-    its min_new_tokens window is decided (ModelWorker.see_drafts)."""
-    reqs = batch.reqs
-    params = [r.sampling_params for r in reqs]
-    out_pos = [n - len(r.origin_input_ids) for n, r in zip(batch.seq_lens, reqs)]  # the output it samples
-
-    def each(xs):  # a verify: one a row
-        return [x for x in xs for _ in range(E)]
-    f64 = functools.partial(torch.tensor, dtype=torch.float64)
-    s = SamplingInputs(
-        temperature=f64(each(p.temperature for p in params)), top_p=f64(each(p.top_p for p in params)),
-        top_k=int64(each(p.top_k for p in params)), min_p=f64(each(p.min_p for p in params)),
-        seed=int64(each(r.seed for r in reqs)),
-        # the noise is a function of (seed, out_pos) only; a verify's true ones are on the device
-        out_pos=int64([n - E + j + 1 for n in out_pos for j in range(E)] if E > 1 else out_pos),
-        all_greedy=all(p.temperature == 0 for p in params),
-        need_filter=any(p.top_k != -1 or p.top_p < 1 or p.min_p > 0 for p in params))
-    speculating = batch.scheduler.draft_tokens > 0
-    if batch.verify_width:
-        s.prompt_len = int64(each(len(r.origin_input_ids) for r in reqs))
-    # penalties: their state lives on the device (TokenCounts), rebuilt where a request gets its row;
-    # speculating, TokenCounts' tokens are also the history that drafts come from
-    new = [r for r, p, first in zip(reqs, params, batch.new_rows)
-           if first and (p.has_penalties() or speculating)]
-    if new:
-        s.reset = (int64([r.req_pool_idx for r in new]),
-                   int64([[r.req_pool_idx, i, t] for r in new for i, t in enumerate(r.fill_ids)]),
-                   int64([[r.req_pool_idx, t] for r in new for t in r.output_ids]).view(-1, 2))
-    last = [i for i, is_last in enumerate(batch.is_last_chunk) if is_last]  # the rows that really sample
-    if speculating and not batch.verify_width:  # their tokens join the history drafts come from
-        s.history = (int64(last), int64([batch.seq_lens[i] for i in last]))
-    pen = [i for i, p in enumerate(params) if p.has_penalties() and batch.is_last_chunk[i]]
-    if pen:  # lens: tokens held, the new one's position (a verify's: bounds; the device's exact)
-        s.penalties = Penalties(
-            idx=int64([i * E + j for i in pen for j in range(E)]),
-            rows=int64(each(reqs[i].req_pool_idx for i in pen)),
-            lens=int64(each(batch.seq_lens[i] for i in pen)),
-            max_len=max(batch.seq_lens[i] for i in pen),
-            frequency=f64(each(params[i].frequency_penalty for i in pen)),
-            presence=f64(each(params[i].presence_penalty for i in pen)),
-            repetition=f64(each(params[i].repetition_penalty for i in pen)))
-    bias = [(i * E + j, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()
-            for j in range(E)]
-    if bias:
-        s.bias_at = int64([b[:2] for b in bias])
-        s.bias = f64([b[2] for b in bias])
-    # min_new_tokens: the tokens that would finish a request cannot be sampled while it is short (its
-    # output position below it: adjust_logits decides on the device; a grammar decides when it may stop)
-    banned = [(i * E + j, t, p.min_new_tokens) for i, (r, p) in enumerate(zip(reqs, params))
-              if len(r.output_ids) < p.min_new_tokens and r.grammar is None
-              for j in range(E) for t in r.stop_ids]
-    if banned:
-        s.banned = int64(banned)
-    return s
-
-
-def plan_logprobs(batch: ScheduleBatch, s: SamplingInputs, prefix_lens: list, extend_lens: list,
-                  E: int) -> tuple[list, list]:
-    """The logprobs a step reports (s.logprobs), and where each request's land (batch.logprob_slots: its
-    rows in the output logprobs; batch.input_spans: its prompt logprobs). Output logprobs are for the rows
-    that really sample (not a chunk in the middle of a prompt); prompt logprobs take a logits row at each
-    fed position q whose next token q + 1 is a prompt token its request asks about. Returns those rows'
-    flat positions and tokens."""
-    reqs = batch.reqs
-    wanted = [i for i, r in enumerate(reqs) if r.logprobs is not None and batch.is_last_chunk[i]]
-    batch.logprob_slots = [-1] * len(reqs)
-    for j, i in enumerate(wanted):
-        batch.logprob_slots[i] = j  # its rows j * E.. of the output logprobs
-    rows, ids, start = [], [], 0
-    batch.input_spans = [None] * len(reqs)
-    batch.prompt_row_reqs = []  # the request of each prompt row
-    for i, (r, pre, ext) in enumerate(zip(reqs[:batch.n_prefill], prefix_lens, extend_lens)):
-        if r.owes_input_logprobs():
-            lo = max(pre, max(r.logprobs.start_len, 1) - 1)
-            n = max(0, min(pre + ext, len(r.origin_input_ids) - 1) - lo)
-            batch.input_spans[i] = (len(rows), n, lo + 1)
-            rows += range(start + lo - pre, start + lo - pre + n)
-            ids += r.origin_input_ids[lo + 1:lo + 1 + n]
-            batch.prompt_row_reqs += [i] * n
-        start += ext
-    if wanted or rows:
-        top_k = max(r.logprobs.top_k for r in reqs if r.logprobs is not None)
-        s.logprobs = LogprobsAsked(idx=int64([i * E + j for i in wanted for j in range(E)]), top_k=top_k)
-        K = max((len(r.logprobs.token_ids) for r in reqs if r.logprobs and r.logprobs.token_ids), default=0)
-        if K:  # token_ids_logprob: each row's ids, padded with 0 to (rows, K)
-            pad = [((r.logprobs and r.logprobs.token_ids or []) + [0] * K)[:K] for r in reqs]
-            s.logprobs.ids = int64([pad[i] for i in wanted for _ in range(E)]).view(-1, K)
-            s.logprobs.input_ids = int64([pad[i] for i in batch.prompt_row_reqs]).view(-1, K)
-    return rows, ids
 
 
 @dataclass
@@ -2723,12 +2762,6 @@ def meta_info(r: Req) -> dict:
     return meta
 
 
-def waits_for_sibling(r: Req) -> bool:
-    """n > 1: the first sibling prefills the prompt once; the others wait to find it cached."""
-    s = r.shares_prefill_of
-    return s is not None and not s.finished() and s.kv_committed_len < len(s.origin_input_ids) - 1
-
-
 def check_ledger(scheduler: Scheduler):
     """The scheduler's books (Engine.check_invariants and debug_ledger): every KV slot is exactly one of
     free, owned by the radix tree, or private to a live request (its positions len(prefix_indices) to
@@ -2744,8 +2777,9 @@ def check_ledger(scheduler: Scheduler):
     assert len(free_rows) + len(owners) == scheduler.req_to_token_pool.size, "row ledger: a row leaked"
     assert not set(free_rows) & set(scheduler.row_owner), "row ledger: a row is both free and owned"
     for r in owners.values():  # a decoding request holds no slot past what its planned steps write (so a
-        writes = sum(width for _, width in r.planned_steps)  # verify's unused reserve went back)
-        decoding = r.kv_committed_len == len(r.fill_ids) - 1 and None not in (a for a, _ in r.planned_steps)
+        writes = sum(step.width for step in r.planned_steps)  # verify's unused reserve went back)
+        prompt_pending = any(step.ends_prompt for step in r.planned_steps)
+        decoding = r.kv_committed_len == len(r.fill_ids) - 1 and not prompt_pending
         assert not decoding or r.kv_allocated_len <= r.kv_committed_len + writes, \
             f"request {r.rid} holds KV slots that no planned step writes"
     holders: dict[int, int] = {}
@@ -2800,12 +2834,10 @@ class CtrlCHeld:
 class TimedScheduler(Scheduler):
     """The Scheduler with the bench's records of each loop iteration and each step, taken from outside
     the lesson: the Engine times each iteration it drives, and wait_for, the scheduler's one blocking
-    call, times the waits and each step's device span. Bounded: a long-lived engine must not grow. With
-    a tracer, plan, launch and commit leave their spans on its host lane."""
+    call, times the waits and each step's device span. Bounded: a long-lived engine must not grow."""
 
-    def __init__(self, *args, tracer: Optional[Tracer] = None, **kwargs):
+    def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.tracer = tracer
         self.records = {k: deque(maxlen=100_000) for k in ("steps", "host_times", "iterations", "waits")}
         self.wait_time = 0.0  # host seconds blocked on results in this iteration
         self.clock = None
@@ -2845,37 +2877,12 @@ class TimedScheduler(Scheduler):
         for v in self.records.values():
             v.clear()
 
-    def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
-        if self.tracer is None:
-            return super().get_next_batch_to_run()
-        with self.tracer.span("host", "plan") as args:
-            batch = super().get_next_batch_to_run()
-            if batch is not None:
-                args.update(mode=batch.forward_mode.value, rids=rids(batch.reqs))
-            return batch
-
-    def run_batch(self, batch: ScheduleBatch):
-        if self.tracer is None:
-            return super().run_batch(batch)
-        with self.tracer.span("host", "launch", mode=batch.forward_mode.value, rids=rids(batch.reqs)):
-            super().run_batch(batch)
-
-    def launch_deferred_sample(self):
-        if self.tracer is None or self.deferred is None:
-            return super().launch_deferred_sample()
-        with self.tracer.span("host", "launch sample", rids=rids(self.deferred[1].reqs)):
-            super().launch_deferred_sample()
-
-    def process_batch_result(self):
-        if self.tracer is None:
-            return super().process_batch_result()
-        batch = self.result_queue[0][0]
-        with self.tracer.span("host", "commit", mode=batch.forward_mode.value, rids=rids(batch.reqs)):
-            # finished at the last commit, yet in this step: skipped
-            over = [r.rid for r in batch.reqs if r.finished() and r.finished_reason["type"] != "abort"]
-            if over:
-                self.tracer.instant("host", "overshoot", rids=over)
-            super().process_batch_result()
+    def is_idle(self) -> bool:
+        """Nothing waits, runs or is in flight (the Engine's checks and the server read it; check_ledger
+        audits the books)."""
+        batches = [self.running_batch] + ([self.last_batch] if self.last_batch is not None else [])
+        unfinished = any(not r.finished() for batch in batches for r in batch.reqs)
+        return not (self.waiting or self.chunked_req or self.result_queue or self.deferred or unfinished)
 
 
 def check_context_length(asked: int, model_len: int):
@@ -2998,9 +3005,7 @@ def build_worker(args: ServerArgs, cfg: ModelConfig, model: nn.Module, make_stre
         backend = FusedGatherDecodeBackend(kv_pool, req_to_token_pool, compile_max_bs)
     else:
         backend = GroupedDecodeBackend(kv_pool, req_to_token_pool)
-    traced = {"tracer": tracer} if tracer else {}
-    future_map = (TracedFutureMap if tracer else FutureMap)(args.max_running_requests, args.device,
-                                                            args.debug_future_map, **traced)
+    future_map = FutureMap(args.max_running_requests, args.device, args.debug_future_map)
     if compile_max_bs:
         model = CompiledDecode(model, compile_max_bs, verify=args.speculative_algorithm is not None)
     drafter = None
@@ -3010,9 +3015,9 @@ def build_worker(args: ServerArgs, cfg: ModelConfig, model: nn.Module, make_stre
     elif args.speculative_algorithm == "STANDALONE":
         drafter = draft_model
         model = DraftsAlongside(model, draft_model)
-    worker = (TracedWorker if tracer else ModelWorker)(
-        model, req_to_token_pool, future_map, backend, make_stream(), args.device, drafter=drafter,
-        race_rows=race_in_blocks if args.device == "cpu" else None, **traced)
+    worker = ModelWorker(model, req_to_token_pool, future_map, backend, make_stream(), args.device,
+                         drafter=drafter, race_rows=race_in_blocks if args.device == "cpu" else None)
+    trace_calls(tracer, worker=worker, future_map=future_map)
     return worker, req_to_token_pool, kv_pool
 
 
@@ -3101,7 +3106,8 @@ class Engine:
             self.future_map = worker.future_map
         del state
         self.scheduler = TimedScheduler(args, self.tokenizer, worker, req_to_token_pool, kv_pool,
-                                        cfg.vocab_size, tracer=self.tracer)
+                                        cfg.vocab_size)
+        trace_calls(self.tracer, scheduler=self.scheduler)
         self._grammars: Optional[GrammarBackend] = None  # made for the first grammar (xgrammar)
         self._loop = self._new_loop()
         self._rng = random.Random(args.random_seed)
@@ -5450,7 +5456,7 @@ def filter_candidates(probs, top_k, top_p, min_p) -> torch.Tensor:
     idx = probs.topk(FILTER_CANDIDATES, dim=-1, sorted=False).indices.sort(dim=-1).values  # token order
     p, order = probs.gather(1, idx).sort(dim=-1, descending=True, stable=True)
     idx = idx.gather(1, order)
-    keep = kept(p, top_k, top_p, min_p, V)
+    keep = filter_mask(p, top_k, top_p, min_p, V)
     out = torch.zeros_like(probs).scatter_(1, idx, p * keep)
     redo = (keep & (p == p[:, -1:])).any(-1)
     if redo.any():  # a CPU tensor: no device sync
@@ -5845,12 +5851,6 @@ class DeviceProcessHandle(StepHandle):
         return super().wait()
 
 
-@dataclass
-class DeviceProcessForwarded:
-    """A deferred step's forward on the device process: its sample refers to it by its op."""
-    op: int
-
-
 class ProcessWorker:
     """The Scheduler's worker for cpu_device="process": launch, launch_sample, write_row and poison_row
     become ops of the ModelWorker in the device process; its stream is the DeviceProcess."""
@@ -5858,14 +5858,14 @@ class ProcessWorker:
     def __init__(self, device: DeviceProcess):
         self.stream = device
 
-    def launch(self, batch: ForwardBatch):
-        if batch.deferred:
-            return DeviceProcessForwarded(self.stream.send("forward", batch))
-        return DeviceProcessHandle(self.stream, self.stream.send("step", batch))
+    def launch(self, batch: ForwardBatch) -> StepHandle:
+        """A step's op; a deferred step's forward alone, whose op its sample names."""
+        op = self.stream.send("forward" if batch.deferred else "step", batch)
+        return DeviceProcessHandle(self.stream, op)
 
-    def launch_sample(self, batch: ForwardBatch, kept: DeviceProcessForwarded, bitmask: torch.Tensor,
+    def launch_sample(self, batch: ForwardBatch, forward: DeviceProcessHandle, bitmask: torch.Tensor,
                       publish_idx: torch.Tensor) -> StepHandle:
-        return DeviceProcessHandle(self.stream, self.stream.send("sample", kept.op, bitmask, publish_idx))
+        return DeviceProcessHandle(self.stream, self.stream.send("sample", forward.op, bitmask, publish_idx))
 
     def write_row(self, row: int, slots: torch.Tensor):
         self.stream.send("write_row", row, slots)
@@ -6034,7 +6034,7 @@ def die_with_parent():
 
 class Tracer:
     """Chrome trace events of a run (the Trace Event Format's JSON): on the host lane each iteration's
-    plan, launch and commit with the requests they touch, and each overshoot the commit skips; on the
+    plan, launch and commit with the requests they touch (a commit's overshoots too); on the
     device lane each step's forward and sample, the FutureMap's resolve and publish. Timestamps in
     microseconds from the tracer's start; bounded, as TimedScheduler's records are."""
 
@@ -6076,36 +6076,57 @@ def rids(reqs) -> list:
     return [r.rid for r in reqs]
 
 
-class TracedWorker(ModelWorker):
-    """ModelWorker whose steps leave their forward and sample on the trace's device lane."""
-
-    def __init__(self, *args, tracer: Tracer, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.tracer = tracer
-
-    def forward_logits(self, batch: ForwardBatch):
-        with self.tracer.span("device", "forward", mode=batch.forward_mode.value, bs=len(batch.seq_lens)):
-            return super().forward_logits(batch)
-
-    def sample_step(self, batch: ForwardBatch, *args, **kwargs):
-        with self.tracer.span("device", "sample", bs=len(batch.seq_lens)):
-            return super().sample_step(batch, *args, **kwargs)
+def commit_args(scheduler: Scheduler) -> dict:
+    """The step a commit reads, and its overshoots: requests finished at the last commit, yet in it."""
+    batch = scheduler.result_queue[0][0]
+    over = [r.rid for r in batch.reqs if r.finished() and r.finished_reason["type"] != "abort"]
+    args = {"mode": batch.forward_mode.value, "rids": rids(batch.reqs)}
+    return {**args, "overshoot": over} if over else args
 
 
-class TracedFutureMap(FutureMap):
-    """FutureMap whose resolves and publishes are marked on the device lane, with the rows they touch."""
+# The trace's points: (whose method, its name, lane, event, "span" over the call or an instant "mark",
+# what a call touches: the event's args, or None: this call is not traced).
+TRACED_CALLS = (
+    ("scheduler", "get_next_batch_to_run", "host", "plan", "span", lambda s: {}),
+    ("scheduler", "run_batch", "host", "launch", "span",
+     lambda s, batch: {"mode": batch.forward_mode.value, "rids": rids(batch.reqs)}),
+    ("scheduler", "launch_deferred_sample", "host", "launch sample", "span",
+     lambda s: None if s.deferred is None else {"rids": rids(s.deferred[1].reqs)}),
+    ("scheduler", "process_batch_result", "host", "commit", "span", commit_args),
+    ("worker", "forward_logits", "device", "forward", "span",
+     lambda w, batch: {"mode": batch.forward_mode.value, "bs": len(batch.seq_lens)}),
+    ("worker", "sample_step", "device", "sample", "span",
+     lambda w, batch, *rest: {"bs": len(batch.seq_lens)}),
+    ("future_map", "publish", "device", "FutureMap.publish", "mark",
+     lambda f, rows, *rest: {"rows": len(rows)}),
+    ("future_map", "resolve", "device", "FutureMap.resolve", "mark", lambda f, rows: {"rows": len(rows)}),
+)
 
-    def __init__(self, *args, tracer: Tracer, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.tracer = tracer
 
-    def publish(self, rows, tokens, positions):
-        self.tracer.instant("device", "FutureMap.publish", rows=len(rows))
-        super().publish(rows, tokens, positions)
+def trace_calls(tracer: Optional[Tracer], **objects):
+    """The trace's one hook: each of TRACED_CALLS' methods of the objects given (scheduler=, worker=,
+    future_map=) is wrapped on the object, so that its calls leave their events on the tracer's lanes."""
+    if tracer is None:
+        return
+    for owner, name, lane, event, kind, touches in TRACED_CALLS:
+        if owner in objects:
+            obj = objects[owner]
+            setattr(obj, name, traced(tracer, lane, event, kind, touches, obj, getattr(obj, name)))
 
-    def resolve(self, rows):
-        self.tracer.instant("device", "FutureMap.resolve", rows=len(rows))
-        return super().resolve(rows)
+
+def traced(tracer: Tracer, lane: str, event: str, kind: str, touches: Callable, obj,
+           fn: Callable) -> Callable:
+    """fn, whose calls leave their event on the lane, with what `touches` says each call touches."""
+    def call(*args, **kwargs):
+        what = touches(obj, *args)
+        if what is None:
+            return fn(*args, **kwargs)
+        if kind == "mark":
+            tracer.instant(lane, event, **what)
+            return fn(*args, **kwargs)
+        with tracer.span(lane, event, **what):
+            return fn(*args, **kwargs)
+    return call
 
 
 @functools.cache
