@@ -1119,6 +1119,8 @@ def vllm_profile(python: str, path: str, reqs: list, steps: int, profiled: int =
     result, (steps_seen, own) = vllm_job(python, VLLM_PROFILE, job,
                                          f"profiling {profiled} decode steps; its prefill takes minutes",
                                          read=worker_trace)
+    if not steps_seen:
+        raise RuntimeError("vLLM's trace holds no step (no execute_ span)")
     groups = collections.Counter()
     for op, us in own.items():
         groups[profile_category(op)] += us / 1e3 / steps_seen

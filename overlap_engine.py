@@ -1194,9 +1194,9 @@ class ModelWorker:
                       publish_idx: torch.Tensor) -> StepHandle:
         """A deferred step's sample, queued behind its forward (launch's handle; the logits wait on the
         device); publish_idx: its rows that still publish (not those the commit in between finished)."""
-        done = forward.forwarded
+        forwarded = forward.forwarded  # filled in on the device stream, before this sample runs there
         return self.stream.launch(
-            lambda: self.sample_step(batch, done.logits, done.verify, bitmask, publish_idx))
+            lambda: self.sample_step(batch, forwarded.logits, forwarded.verify, bitmask, publish_idx))
 
     def forward_step(self, batch: ForwardBatch) -> StepOutput:
         """Runs on the device stream; everything it touches on the device is ordered after earlier steps.
@@ -1286,9 +1286,10 @@ class ModelWorker:
 
     def count_sampled(self, s: SamplingInputs, rows: torch.Tensor, next_ids: torch.Tensor,
                       accept_len: Optional[torch.Tensor] = None, E: int = 1):
-        """What a step sampled joins the device's state that later steps read: speculating, a prompt's
-        first token joins the history drafts come from; with penalties, each sampled token counts from
-        the next step on (a verify's row j, if the drafts before it were accepted)."""
+        """What a step sampled joins the device's state that later steps read: speculating, outside a
+        verify (a prompt's first token, a mixed batch's decode rows), the token joins the history drafts
+        come from; with penalties, each sampled token counts from the next step on (a verify's row j, if
+        the drafts before it were accepted)."""
         if s.history is not None:
             idx, pos = s.history
             self.token_counts.tokens[rows[idx], pos] = next_ids[idx]
@@ -1402,7 +1403,7 @@ class Scheduler:
         self.running_batch = ScheduleBatch([], ForwardMode.DECODE, self)
         self.chunked_req: Optional[Req] = None  # a prompt in the middle of its chunked prefill
         self.last_batch: Optional[ScheduleBatch] = None  # the batch launched in the previous iteration
-        self.deferred: Optional[tuple] = None  # (ScheduleBatch, BatchSnapshot, Forwarded): sample not queued
+        self.deferred: Optional[tuple] = None  # (ScheduleBatch, BatchSnapshot, its forward's StepHandle)
         self.result_queue: deque = deque()   # (BatchSnapshot, StepHandle): launched, not yet committed
         self.finished_outputs: list[dict] = []
         self.row_owner: dict[int, Req] = {}  # request row -> the request holding it
@@ -1523,7 +1524,7 @@ class Scheduler:
         wait for the forward). The other requests of the batch sample with it, unchanged."""
         if self.deferred is None:
             return
-        batch, snapshot, forwarded = self.deferred
+        batch, snapshot, forward = self.deferred
         self.deferred = None
         words = -(-self.vocab_size // 32)
         E = snapshot.verify_width or 1
@@ -1536,7 +1537,7 @@ class Scheduler:
         publish = int64([i for i in batch.forward_batch.publish_idx.tolist()
                          if not snapshot.reqs[i].finished()])
         try:
-            result = self.worker.launch_sample(batch.forward_batch, forwarded, bitmask, publish)
+            result = self.worker.launch_sample(batch.forward_batch, forward, bitmask, publish)
         except BaseException:
             self.roll_back(batch)
             raise
@@ -2834,7 +2835,8 @@ class CtrlCHeld:
 class TimedScheduler(Scheduler):
     """The Scheduler with the bench's records of each loop iteration and each step, taken from outside
     the lesson: the Engine times each iteration it drives, and wait_for, the scheduler's one blocking
-    call, times the waits and each step's device span. Bounded: a long-lived engine must not grow."""
+    call, times the waits and each step's device span. Bounded: a long-lived engine must not grow. And
+    is_idle, which the Engine's checks and the server ask."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -5859,7 +5861,8 @@ class ProcessWorker:
         self.stream = device
 
     def launch(self, batch: ForwardBatch) -> StepHandle:
-        """A step's op; a deferred step's forward alone, whose op its sample names."""
+        """A step's op; a deferred step's forward alone, whose op its sample names (that op never replies:
+        its handle is for launch_sample, never waited on)."""
         op = self.stream.send("forward" if batch.deferred else "step", batch)
         return DeviceProcessHandle(self.stream, op)
 
@@ -6076,30 +6079,35 @@ def rids(reqs) -> list:
     return [r.rid for r in reqs]
 
 
+def batch_args(batch) -> dict:
+    """A batch's mode and the requests it touches (a ScheduleBatch or a BatchSnapshot; None: none)."""
+    return {} if batch is None else {"mode": batch.forward_mode.value, "rids": rids(batch.reqs)}
+
+
 def commit_args(scheduler: Scheduler) -> dict:
     """The step a commit reads, and its overshoots: requests finished at the last commit, yet in it."""
     batch = scheduler.result_queue[0][0]
     over = [r.rid for r in batch.reqs if r.finished() and r.finished_reason["type"] != "abort"]
-    args = {"mode": batch.forward_mode.value, "rids": rids(batch.reqs)}
-    return {**args, "overshoot": over} if over else args
+    return {**batch_args(batch), "overshoot": over} if over else batch_args(batch)
 
 
 # The trace's points: (whose method, its name, lane, event, "span" over the call or an instant "mark",
-# what a call touches: the event's args, or None: this call is not traced).
+# what a call touches: the event's args, or None: this call is not traced; and for a span, the args
+# its result adds).
 TRACED_CALLS = (
-    ("scheduler", "get_next_batch_to_run", "host", "plan", "span", lambda s: {}),
-    ("scheduler", "run_batch", "host", "launch", "span",
-     lambda s, batch: {"mode": batch.forward_mode.value, "rids": rids(batch.reqs)}),
+    ("scheduler", "get_next_batch_to_run", "host", "plan", "span", lambda s: {}, batch_args),
+    ("scheduler", "run_batch", "host", "launch", "span", lambda s, batch: batch_args(batch), None),
     ("scheduler", "launch_deferred_sample", "host", "launch sample", "span",
-     lambda s: None if s.deferred is None else {"rids": rids(s.deferred[1].reqs)}),
-    ("scheduler", "process_batch_result", "host", "commit", "span", commit_args),
+     lambda s: None if s.deferred is None else {"rids": rids(s.deferred[1].reqs)}, None),
+    ("scheduler", "process_batch_result", "host", "commit", "span", commit_args, None),
     ("worker", "forward_logits", "device", "forward", "span",
-     lambda w, batch: {"mode": batch.forward_mode.value, "bs": len(batch.seq_lens)}),
+     lambda w, batch: {"mode": batch.forward_mode.value, "bs": len(batch.seq_lens)}, None),
     ("worker", "sample_step", "device", "sample", "span",
-     lambda w, batch, *rest: {"bs": len(batch.seq_lens)}),
+     lambda w, batch, *rest: {"bs": len(batch.seq_lens)}, None),
     ("future_map", "publish", "device", "FutureMap.publish", "mark",
-     lambda f, rows, *rest: {"rows": len(rows)}),
-    ("future_map", "resolve", "device", "FutureMap.resolve", "mark", lambda f, rows: {"rows": len(rows)}),
+     lambda f, rows, *rest: {"rows": len(rows)}, None),
+    ("future_map", "resolve", "device", "FutureMap.resolve", "mark",
+     lambda f, rows: {"rows": len(rows)}, None),
 )
 
 
@@ -6108,14 +6116,15 @@ def trace_calls(tracer: Optional[Tracer], **objects):
     future_map=) is wrapped on the object, so that its calls leave their events on the tracer's lanes."""
     if tracer is None:
         return
-    for owner, name, lane, event, kind, touches in TRACED_CALLS:
+    for owner, name, lane, event, kind, touches, result_args in TRACED_CALLS:
         if owner in objects:
             obj = objects[owner]
-            setattr(obj, name, traced(tracer, lane, event, kind, touches, obj, getattr(obj, name)))
+            fn = getattr(obj, name)
+            setattr(obj, name, traced(tracer, lane, event, kind, touches, result_args, obj, fn))
 
 
-def traced(tracer: Tracer, lane: str, event: str, kind: str, touches: Callable, obj,
-           fn: Callable) -> Callable:
+def traced(tracer: Tracer, lane: str, event: str, kind: str, touches: Callable,
+           result_args: Optional[Callable], obj, fn: Callable) -> Callable:
     """fn, whose calls leave their event on the lane, with what `touches` says each call touches."""
     def call(*args, **kwargs):
         what = touches(obj, *args)
@@ -6124,8 +6133,11 @@ def traced(tracer: Tracer, lane: str, event: str, kind: str, touches: Callable, 
         if kind == "mark":
             tracer.instant(lane, event, **what)
             return fn(*args, **kwargs)
-        with tracer.span(lane, event, **what):
-            return fn(*args, **kwargs)
+        with tracer.span(lane, event, **what) as span_args:
+            result = fn(*args, **kwargs)
+            if result_args is not None:
+                span_args.update(result_args(result))
+            return result
     return call
 
 

@@ -271,7 +271,8 @@ PLUMBING_WORDS = {"tp", "dist", "distributed", "parallel", "quant", "quantize", 
 # the definitions one decode step passes through, from event_loop_overlap to its commit
 DECODE_STEP = ["Scheduler.event_loop_overlap", "Scheduler.get_next_batch_to_run",
                "Scheduler.update_running_batch", "ScheduleBatch.prepare_for_decode", "Scheduler.run_batch",
-               "ScheduleBatch.build_forward_batch", "ScheduleBatch.sampling_inputs", "ScheduleBatch.plan_logprobs",
+               "ScheduleBatch.build_forward_batch", "ScheduleBatch.sampling_inputs",
+               "ScheduleBatch.plan_logprobs",
                "ModelWorker.launch", "CpuDeviceStream.launch", "CudaDeviceStream.launch",
                "ModelWorker.forward_step", "ModelWorker.forward_logits", "ModelWorker.sample_step",
                "FutureMap.resolve", "TorchAttnBackend.init_forward_metadata",
@@ -581,6 +582,7 @@ def test_trace_has_both_lanes_in_stream_order(ckpt, tmp_path):
         device = [ev for ev in events if ev["tid"] == lanes["device"] and ev["ph"] != "M"]
         assert {"plan", "launch", "commit"} <= {ev["name"] for ev in host}
         assert set(rids) <= {rid for ev in host if ev["name"] == "launch" for rid in ev["args"]["rids"]}
+        assert set(rids) <= {rid for ev in host if ev["name"] == "plan" for rid in ev["args"].get("rids", ())}
         spans = [ev for ev in device if ev["ph"] == "X"]
         assert [ev["name"] for ev in spans] == ["forward", "sample"] * (len(spans) // 2) and spans
         # stream order: each of the device's spans starts once the one before it has ended
