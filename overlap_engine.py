@@ -552,8 +552,8 @@ class ScheduleBatch:
             s.reset = (int64([r.req_pool_idx for r in new]),
                        int64([[r.req_pool_idx, i, t] for r in new for i, t in enumerate(r.fill_ids)]),
                        int64([[r.req_pool_idx, t] for r in new for t in r.output_ids]).view(-1, 2))
-        last = [i for i, is_last in enumerate(self.is_last_chunk) if is_last]  # the rows that really sample
-        if speculating and not self.verify_width:  # their tokens join the history drafts come from
+        if speculating and not self.verify_width:  # the rows that really sample join the drafts' history
+            last = [i for i, is_last in enumerate(self.is_last_chunk) if is_last]
             s.history = (int64(last), int64([self.seq_lens[i] for i in last]))
         pen = [i for i, p in enumerate(params) if p.has_penalties() and self.is_last_chunk[i]]
         if pen:  # lens: tokens held, the new one's position (a verify's: bounds; the device's exact)
@@ -1595,17 +1595,15 @@ class Scheduler:
         decode row, which did not verify: one token), the books of drafting, and the slots reserved for
         the drafts it did not accept back to the pool."""
         r = batch.reqs[i]
-        if not batch.verify_width:
-            self.commit_tokens(r, out, i, batch.logprob_slots[i], 1)
-            note_verify(r, step, 0)
-            return
-        E = batch.verify_width
+        E = batch.verify_width or 1
+        accepted = out.accept_len[i] if batch.verify_width else 0
         slot = batch.logprob_slots[i]
-        self.commit_tokens(r, out, i * E, slot * E if slot >= 0 else -1, out.accept_len[i] + 1)
-        note_verify(r, step, out.accept_len[i])
-        r.kv_committed_len = len(r.fill_ids) - 1  # what the device knew: the bound was not needed
-        if not r.finished():
-            self.settle_reserved_kv(r)
+        self.commit_tokens(r, out, i * E, slot * E if slot >= 0 else -1, accepted + 1)
+        note_verify(r, step, accepted)
+        if batch.verify_width:
+            r.kv_committed_len = len(r.fill_ids) - 1  # what the device knew: the bound was not needed
+            if not r.finished():
+                self.settle_reserved_kv(r)
 
     def wait_for(self, batch: BatchSnapshot, result: StepHandle) -> StepOutput:
         """The one place the host blocks on the device (sync point): the step's tokens and logprobs once
