@@ -398,7 +398,9 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix
 # A decode step reads each request's whole context once per layer, so on a CPU the op is a stream
 # through memory: every K and V row is loaded once, converted to fp32 and used by the G query heads
 # that share it. Keys go in chunks of 32: a chunk's scores, their maximum, the running sum rescaled
-# when the maximum grows (flash attention's online softmax), then the chunk's values. OpenMP splits
+# when the maximum grows (flash attention's online softmax), then the chunk's values. With AVX2 (and a
+# head_dim that is a multiple of 8) 8 keys' dot products are reduced together and the values pass keeps
+# its running sums in registers: half the instructions a token of the plain loops below. OpenMP splits
 # the (request, kv head) pairs over torch's threads; the .so links the libgomp that torch has loaded.
 # Compiled once per machine (head_dim and G are compile-time constants, so the inner loops are
 # vector code) with the C compiler Inductor would use, and cached under cpu_kernel_cache().
@@ -431,6 +433,30 @@ static inline void prefetch_row(const ELEM *pool, const int32_t *slots, int64_t 
         for (int c = h0 * D * (int)sizeof(ELEM); c < h1 * D * (int)sizeof(ELEM); c += 64)
             __builtin_prefetch((const char *)(pool + (int64_t)slots[l] * ROW) + c);
 }
+
+#if defined(__AVX2__) && defined(__FMA__) && D %% 8 == 0
+#include <immintrin.h>
+#define AVX2_PATH 1
+/* the values pass holds the sums of VR query rows over NV * 8 columns in registers (12 of AVX2's 16) */
+#define VR (QR %% 3 == 0 ? 3 : QR %% 2 == 0 ? 2 : 1)
+#define NV (D %% 32 == 0 ? 4 : D %% 16 == 0 ? 2 : 1)
+
+static inline __m256 load8(const ELEM *p) {
+#ifdef BF16
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
+    return _mm256_loadu_ps(p);
+#endif
+}
+
+/* lane i of the result: the sum of the 8 lanes of a[i], in three rounds of pairwise sums */
+static inline __m256 sum8(const __m256 *a) {
+    __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+#endif
 
 static inline ELEM store(float f) {
 #ifdef BF16
@@ -466,8 +492,29 @@ void decode_attention(const ELEM *q, const ELEM *kb, const ELEM *vb, const int32
             }
         for (int64_t l0 = 0; l0 < n_all; l0 += CHUNK) {
             int n = n_all - l0 < CHUNK ? (int)(n_all - l0) : CHUNK;
-            for (int j = 0; j < n; j++) {  /* the chunk's scores: one K row (heads h0 .. h1 - 1) at a time */
+            int j = 0;
+#ifdef AVX2_PATH
+            for (; j + 8 <= n; j += 8) {  /* 8 K rows in order, their dot products reduced together */
+                __m256 dots[HKV][QR][8];
+                for (int i = 0; i < 8; i++) {
+                    prefetch_row(kb, slots, l0 + j + i + AHEAD, n_all, h0, h1);
+                    prefetch_row(vb, slots, l0 + j + i, n_all, h0, h1);  /* for the values pass */
+                    const ELEM *k = kb + (int64_t)slots[l0 + j + i] * ROW;
+                    for (int h = h0; h < h1; h++)
+                        for (int g = 0; g < QR; g++) {
+                            __m256 x = _mm256_mul_ps(_mm256_loadu_ps(qf[h][g]), load8(k + h * D));
+                            for (int d = 8; d < D; d += 8)
+                                x = _mm256_fmadd_ps(_mm256_loadu_ps(qf[h][g] + d), load8(k + h * D + d), x);
+                            dots[h][g][i] = x;
+                        }
+                }
+                for (int h = h0; h < h1; h++)
+                    for (int g = 0; g < QR; g++) _mm256_storeu_ps(&s[h][g][j], sum8(dots[h][g]));
+            }
+#endif
+            for (; j < n; j++) {  /* the chunk's (other) scores: one K row (heads h0 .. h1 - 1) at a time */
                 prefetch_row(kb, slots, l0 + j + AHEAD, n_all, h0, h1);
+                prefetch_row(vb, slots, l0 + j, n_all, h0, h1);
                 const ELEM *k = kb + (int64_t)slots[l0 + j] * ROW;
                 for (int h = h0; h < h1; h++) {
                     float kf[D];
@@ -492,6 +539,27 @@ void decode_attention(const ELEM *q, const ELEM *kb, const ELEM *vb, const int32
                     m[h][g] = mx;
                     for (int d = 0; d < D; d++) acc[h][g][d] *= alpha;
                 }
+#ifdef AVX2_PATH
+            for (int h = h0; h < h1; h++)  /* the chunk's values, VR rows' sums on NV * 8 columns at a time */
+                for (int g0 = 0; g0 < QR; g0 += VR)
+                    for (int d0 = 0; d0 < D; d0 += NV * 8) {
+                        __m256 a[VR][NV];
+                        for (int r = 0; r < VR; r++)
+                            for (int i = 0; i < NV; i++)
+                                a[r][i] = _mm256_loadu_ps(&acc[h][g0 + r][d0 + 8 * i]);
+                        for (int j = 0; j < n; j++) {
+                            const ELEM *v = vb + (int64_t)slots[l0 + j] * ROW + h * D + d0;
+                            for (int i = 0; i < NV; i++) {
+                                __m256 x = load8(v + 8 * i);
+                                for (int r = 0; r < VR; r++)
+                                    a[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(s[h][g0 + r][j]), x, a[r][i]);
+                            }
+                        }
+                        for (int r = 0; r < VR; r++)
+                            for (int i = 0; i < NV; i++)
+                                _mm256_storeu_ps(&acc[h][g0 + r][d0 + 8 * i], a[r][i]);
+                    }
+#else
             for (int j = 0; j < n; j++) {  /* the chunk's values */
                 prefetch_row(vb, slots, l0 + j + AHEAD, n_all, h0, h1);
                 const ELEM *v = vb + (int64_t)slots[l0 + j] * ROW;
@@ -502,6 +570,7 @@ void decode_attention(const ELEM *q, const ELEM *kb, const ELEM *vb, const int32
                         for (int d = 0; d < D; d++) acc[h][g][d] += s[h][g][j] * vf[d];
                 }
             }
+#endif
         }
         for (int h = h0; h < h1; h++)
             for (int g = 0; g < QR; g++)

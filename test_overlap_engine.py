@@ -1885,7 +1885,7 @@ def test_kernel_decode_attention_strided_q_and_odd_head_dim():
 
 @pytest.mark.skipif(oe.cpp_compiler() is None, reason="the C decode kernel needs a C compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("G,D,E", [(1, 32, 1), (3, 64, 1), (4, 24, 1), (3, 64, 5), (1, 24, 3)])
+@pytest.mark.parametrize("G,D,E", [(1, 32, 1), (3, 64, 1), (4, 24, 1), (3, 64, 5), (1, 24, 3), (2, 20, 1)])
 def test_kernel_decode_attention_cpu_matches_ref(G, D, E, dtype):
     """The C kernel on CPU tensors: first queries' lengths 1, under one chunk of 32, 33 (a chunk and one)
     and 150, on shuffled slots of random pool rows; a query that is a view into a fused qkv buffer. E > 1
