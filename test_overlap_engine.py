@@ -5079,7 +5079,10 @@ def test_cli_one_shot(smollm):
 def test_cli_interactive_chat(smollm, tmp_path):
     """The chat as a newcomer starts it: the weight format picked for one request, the batch-1 step
     compiled, the reply streamed. The format check's engines are stood in for here (every format keeps
-    the answers, so the fastest is picked); they run for real in the test of one_request_format."""
+    the answers, so the fastest is picked); they run for real in the test of one_request_format. The C
+    kernels come from the suite's cache, as Inductor's do: building them again took most of a minute."""
+    os.makedirs(kernels.cpu_kernel_cache(), exist_ok=True)
+    (tmp_path / "kernels").symlink_to(kernels.cpu_kernel_cache())
     driver = ("import contextlib, sys, overlap_engine as oe; "
               "oe.format_engine = lambda path, name: contextlib.nullcontext(name); "
               "oe.greedy_replies = lambda e: [[1, 2, 3]] * 8; oe.main(sys.argv[1:])")
