@@ -4187,24 +4187,25 @@ def quantize_model(model: nn.Module, mode: str, source: dict, dtype: torch.dtype
             setattr(model.get_submodule(parent), attr, quantized)
 
 
-# -- oneDNN's prepacked bf16 weights: what Inductor's freezing does, done once at load --
+# -- oneDNN's prepacked weights: what Inductor's freezing does, done once at load --
 #
 # oneDNN multiplies a bf16 weight fastest in its own blocked layout; F.linear reorders the plain weight
-# into it at every call, so packing once saves that reorder, with the same bits. In float32 the packed
-# kernel is no faster and rounds differently, so only bf16 is packed. Inductor's freezing packs the same
-# way inside a compiled graph, but its opaque tensors keep that graph out of Inductor's on-disk cache
-# (every start would compile it again); packed here, the eager model gains too and a compiled graph holds
-# one call per layer, cached like any other.
+# into it at every call, so packing once saves that reorder, with the same bits. A float32 F.linear is
+# MKL's; oneDNN's packed float32 kernel sums in another order (other roundings) and is faster at the
+# batches a decode runs, a third faster at 8 rows on an AVX2 EPYC (docs/results.md, bench.py profile).
+# Inductor's freezing packs the same way inside a compiled graph, but its opaque tensors keep that graph
+# out of Inductor's on-disk cache (every start would compile it again); packed here, the eager model
+# gains too and a compiled graph holds one call per layer, cached like any other.
 
 PACKED_WEIGHTS: dict[int, torch.Tensor] = {}  # handle -> oneDNN's packed weight; PackedLinear owns each
 _packed_handles = itertools.count()
 
 
 class PackedLinear(nn.Module):
-    """Swapped in for a bf16 model's nn.Linear on a CPU by pack_linears. The weight stays (a tied LM head
-    shares it with the embedding; its bytes are counted in memory_usage) beside its packed copy, which
-    the forward multiplies. A compiled graph sees the custom op packed_linear and a 0-d handle tensor,
-    not oneDNN's opaque tensor, so two engines of one model share their compiled graph."""
+    """Swapped in for a bf16 or float32 model's nn.Linear on a CPU by pack_linears. The weight stays (a
+    tied LM head shares it with the embedding; its bytes are counted in memory_usage) beside its packed
+    copy, which the forward multiplies. A compiled graph sees the custom op packed_linear and a 0-d handle
+    tensor, not oneDNN's opaque tensor, so two engines of one model share their compiled graph."""
 
     def __init__(self, layer: nn.Linear):
         super().__init__()
@@ -4231,20 +4232,26 @@ def packed_matmul(x, key: int, bias):
     return torch.ops.mkldnn._linear_pointwise(x, PACKED_WEIGHTS[key], bias, "none", [], "")
 
 
+PACKED_DTYPES = (torch.bfloat16, torch.float32)
+
+
 @functools.cache
-def onednn_packs_bf16() -> bool:
-    """Whether this torch's oneDNN packs bf16 linear weights and gives F.linear's bits with them."""
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this torch's oneDNN packs linear weights of `dtype` (bf16 or float32) and multiplies with
+    them as F.linear does: its bits in bf16, within float32's rounding in float32."""
     try:
-        w, x = torch.randn(48, 64).bfloat16(), torch.randn(5, 64).bfloat16()
+        w, x = torch.randn(48, 64).to(dtype), torch.randn(5, 64).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
         y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        return torch.equal(y, F.linear(x, w))
+        if dtype == torch.bfloat16:
+            return torch.equal(y, F.linear(x, w))
+        return torch.allclose(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
     except (RuntimeError, AttributeError):  # no oneDNN in this build, or no bf16 kernel on this CPU
         return False
 
 
 def pack_linears(model: nn.Module):
-    """Swaps every nn.Linear of a bf16 model for a PackedLinear."""
+    """Swaps every nn.Linear of a bf16 or float32 model for a PackedLinear."""
     for name, layer in list(model.named_modules()):
         if type(layer) is nn.Linear:
             parent, _, attr = name.rpartition(".")
@@ -4690,7 +4697,7 @@ def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str,
         model.lm_head.weight = model.model.embed_tokens.weight
     if quantization:
         quantize_model(model, quantization, source, dtype)
-    elif device == "cpu" and dtype == torch.bfloat16 and onednn_packs_bf16():
+    elif device == "cpu" and dtype in PACKED_DTYPES and onednn_packs(dtype):
         pack_linears(model)
     rope_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     model.inv_freq = rope_inv_freq(cfg, rope_dtype).to(device)
@@ -6232,7 +6239,7 @@ def one_token_matmul_ms(shape: tuple = (1536, 576), count: int = 24, passes: int
             layers = [nn.Linear(shape[1], shape[0], bias=False).to(dt) for _ in range(count)]
             for layer in layers:
                 layer.weight.copy_(w)
-            if dt == torch.bfloat16 and onednn_packs_bf16():  # as build_model stores it
+            if dt in PACKED_DTYPES and onednn_packs(dt):  # as build_model stores it
                 layers = [PackedLinear(layer) for layer in layers]
         ms[name] = one_token_ms(layers, dt, passes, tokens)
     return ms

@@ -2248,7 +2248,8 @@ def test_quantized_logits_are_the_dequantized_models_and_near_the_float_models(c
 
 def test_quantized_weights_take_their_formats_bytes(ckpt):
     """Per weight: int8 one byte plus a float scale per row; int4 half a byte plus a float scale and zero
-    per 32; the LM head int8 in both; the embedding stays float32."""
+    per 32; the LM head int8 in both; the embedding stays float32. Unquantized, oneDNN's packed copy of each
+    weight (where it packs float32) is counted beside it."""
     with open(os.path.join(ckpt, "config.json")) as f:
         cfg = json.load(f)
     E, inter, V, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
@@ -2256,7 +2257,8 @@ def test_quantized_weights_take_their_formats_bytes(ckpt):
     layer = [(E, E), (kv, E), (kv, E), (E, E), (inter, E), (inter, E), (E, inter)]  # (out, in) each
     int8 = lambda n, k: n * k + 4 * n  # noqa: E731
     int4 = lambda n, k: n * k // 2 + 2 * 4 * n * k // 32  # noqa: E731
-    want = {None: 4 * (L * sum(n * k for n, k in layer) + V * E),
+    copies = 2 if oe.onednn_packs(torch.float32) else 1
+    want = {None: 4 * (L * sum(n * k for n, k in layer) + V * E) * copies,
             "int8": L * sum(int8(n, k) for n, k in layer) + int8(V, E),
             "int4": L * sum(int4(n, k) for n, k in layer) + int8(V, E)}
     for mode in (None, "int8", "int4"):
@@ -2390,31 +2392,39 @@ def test_quantized_compiled_decode_gives_the_eager_tokens_and_never_recompiles(c
         assert counters["stats"]["unique_graphs"] == graphs
 
 
-def test_packed_bf16_linear_gives_f_linears_bits_and_counts_its_bytes(ckpt):
-    """A bf16 model on a CPU multiplies through oneDNN's packed weights (PackedLinear), eager and inside a
-    compiled graph (the custom op), with F.linear's bits, biases and 3-D inputs too; memory_usage counts
-    the packed copy beside the weight; a float32 model is left as it is."""
-    if not oe.onednn_packs_bf16():
-        pytest.skip("this torch's oneDNN does not pack bf16 linear weights here")
+@pytest.mark.parametrize("dtype", oe.PACKED_DTYPES)
+def test_packed_linear_gives_f_linears_product_and_counts_its_bytes(ckpt, dtype):
+    """A bf16 or float32 model on a CPU multiplies through oneDNN's packed weights (PackedLinear), eager and
+    inside a compiled graph (the custom op, the same bits), with biases and 3-D inputs too: F.linear's bits
+    in bf16, its product within float32's rounding in float32 (MKL's sums go in another order);
+    memory_usage counts the packed copy beside the weight; a float64 model is left as it is."""
+    if not oe.onednn_packs(dtype):
+        pytest.skip(f"this torch's oneDNN does not pack {dtype} linear weights here")
     torch.manual_seed(0)
     for bias in (False, True):
-        layer = torch.nn.Linear(64, 48, bias=bias).bfloat16().requires_grad_(False)  # as the engine's
+        layer = torch.nn.Linear(64, 48, bias=bias).to(dtype).requires_grad_(False)  # as the engine's
         packed = oe.PackedLinear(layer)
         compiled = torch.compile(lambda x: packed(x) * 2, fullgraph=True)
         for shape in ((1, 64), (7, 64), (2, 3, 64)):
-            x, linear = torch.randn(shape).bfloat16(), torch.nn.functional.linear
-            assert torch.equal(packed(x), linear(x, layer.weight, layer.bias))
-            assert torch.equal(compiled(x), linear(x, layer.weight, layer.bias) * 2)
+            x, linear = torch.randn(shape).to(dtype), torch.nn.functional.linear
+            want = linear(x, layer.weight, layer.bias)
+            if dtype == torch.bfloat16:
+                assert torch.equal(packed(x), want)
+            else:
+                assert torch.allclose(packed(x), want, rtol=1e-5, atol=1e-5)
+            assert torch.equal(compiled(x), packed(x) * 2)
     handle = int(packed.handle)
     del packed, compiled
     gc.collect()
     assert handle not in oe.PACKED_WEIGHTS  # the packed copy goes with its module
-    for dtype, kind in (("bfloat16", oe.PackedLinear), ("float32", torch.nn.Linear)):
+    name = str(dtype).removeprefix("torch.")
+    for dtype, kind in ((name, oe.PackedLinear), ("float64", torch.nn.Linear)):
         with Engine(cpu_device="thread", model_path=ckpt, dtype=dtype, max_total_tokens=256) as e:
             linears = [m for m in e.model.modules() if isinstance(m, (torch.nn.Linear, oe.PackedLinear))]
             assert linears and all(type(m) is kind for m in linears)
             weights = sum(p.numel() * p.element_size() for p in e.model.parameters() if p.dim() == 2)
-            copies = sum(m.weight.numel() * 2 for m in linears) if kind is oe.PackedLinear else 0
+            packed = kind is oe.PackedLinear
+            copies = sum(m.weight.numel() * m.weight.element_size() for m in linears) if packed else 0
             assert e.memory_usage()[0]["sharded_weights"] == weights + copies
 
 
@@ -2446,7 +2456,7 @@ def test_a_compiled_bf16_engine_starts_from_inductors_cache(ckpt, mixed_workload
         hits, bypass = (counters["inductor"][k] for k in ("fxgraph_cache_hit", "fxgraph_cache_bypass"))
         kw = {"dtype": "bfloat16", "enable_torch_compile": True, "torch_compile_max_bs": 4}
         with make_engine(ckpt, loop, **kw) as e:
-            assert isinstance(e.model.lm_head, oe.PackedLinear) == oe.onednn_packs_bf16()  # AVX2: plain
+            assert isinstance(e.model.lm_head, oe.PackedLinear) == oe.onednn_packs(torch.bfloat16)
             outs[loop] = [o["output_ids"] for o in run_workload(e, mixed_workload[0])]
             e.check_invariants()
         assert counters["inductor"]["fxgraph_cache_bypass"] == bypass
