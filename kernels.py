@@ -498,7 +498,6 @@ void decode_attention(const ELEM *q, const ELEM *kb, const ELEM *vb, const int32
                 __m256 dots[HKV][QR][8];
                 for (int i = 0; i < 8; i++) {
                     prefetch_row(kb, slots, l0 + j + i + AHEAD, n_all, h0, h1);
-                    prefetch_row(vb, slots, l0 + j + i, n_all, h0, h1);  /* for the values pass */
                     const ELEM *k = kb + (int64_t)slots[l0 + j + i] * ROW;
                     for (int h = h0; h < h1; h++)
                         for (int g = 0; g < QR; g++) {
@@ -514,7 +513,6 @@ void decode_attention(const ELEM *q, const ELEM *kb, const ELEM *vb, const int32
 #endif
             for (; j < n; j++) {  /* the chunk's (other) scores: one K row (heads h0 .. h1 - 1) at a time */
                 prefetch_row(kb, slots, l0 + j + AHEAD, n_all, h0, h1);
-                prefetch_row(vb, slots, l0 + j, n_all, h0, h1);
                 const ELEM *k = kb + (int64_t)slots[l0 + j] * ROW;
                 for (int h = h0; h < h1; h++) {
                     float kf[D];
