@@ -886,6 +886,68 @@ def test_allocator_alloc_free():
         rows.free(r0)
 
 
+def test_run_pool_hands_a_decoding_request_runs_and_keeps_every_slot_free_or_held():
+    """RunKVPool: a request's decode slot follows its last where that is free; a fresh one takes RUN in a row
+    and the rest wait for it, out of other requests' reach but counted free; a freed last slot takes its run
+    back to the list, and a list that runs short takes them all. Then random allocations and frees (some
+    slots kept, as a radix cache keeps a finished prompt's), every slot free xor held after each."""
+    run = oe.RunKVPool.RUN
+    pool = oe.RunKVPool(4 * run, 1, 1, 4, torch.float32, "cpu")
+    assert pool.alloc(8).tolist() == list(range(1, 9))             # a prefill: the plain list's order
+    assert pool.alloc(1, after=oe.int64([8])).tolist() == [9]      # a fresh run: 9 .. 8 + run
+    assert pool.alloc(1, after=oe.int64([9])).tolist() == [10]     # from the run
+    assert pool.alloc(4).tolist() == list(range(run + 9, run + 13))  # another prefill passes the run by
+    assert pool.available_size() == 4 * run - 14 and len(pool.free_slots) == 3 * run - 12  # 11 .. wait
+    assert pool.alloc(2, after=oe.int64([10, run + 12])).tolist() == [11, run + 13]
+    pool.free(oe.int64([11]))                                      # a finished request: its run goes back
+    assert pool.available_size() == 4 * run - 15 and set(range(11, run + 9)) <= set(pool.free_slots.tolist())
+    assert pool.alloc(len(pool.free_slots) + 1) is not None and pool.waiting == {}  # short: all back
+    random.seed(0)
+    for trial in range(100):
+        size = random.randint(5, 4 * run)
+        pool, held = oe.RunKVPool(size, 1, 1, 1, torch.float32, "cpu"), []
+        for step in range(60):
+            op = random.random()
+            if op < 0.3 and (got := pool.alloc(random.randint(1, 10))) is not None:
+                held.append(got.tolist())
+            elif op < 0.85 and held:
+                reqs = random.sample(range(len(held)), random.randint(1, len(held)))
+                got = pool.alloc(len(reqs), after=oe.int64([held[i][-1] for i in reqs]))
+                for i, slot in zip(reqs, got.tolist() if got is not None else []):
+                    held[i].append(slot)
+            elif held:
+                slots = held.pop(random.randrange(len(held)))
+                keep = random.randint(0, len(slots))
+                pool.free(oe.int64(slots[keep:]))
+                held += [slots[:keep]] if keep else []
+            free = pool.free_slots.tolist() + pool.waiting_slots().tolist()
+            assert sorted(free + sum(held, [])) == list(range(1, size + 1)), (trial, step)
+            assert pool.available_size() == len(free)
+
+
+def test_the_c_backends_pool_keeps_decoded_tokens_in_runs_and_the_plain_orders_tokens(ckpt, monkeypatch):
+    """With attention_backend c the engine's pool is a RunKVPool: in the overlap loop, with a pool small
+    enough to retract and run short (which drops runs), most decode slots still follow their request's
+    last one, and runs of one (each request the next free slot, the plain list's order) give the same
+    tokens from the same batches, the ledger checked after each iteration."""
+    wl = [(p, {"max_new_tokens": 48, "ignore_eos": True}) for p in random_prompts(10, seed=8, lo=8, hi=40)]
+    outs, follows, RUN = {}, {}, oe.RunKVPool.RUN
+    for run in (RUN, 1):
+        monkeypatch.setattr(oe.RunKVPool, "RUN", run)
+        with make_engine(ckpt, "overlap", dtype="float32", attention_backend="c", max_total_tokens=560) as e:
+            pool = e.scheduler.kv_pool
+            assert isinstance(pool, oe.RunKVPool)
+            calls, alloc = [], pool.alloc
+            monkeypatch.setattr(pool, "alloc", lambda n, after=None: calls.append((after, alloc(n, after)))
+                                or calls[-1][1])
+            outs[run] = ([o["output_ids"] for o in run_workload(e, wl)], e.scheduler.stats["retractions"])
+            e.check_invariants()
+        pairs = [(a, loc) for after, loc in calls if after is not None for a, loc in zip(after, loc)]
+        follows[run] = sum(int(loc) == int(a) + 1 for a, loc in pairs) / len(pairs)
+    assert outs[RUN] == outs[1] and outs[1][1] > 0, outs[1][1]  # the same tokens; a request was retracted
+    assert follows[RUN] > 0.5 > 0.05 > follows[1], follows
+
+
 def make_tree(size=32):
     pool = oe.TokenToKVPool(size, 1, 2, 16, torch.float32, "cpu")
     return oe.RadixCache(pool), pool
