@@ -5155,7 +5155,7 @@ def test_cli_interactive_chat(smollm, tmp_path):
     kernels come from the suite's cache, as Inductor's do: building them again took most of a minute."""
     os.makedirs(kernels.cpu_kernel_cache(), exist_ok=True)
     (tmp_path / "kernels").symlink_to(kernels.cpu_kernel_cache())
-    driver = ("import contextlib, sys, overlap_engine as oe; "
+    driver = ("import contextlib, sys, overlap_engine as oe; oe.QUIET_PAUSE_S = 0; "  # noisy: measure at once
               "oe.format_engine = lambda path, name: contextlib.nullcontext(name); "
               "oe.greedy_replies = lambda e: [[1, 2, 3]] * 8; oe.main(sys.argv[1:])")
     env = {**os.environ, **oe.OPENMP_SPIN, "OVERLAP_ENGINE_CACHE": str(tmp_path)}  # the record goes there
