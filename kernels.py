@@ -402,7 +402,7 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix
 # head_dim that is a multiple of 8) 8 keys' dot products are reduced together and the values pass keeps
 # its running sums in registers: half the instructions a token of the plain loops below. Its column slices
 # of V rows are a pattern the hardware prefetcher follows badly, so a chunk's V rows are first read whole,
-# in order (on an AVX2 EPYC: 5-7% off the op at batch 64; software prefetch changed nothing). OpenMP splits
+# in order (on an AVX2 EPYC: 4-7% off the op at batch 64; software prefetch changed nothing). OpenMP splits
 # the (request, kv head) pairs over torch's threads; the .so links the libgomp that torch has loaded.
 # Compiled once per machine (head_dim and G are compile-time constants, so the inner loops are
 # vector code) with the C compiler Inductor would use, and cached under cpu_kernel_cache().
