@@ -3012,23 +3012,26 @@ class RunKVPool(TokenToKVPool):
     def alloc(self, n: int, after: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         if n > self.available_size():
             return None
-        keys = after.tolist() if after is not None else []
-        runs = [self.waiting.pop(a, None) for a in keys]
-        self.n_waiting -= sum(len(run) for run in runs if run is not None)
-        fresh = sum(run is None for run in runs)
-        width = self.RUN if fresh * self.RUN <= len(self.free_slots) else 1
-        if after is not None and fresh * width <= len(self.free_slots):
+        runs = [self.waiting.pop(a, None) for a in after.tolist()] if after is not None else []
+        self.n_waiting -= sum(len(run) for run in runs if run)
+        fresh = runs.count(None)
+        if after is not None and fresh <= len(self.free_slots):
+            width = self.RUN if fresh * self.RUN <= len(self.free_slots) else 1
             new = iter(super().alloc(fresh * width).view(fresh, width).tolist())
-            runs = [run if run is not None else next(new) for run in runs]
+            runs = [run or next(new) for run in runs]  # a waiting run is never empty
             self.waiting.update((run[0], run[1:]) for run in runs if len(run) > 1)
             self.n_waiting += sum(len(run) - 1 for run in runs)
             return int64([run[0] for run in runs])
-        self.waiting.update((a, run) for a, run in zip(keys, runs) if run is not None)  # untouched
-        self.n_waiting += sum(len(run) for run in runs if run is not None)
         if n > len(self.free_slots):  # the list runs short: every waiting slot goes back to it
-            self.free_slots = torch.cat((self.free_slots, self.waiting_slots()))
+            popped = int64([x for run in runs if run for x in run])
+            self.free_slots = torch.cat((self.free_slots, self.waiting_slots(), popped))
             self.waiting, self.n_waiting = {}, 0
         return super().alloc(n)
+
+
+def kv_pool_type(args: ServerArgs) -> type:
+    """RunKVPool beside attention_backend c (runs are what the C kernel reads best), else the plain list."""
+    return RunKVPool if args.attention_backend == "c" else TokenToKVPool
 
 
 def build_worker(args: ServerArgs, cfg: ModelConfig, model: nn.Module, make_stream: Callable,
@@ -3040,8 +3043,8 @@ def build_worker(args: ServerArgs, cfg: ModelConfig, model: nn.Module, make_stre
     engine's process, or in the device process (cpu_device="process")."""
     dtype = getattr(torch, args.dtype)
     req_to_token_pool = ReqToTokenPool(args.max_running_requests, context_len + 1, args.device)
-    pool = RunKVPool if args.attention_backend == "c" else TokenToKVPool  # runs: what the C kernel reads best
-    kv_pool = pool(max_total_tokens, cfg.num_hidden_layers, kv_heads, cfg.head_dim, dtype, args.device)
+    kv_pool = kv_pool_type(args)(max_total_tokens, cfg.num_hidden_layers, kv_heads, cfg.head_dim, dtype,
+                                 args.device)
     if args.speculative_algorithm == "STANDALONE":
         draft_model = StandaloneDrafter(args, cfg, dtype, kv_pool, req_to_token_pool)
     compile_max_bs = args.torch_compile_max_bs if args.enable_torch_compile else 0
@@ -3149,9 +3152,8 @@ class Engine:
                                                 self.tracer.t0 if self.tracer else None)
             worker = ProcessWorker(self.device_process)
             req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.context_len + 1, "meta")
-            pool = RunKVPool if args.attention_backend == "c" else TokenToKVPool  # as build_worker's
-            kv_pool = pool(self.max_total_tokens, cfg.num_hidden_layers, self.kv_heads, cfg.head_dim, dtype,
-                           "meta")
+            kv_pool = kv_pool_type(args)(self.max_total_tokens, cfg.num_hidden_layers, self.kv_heads,
+                                         cfg.head_dim, dtype, "meta")
             self.future_map = None
         else:
             worker, req_to_token_pool, kv_pool = build_worker(args, cfg, self.model, self._make_stream,
