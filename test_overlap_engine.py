@@ -2629,12 +2629,13 @@ def test_process_device_gives_the_reference_tokens_and_keeps_no_device_tensor(ck
 
 
 def test_process_device_speculates_as_plain_decoding(cycling_ckpt):
-    """NGRAM speculation on the process device, the overlap loop (where a verify's accept count is the
-    device's alone to know): SPEC_CASES give plain decoding's tokens and logprobs."""
+    """NGRAM speculation on the process device, compiled, the overlap loop (where a verify's accept count
+    is the device's alone to know): SPEC_CASES give plain decoding's tokens and logprobs."""
     wl = spec_workload(seed=11)
     with make_engine(cycling_ckpt, "serial") as plain:
         want = run_spec_workload(plain, wl)
-    with make_engine(cycling_ckpt, "overlap", speculative_algorithm="NGRAM", cpu_device="process") as e:
+    with make_engine(cycling_ckpt, "overlap", speculative_algorithm="NGRAM", cpu_device="process",
+                     enable_torch_compile=True, torch_compile_max_bs=1) as e:  # the graphs of the test above
         got = run_spec_workload(e, wl)
     for (p, sp, lp), outs, refs in zip(wl, got, want):
         for out, ref in zip(outs, refs):
@@ -7121,9 +7122,10 @@ def run_bench(*args) -> subprocess.CompletedProcess:
 
 def test_bench_overlap_quick_runs(tmp_path):
     """bench.py overlap --quick: both loops on both CPU devices (a thread, a process) of their own, with the
-    trace of each and the timeline picture; the table's figures are there for every batch, loop and device."""
+    trace of each and the timeline picture; the table's figures are there for every batch, loop and device.
+    Eager: the compiled step on the process device is tested above, and compiling took most of this."""
     out = tmp_path / "overlap.json"
-    run_bench("overlap", "--quick", "--json", str(out), "--trace", str(tmp_path / "traces"),
+    run_bench("overlap", "--quick", "--no-compile", "--json", str(out), "--trace", str(tmp_path / "traces"),
               "--timeline", str(tmp_path / "timeline.png"))
     rows = json.loads(out.read_text())
     assert {(r["device"], r["loop"], r["B"]) for r in rows} == {
