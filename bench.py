@@ -1128,8 +1128,8 @@ def vllm_profile(python: str, path: str, reqs: list, steps: int, profiled: int =
 
 
 def cmd_profile(args):
-    """One decode step of `batch` requests, `steps` tokens into their outputs, replayed on its own: the
-    best of five timings, then torch.profiler self time by op, grouped."""
+    """One decode step of `batch` greedy requests, `steps` tokens into their outputs, replayed on its own:
+    the best of five timings, then torch.profiler self time by op, grouped."""
     from torch.profiler import ProfilerActivity, profile
     path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
     B, steps = (4, 3) if args.quick else (args.batch, args.steps)
@@ -1139,7 +1139,9 @@ def cmd_profile(args):
                    enable_torch_compile=args.torch_compile, torch_compile_max_bs=max(B, 1),
                    attention_backend=args.attention_backend) as e:
         lengths = (8, 32) if args.quick else tuple(map(int, args.input.split(",")))
-        _, batch = captured_steps(e, B, lengths, steps, args.seed)
+        # greedy, as vLLM's side below and the throughput workloads (sampling at temperature 1 draws a
+        # random number for each logit of the vocabulary: a step's own cost, not the model's)
+        _, batch = captured_steps(e, B, lengths, steps, args.seed, temperature=0.0)
         forward_step = e.scheduler.worker.forward_step
         ms = 1e3 * min(timed(lambda: forward_step(batch)) for _ in range(5))
         profiles = []
@@ -1185,7 +1187,7 @@ def cmd_profile(args):
     return out
 
 
-def captured_steps(e, B: int, lengths: tuple, steps: int, seed: int) -> tuple:
+def captured_steps(e, B: int, lengths: tuple, steps: int, seed: int, temperature: float = 1.0) -> tuple:
     """Runs B random requests (input lengths in `lengths`) on e, a serial engine, up to the decode step
     `steps` tokens into their outputs: (their first prefill batch, that decode batch), for forward_step
     to replay. The requests stay running."""
@@ -1193,7 +1195,7 @@ def captured_steps(e, B: int, lengths: tuple, steps: int, seed: int) -> tuple:
     forward_step = worker.forward_step
     worker.forward_step = lambda batch: captured.append(batch) or forward_step(batch)
     reqs = random_requests(B, *lengths, seed, e.model_config.vocab_size)
-    e.add_requests(reqs, [{"max_new_tokens": steps + 2, "ignore_eos": True}] * B)
+    e.add_requests(reqs, [{"max_new_tokens": steps + 2, "ignore_eos": True, "temperature": temperature}] * B)
     try:
         while not (captured and captured[-1].forward_mode.is_decode() and len(captured[-1].seq_lens) == B
                    and min(len(r.output_ids) for r in e.scheduler.running_batch.reqs) >= steps):
