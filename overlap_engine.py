@@ -799,6 +799,9 @@ class TokenToKVPool:
         if slots.numel():
             self.free_slots = torch.cat((self.free_slots, slots))
 
+    def waiting_slots(self) -> torch.Tensor:  # free slots held off the list for a request: none in this one
+        return self.free_slots[:0]
+
 
 class TreeNode:
     _counter = itertools.count()
@@ -2771,8 +2774,7 @@ def check_ledger(scheduler: Scheduler):
     private = [req_to_token[row, len(r.prefix_indices):r.kv_allocated_len]
                for row, r in scheduler.row_owner.items()]
     pool = scheduler.kv_pool
-    waiting = [pool.waiting_slots()] if isinstance(pool, RunKVPool) else []
-    slots = torch.cat([pool.free_slots, tree.all_slots()] + waiting + private).sort().values
+    slots = torch.cat([pool.free_slots, pool.waiting_slots(), tree.all_slots()] + private).sort().values
     assert torch.equal(slots, torch.arange(1, scheduler.kv_pool.size + 1)), \
         f"KV ledger: {len(slots)} slots accounted of {scheduler.kv_pool.size} (leak or double owner)"
     free_rows = scheduler.req_to_token_pool.free_slots
