@@ -401,6 +401,17 @@ def test_retraction_recomputes_same_tokens(ckpt, loop):
     assert [o["output_ids"] for o in outs] == expected_greedy(ckpt, wl)
 
 
+@pytest.fixture
+def sigint_raises():
+    """Python's own SIGINT handler (KeyboardInterrupt) for the test's duration, and what was there after:
+    a shell that starts the suite as a background job starts Python with SIGINT ignored, where a Ctrl-C
+    sent by a test would be lost (and a child process would inherit the ignoring)."""
+    import signal
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 CTRL_C_POINTS = {  # a real SIGINT sent from inside planning and committing code
     "planning a decode step": (oe.ScheduleBatch, "prepare_for_decode"),
     "mixing decodes into a prefill": (oe.ScheduleBatch, "mix_with_running"),
@@ -411,7 +422,7 @@ CTRL_C_POINTS = {  # a real SIGINT sent from inside planning and committing code
 
 @pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("point", list(CTRL_C_POINTS))
-def test_ctrl_c_is_held_until_the_iteration_ends(ckpt, monkeypatch, loop, point):
+def test_ctrl_c_is_held_until_the_iteration_ends(ckpt, monkeypatch, sigint_raises, loop, point):
     """Ctrl-C in the middle of a plan or a commit would leave it half done; it is raised when the
     iteration ends instead, and stepping on gives every request the reference tokens."""
     import signal
@@ -2459,14 +2470,25 @@ def test_packed_linear_gives_f_linears_product_and_counts_its_bytes(ckpt, dtype)
     """A bf16 or float32 model on a CPU multiplies through oneDNN's packed weights (PackedLinear), eager and
     inside a compiled graph (the custom op, the same bits), with biases and 3-D inputs too: F.linear's bits
     in bf16, its product within float32's rounding in float32 (MKL's sums go in another order);
-    memory_usage counts the packed copy beside the weight; a float64 model is left as it is."""
+    memory_usage counts the packed copy beside the weight; a float64 model is left as it is. Where this CPU's
+    oneDNN does not pack dtype (bf16 without AVX512), the model keeps its nn.Linear layers."""
+    name = str(dtype).removeprefix("torch.")
     if not oe.onednn_packs(dtype):
-        pytest.skip(f"this torch's oneDNN does not pack {dtype} linear weights here")
+        with Engine(cpu_device="thread", model_path=ckpt, dtype=name, max_total_tokens=256) as e:
+            kinds = {type(m) for m in e.model.modules() if isinstance(m, (torch.nn.Linear, oe.PackedLinear))}
+            assert kinds == {torch.nn.Linear}, kinds
+        return
     torch.manual_seed(0)
     for bias in (False, True):
         layer = torch.nn.Linear(64, 48, bias=bias).to(dtype).requires_grad_(False)  # as the engine's
         packed = oe.PackedLinear(layer)
-        compiled = torch.compile(lambda x: packed(x) * 2, fullgraph=True)
+
+        def twice(x):
+            return packed(x) * 2
+        # a code object of its own for each layer (Dynamo keeps a code object's graphs, a few per layer
+        # here, and fullgraph fails past its recompile limit), as CompiledDecode gives each of its graphs
+        twice.__code__ = twice.__code__.replace()
+        compiled = torch.compile(twice, fullgraph=True)
         for shape in ((1, 64), (7, 64), (2, 3, 64)):
             x, linear = torch.randn(shape).to(dtype), torch.nn.functional.linear
             want = linear(x, layer.weight, layer.bias)
@@ -2479,7 +2501,6 @@ def test_packed_linear_gives_f_linears_product_and_counts_its_bytes(ckpt, dtype)
     del packed, compiled
     gc.collect()
     assert handle not in oe.PACKED_WEIGHTS  # the packed copy goes with its module
-    name = str(dtype).removeprefix("torch.")
     for dtype, kind in ((name, oe.PackedLinear), ("float64", torch.nn.Linear)):
         with Engine(cpu_device="thread", model_path=ckpt, dtype=dtype, max_total_tokens=256) as e:
             linears = [m for m in e.model.modules() if isinstance(m, (torch.nn.Linear, oe.PackedLinear))]
@@ -3438,11 +3459,6 @@ def test_default_model_follows_grammars_greedy_and_seeded(smollm_engines):
         assert o["meta_info"]["finish_reason"]["type"] == "stop" and follows(kind, source, o["text"]), o
 
 
-def bf16_ulp(x: float) -> float:
-    """The spacing of bfloat16 numbers at x (8 significant bits): 0.125 for logits in [16, 32)."""
-    return 2.0 ** (math.floor(math.log2(abs(x))) - 7)
-
-
 def test_default_model_quantized_follows_the_float_model(smollm, smollm_engines, monkeypatch):
     """fp32 activations, greedy, 16 tokens of each chat prompt: int8 and int4 give the float model's tokens
     until the float model's own logits put their token within 0.15 of its own. Measured here: the runs part
@@ -3478,9 +3494,9 @@ def test_default_model_quantized_follows_the_float_model(smollm, smollm_engines,
 
 @pytest.fixture(scope="module")
 def hf_bf16(hf_model):
-    """transformers' SmolLM2 in bf16 (its greedy tokens computed once for both loops, by hf_greedy): the
-    float32 model cast, as from_pretrained(dtype=bfloat16) casts it, with its rotary buffers
-    kept in float32 as that keeps them (the same logits as loading the GGUF again, which is slow)."""
+    """transformers' SmolLM2 in bf16: the float32 model cast, as from_pretrained(dtype=bfloat16) casts it,
+    with its rotary buffers kept in float32 as that keeps them (the same logits as loading the GGUF again,
+    which is slow)."""
     import copy
     hf = copy.deepcopy(hf_model).to(torch.bfloat16)
     for name, buf in hf_model.named_buffers():
@@ -3490,32 +3506,50 @@ def hf_bf16(hf_model):
     return hf
 
 
-def test_default_model_in_bf16_matches_transformers_in_bf16(smollm, hf_bf16):
-    """Both in bf16, greedy: token for token until transformers' own bf16 logits cannot tell our token
-    from its own (within two bf16 steps of each other; measured here: 0 or one step, 0.125 at ~16-32).
-    The overlap loop here; test_bf16_overlap_equals_serial holds the serial one to it."""
-    path, hf = smollm[0], hf_bf16
-    with Engine(model_path=path, device="cpu", dtype="bfloat16", max_total_tokens=4096) as e:
+def top_logprob_errors(seq_logprobs: torch.Tensor, tops: list, start: int) -> torch.Tensor:
+    """For each output position t, the largest |logprob - the float64 run's| over the tokens the engine
+    ranked in its top logprobs there; seq_logprobs (positions, V): a teacher-forced run's log-softmax,
+    start: the position whose row predicts the first output token."""
+    ref = [seq_logprobs[start + t, [tid for _, tid, _ in top]] for t, top in enumerate(tops)]
+    return torch.stack([(torch.tensor([lp for lp, _, _ in top], dtype=torch.float64) - r).abs().max()
+                        for top, r in zip(tops, ref)])
+
+
+def test_default_model_in_bf16_is_as_close_to_float64_as_transformers_in_bf16(smollm, hf_model, hf_bf16):
+    """Both in bf16, on any CPU (whichever bf16 kernels it has): teacher-forced over the engine's greedy
+    replies, the engine's logprobs are on average no further from a float64 run of the same weights than
+    transformers' bf16 logprobs are (within a quarter), and each greedy token is the float64 run's except
+    where the float64 run itself is a near-tie (a margin within 3x the largest error transformers' bf16 run
+    makes in this test). The overlap loop here; test_bf16_overlap_equals_serial holds the serial one to it."""
+    import copy
+    hf64 = copy.deepcopy(hf_model).double()
+    with Engine(model_path=smollm[0], device="cpu", dtype="bfloat16", max_total_tokens=4096) as e:
         prompts = [e.tokenizer.encode(e.tokenizer.apply_chat_template([{"role": "user", "content": p}]))
                    for p in CHAT_PROMPTS]
-        outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params={
-            "max_new_tokens": 24, "temperature": 0})]
+        outs = e.generate(input_ids=prompts, sampling_params={"max_new_tokens": 24, "temperature": 0},
+                          return_logprob=True, top_logprobs_num=5)
         e.check_invariants()
-    agreed = 0
-    for ids, out in zip(prompts, outs):
-        ref = hf_greedy(hf, ids, 24)
-        d = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
-        agreed += d
-        if d < min(len(out), len(ref)):
-            with torch.no_grad():
-                logits = hf(torch.tensor([ids + ref[:d]])).logits[0, -1].float()
-            # transformers' own greedy ran with its KV cache, this forward without: in bf16 the two can
-            # rank a near-tie either way, so the gap may have either sign
-            gap = float(logits[ref[d]] - logits[out[d]])
-            assert abs(gap) <= 2 * bf16_ulp(float(logits.max())), f"diverged at token {d}, logit gap {gap}"
-        else:
-            assert out == ref  # neither stopped early where the other went on
-    assert agreed >= 24  # the comparison covers real text, not only a first-token tie
+    err_engine, err_hf, cases = [], [], []
+    for ids, o in zip(prompts, outs):
+        seq = torch.tensor([ids + o["output_ids"]])
+        with torch.no_grad():
+            lp64 = torch.log_softmax(hf64(seq).logits[0], -1)
+            lp16 = torch.log_softmax(hf_bf16(seq).logits[0].double(), -1)
+        tops = o["meta_info"]["output_top_logprobs"]
+        err_engine.append(top_logprob_errors(lp64, tops, len(ids) - 1))
+        err_hf.append(top_logprob_errors(lp64, [[(float(lp16[len(ids) - 1 + t, tid]), tid, None)
+                                                 for _, tid, _ in top] for t, top in enumerate(tops)],
+                                         len(ids) - 1))
+        cases += [(lp64[len(ids) - 1 + t], tok) for t, tok in enumerate(o["output_ids"])]
+    err_engine, err_hf = torch.cat(err_engine), torch.cat(err_hf)
+    assert err_engine.mean() <= 1.25 * err_hf.mean(), (err_engine.mean(), err_hf.mean())
+    near_tie, compared = 3 * float(err_hf.max()), 0
+    for lp, tok in cases:
+        best = lp.topk(2).values
+        if best[0] - best[1] > near_tie:
+            assert int(lp.argmax()) == tok, f"token {tok} where float64 is sure of {int(lp.argmax())}"
+            compared += 1
+    assert compared >= len(cases) // 2, f"{compared} of {len(cases)} tokens compared: mostly near-ties"
 
 
 def test_default_model_on_a_device_with_a_core_of_its_own_gives_the_thread_devices_tokens(smollm,
@@ -4839,7 +4873,8 @@ def test_tp_an_error_on_rank_0_alone_ends_the_group(ckpt, loopback, monkeypatch)
     assert not rank1.is_alive()
 
 
-def test_tp_a_ctrl_c_between_the_length_and_the_bytes_of_a_broadcast_waits(ckpt, loopback, monkeypatch):
+def test_tp_a_ctrl_c_between_the_length_and_the_bytes_of_a_broadcast_waits(ckpt, loopback, monkeypatch,
+                                                                            sigint_raises):
     """check_invariants() broadcasts a call, then gathers the answers: a Ctrl-C right after the length
     went out is held until every rank has answered, so rank 1 is not left a message behind, and the
     engine serves on with the reference tokens."""
@@ -5177,7 +5212,9 @@ def test_cli_interactive_chat(smollm, tmp_path):
     assert len(reply.split()) >= 5 and "tokens in" in r.stdout and "time to first token" in r.stdout
 
 
-def test_ctrl_c_in_the_cli_exits_cleanly(ckpt):
+def test_ctrl_c_in_the_cli_exits_cleanly(ckpt, sigint_raises):
+    """The chat started from a shell that lets Ctrl-C through (sigint_raises: the child does not inherit an
+    ignored SIGINT) leaves on Ctrl-C at its prompt with its summary and status 0."""
     import signal
     p = subprocess.Popen([sys.executable, "overlap_engine.py", "--model-path", ckpt, "--dtype", "float32",
                           "--no-enable-torch-compile"],
@@ -5186,7 +5223,11 @@ def test_ctrl_c_in_the_cli_exits_cleanly(ckpt):
     assert p.stdout.readline().startswith("chat with the model")
     oe.time.sleep(0.5)  # the prompt is waiting for input
     p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=60)
+    try:  # stdin stays open: only the Ctrl-C can end the chat here
+        p.wait(timeout=60)
+    finally:
+        p.kill()
+        out, err = p.communicate()
     assert p.returncode == 0, err
     assert "tokens in" in out and "Traceback" not in err
 
