@@ -8300,7 +8300,9 @@ def build_app(scheduler: SchedulerThread, read_timeout: float = READ_TIMEOUT, ap
         yield  # on the way out uvicorn has stopped accepting and closed the connections
         await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
         srv.workers.shutdown(wait=False, cancel_futures=True)
-    app = FastAPI(title="overlap_engine", lifespan=lifespan)
+    # FastAPI's own pages (/docs, /redoc, /openapi.json) off: they would answer without the api_key, and
+    # ROUTES are plain routes that its schema does not describe
+    app = FastAPI(title="overlap_engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.served = srv
     app.add_exception_handler(HTTPError, http_error)
 

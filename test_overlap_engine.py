@@ -6997,9 +6997,10 @@ def keyed_call(server, method, path, body=None, authorization=None, timeout=30) 
 def test_server_api_key_guards_every_endpoint_but_health_and_metrics(chat_ckpt, capfd):
     """With api_key (SGLang's --api-key) every endpoint answers 401 with OpenAI's error body to no key, a
     wrong key, a prefix or an extension of the key, or another scheme; the right key (any case of
-    "Bearer") is served; /health and /metrics stay open. A stranger's body is never read (a half-sent one
-    gets its 401 at once) and nothing is queued; the key is in no repr and not in /server_info; the
-    openai client's api_key works; the server serves exactly afterwards."""
+    "Bearer") is served; /health and /metrics stay open; FastAPI's own pages (/docs ...) are off. A
+    stranger's body is never read (a half-sent one gets its 401 at once) and nothing is queued; the key is
+    in no repr and not in /server_info; the openai client's api_key works; the server serves exactly
+    afterwards."""
     import openai
     pytest.importorskip("fastapi")
     server = oe.Server(make_engine(chat_ckpt, "overlap", api_key=API_KEY), port=0).start()
@@ -7017,6 +7018,9 @@ def test_server_api_key_guards_every_endpoint_but_health_and_metrics(chat_ckpt, 
                 assert status == (404 if path == "/v1/models/x" else 200), (path, auth, status)
         for path in ("/health", "/metrics"):
             assert keyed_call(server, "GET", path)[0] == 200
+        pages = ("/docs", "/redoc", "/openapi.json")
+        for path, auth in itertools.product(pages, (None, f"Bearer {API_KEY}")):
+            assert keyed_call(server, "GET", path, None, auth)[0] == 404
         status, info, _ = keyed_call(server, "GET", "/server_info", authorization=f"Bearer {API_KEY}")
         assert "api_key" not in info and API_KEY not in json.dumps(info) and API_KEY not in repr(
             server.scheduler.engine.server_args)
