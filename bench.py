@@ -309,6 +309,22 @@ def tiny_checkpoint():
     return oe.write_random_checkpoint(os.path.join(tempfile.mkdtemp(), "tiny"))
 
 
+MODEL_HELP = "a checkpoint, or `tiny` (a random 4-layer Llama); default: SmolLM2-135M-Instruct (GGUF)"
+TINY = "tiny"  # --model-path tiny: a random Llama of 4 layers and hidden 128, written for the run
+
+
+def bench_model(args, default: str | None = "default") -> str | None:
+    """The model a command runs: --model-path (a checkpoint, or TINY), else with --quick the smallest random
+    model, else `default` ("default": SmolLM2-135M-Instruct)."""
+    if args.model_path == TINY:
+        return oe.write_random_checkpoint(os.path.join(tempfile.mkdtemp(), TINY), layers=4, hidden=128)
+    if args.model_path is not None:
+        return args.model_path
+    if args.quick:
+        return tiny_checkpoint()
+    return oe.default_model_path() if default == "default" else default
+
+
 SIM_REGEX = "[a-z]+"  # bench.py sim --grammar: what a constrained request's output must match
 
 
@@ -507,7 +523,7 @@ def device_idle(st: dict, wall: float) -> float:
 def cmd_overlap(args):
     """Both loops on the real model with a CPU device of its own, batch by batch, side by side; with
     --cpu-device thread,process both devices, each in both loops."""
-    path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
+    path = bench_model(args)
     batches = [1, 4] if args.quick else [int(b) for b in args.batches.split(",")]
     n_out = 8 if args.quick else args.output
     devices = args.cpu_device.split(",")
@@ -793,7 +809,7 @@ def flop_bound_tok_s(params, n_in, n_out, dtype) -> float:
 
 
 def cmd_throughput(args):
-    path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
+    path = bench_model(args)
     n = 8 if args.quick else args.requests
     lo, hi = (8, 32) if args.quick else map(int, args.input.split(","))
     dtypes, workloads = args.dtypes.split(","), args.workloads.split(",")
@@ -1131,7 +1147,7 @@ def cmd_profile(args):
     """One decode step of `batch` greedy requests, `steps` tokens into their outputs, replayed on its own:
     the best of five timings, then torch.profiler self time by op, grouped."""
     from torch.profiler import ProfilerActivity, profile
-    path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
+    path = bench_model(args)
     B, steps = (4, 3) if args.quick else (args.batch, args.steps)
     with new_engine(model_path=path, cpu_device="thread", device="cpu", dtype=args.dtype,
                    disable_overlap_schedule=True,
@@ -1212,7 +1228,7 @@ DETERMINISTIC_SETUPS = {"eager": {}, "compiled": {"enable_torch_compile": True},
 def cmd_deterministic(args):
     """What enable_deterministic_inference costs: one decode step at each batch size, and the prefill of
     those requests, replayed on their own (the best of five), against the eager and the compiled engine."""
-    path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
+    path = bench_model(args)
     batches = [1, 4] if args.quick else [int(b) for b in args.batches.split(",")]
     lengths = (8, 32) if args.quick else tuple(map(int, args.input.split(",")))
     steps = 3 if args.quick else args.steps
@@ -1288,7 +1304,7 @@ def cmd_sampling(args):
     hides). The steps are captured first, then replayed in turns (best of 7 rounds), so that the
     machine's drift falls on all setups alike. Greedy but where a setup sets temperature; all setups in
     one engine."""
-    path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
+    path = bench_model(args)
     B, steps = (4, 3) if args.quick else (args.batch, args.steps)
     rows, batches = {}, {}
     with new_engine(model_path=path, cpu_device="thread", device="cpu", dtype=args.dtype,
@@ -1345,7 +1361,7 @@ def cmd_grammar(args):
     """SmolLM2's tokenizer (49152 tokens): the tokenizer info and grammar compile times (cold, then from
     the cache), and over a walk through each grammar the host's bitmask fill and the device's mask per
     step (one request); then one constrained request decoding beside a plain one, tok/s each."""
-    path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
+    path = bench_model(args)
     rows = {}
     with new_engine(model_path=path, device="cpu", dtype=args.dtype, max_total_tokens=4096) as e:
         t0 = time.perf_counter()
@@ -1439,7 +1455,7 @@ def weight_only(setup: str):
 
 def cmd_single(args):
     """One request alone, the chat's case, for each setup: decode tok/s and TTFT, best of `repeat`."""
-    path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
+    path = bench_model(args)
     n_out = 8 if args.quick else args.output
     rows = {}
     for setup in ("float32,int8,int4" if args.quick else args.setups).split(","):
@@ -1573,7 +1589,7 @@ def timed(fn) -> float:
 def cmd_mixed(args):
     """Requests decode; a long prompt arrives and is prefilled in chunks. Without mixed chunks each chunk
     step stalls the decoders; with them every step carries their next tokens too."""
-    path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
+    path = bench_model(args)
     n, plen = (4, 64) if args.quick else (args.decoders, args.prompt)
     chunk, out_len = (16, 24) if args.quick else (args.chunk, args.output)
     results = {}
@@ -1707,7 +1723,7 @@ def serve_load(url, reqs, out_lens, concurrency, rate, seed) -> dict:
 
 def cmd_serve(args):
     import random
-    path = args.model_path or (tiny_checkpoint() if args.quick else None)
+    path = bench_model(args, default=None)
     n, conc = (12, 4) if args.quick else (args.requests, args.concurrency)
     lo, hi = (4, 24) if args.quick else map(int, args.input.split(","))
     olo, ohi = (4, 16) if args.quick else map(int, args.output.split(","))
@@ -1867,7 +1883,7 @@ def cmd_spec(args):
     Batch 1 runs in the chat's setup (one_request_defaults: its weight format pick, for one token or a
     verify's 1 + k, and the compiled batch-1 step), larger batches in bf16 eager. Targets: one request
     on the repeating workload at least 2x, free chat at least 0.95x."""
-    path = args.model_path or (tiny_checkpoint() if args.quick else oe.default_model_path())
+    path = bench_model(args)
     batches = [int(b) for b in ("1,2" if args.quick else args.batches).split(",")]
     n_out = 16 if args.quick else args.output
     res = {}
@@ -2138,7 +2154,7 @@ def write_gpu_timeline(out, timeline, label):
 
 def decode_step_args(sp, steps: int, steps_help: str):
     """The flags of the commands that time one decode step of a batch of the real model."""
-    sp.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    sp.add_argument("--model-path", default=None, help=MODEL_HELP)
     sp.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     sp.add_argument("--batch", type=int, default=TP_REQUESTS)
     sp.add_argument("--input", default=TP_INPUT, help="input length range lo,hi")
@@ -2204,7 +2220,7 @@ def add_model_commands(sub):
     """The commands that run the real model offline: throughput, profile, sampling, grammar, single, mixed,
     spec, queue, all."""
     t = command(sub, "throughput", cmd_throughput, "a real model: overlap vs serial vs transformers generate")
-    t.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    t.add_argument("--model-path", default=None, help=MODEL_HELP)
     t.add_argument("--requests", type=int, default=TP_REQUESTS)
     t.add_argument("--input", default=TP_INPUT, help="input length range lo,hi")
     t.add_argument("--dtypes", default=TP_DTYPES, help="comma-separated; each gets every run")
@@ -2243,11 +2259,11 @@ def add_model_commands(sub):
     sa = command(sub, "sampling", cmd_sampling, "what logprobs and penalties cost a decode step (on and off)")
     decode_step_args(sa, 32, "output tokens before the timed step")
     gr = command(sub, "grammar", cmd_grammar, "grammar compile time and per-step mask cost, real vocabulary")
-    gr.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    gr.add_argument("--model-path", default=None, help=MODEL_HELP)
     gr.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     gr.add_argument("--quick", action="store_true")
     si = command(sub, "single", cmd_single, "one request alone: TTFT and decode tok/s per setup, llama.cpp")
-    si.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    si.add_argument("--model-path", default=None, help=MODEL_HELP)
     si.add_argument("--setups", default=SINGLE_SETUPS, help="comma-separated: a dtype or int8/int4 (bf16 "
                                                              "activations); +compile: torch.compile")
     si.add_argument("--prompt", default=SINGLE_PROMPT, help="a user message (chat template applied)")
@@ -2256,7 +2272,7 @@ def add_model_commands(sub):
     si.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even if installed")
     si.add_argument("--quick", action="store_true", help="tiny model, 8 tokens, float32/int8/int4 only")
     m = command(sub, "mixed", cmd_mixed, "decode ITL while a long prompt prefills, mixed chunks off and on")
-    m.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    m.add_argument("--model-path", default=None, help=MODEL_HELP)
     m.add_argument("--decoders", type=int, default=MIXED_DECODERS)
     m.add_argument("--prompt", type=int, default=MIXED_PROMPT, help="tokens of the long prompt")
     m.add_argument("--chunk", type=int, default=MIXED_CHUNK, help="chunked_prefill_size")
@@ -2264,7 +2280,7 @@ def add_model_commands(sub):
     m.add_argument("--seed", type=int, default=TP_SEED)
     m.add_argument("--quick", action="store_true")
     sp = command(sub, "spec", cmd_spec, "speculative decoding (NGRAM) against plain, batches 1, 8 and 64")
-    sp.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    sp.add_argument("--model-path", default=None, help=MODEL_HELP)
     sp.add_argument("--batches", default=SPEC_BATCHES, help="comma-separated")
     sp.add_argument("--output", type=int, default=SPEC_OUTPUT, help="tokens a reply at most")
     sp.add_argument("--drafts", type=int, default=SPEC_DRAFTS, help="speculative_num_draft_tokens (k)")
@@ -2283,7 +2299,7 @@ def add_serving_commands(sub):
     """The command that loads the HTTP server: serve."""
     s = command(sub, "serve", cmd_serve, "load on the HTTP server (both loops, or --url), like bench_serving")
     s.add_argument("--url", default=None, help="a running server; default: start one per loop")
-    s.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    s.add_argument("--model-path", default=None, help=MODEL_HELP)
     s.add_argument("--requests", type=int, default=SERVE_REQUESTS)
     s.add_argument("--concurrency", type=int, default=SERVE_CONCURRENCY)
     s.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second instead")
@@ -2296,7 +2312,7 @@ def add_serving_commands(sub):
 def add_overlap_command(sub):
     ov = command(sub, "overlap", cmd_overlap, "both loops on the real model with a CPU device of its own "
                  "(cpu_device_threads): tok/s, TTFT, ITL, device gap, G and C")
-    ov.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    ov.add_argument("--model-path", default=None, help=MODEL_HELP)
     ov.add_argument("--batches", default=OVERLAP_BATCHES, help="comma-separated")
     ov.add_argument("--output", type=int, default=OVERLAP_OUTPUT, help="tokens each request generates")
     ov.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: the engine's")
@@ -2313,13 +2329,17 @@ def add_overlap_command(sub):
     ov.add_argument("--quick", action="store_true", help="tiny model, batches 1 and 4, 8 tokens")
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     add_device_commands(sub)
     add_model_commands(sub)
     add_serving_commands(sub)
-    args = p.parse_args()
+    return p
+
+
+def main():
+    args = parser().parse_args()
     if getattr(args, "quick", False):
         ENGINE_DEFAULTS["cpu_device"] = "thread"
     if getattr(args, "compile", False) and not oe.cpp_compiler():

@@ -17,6 +17,8 @@ import dataclasses
 import functools
 import gc
 import inspect
+import glob
+import io
 import itertools
 import json
 import math
@@ -7295,3 +7297,53 @@ def test_bench_grammar_and_constrained_sim_quick_run(tmp_path):
     run_bench("grammar", "--quick", "--json", str(out))
     res = json.loads(out.read_text())
     assert all(res[k]["compile_ms"] > 0 and res[k]["fill_ms"] > 0 for k in ("json_schema", "regex"))
+
+
+def documented_commands(program: str) -> list:
+    """Every `python <program> ...` command that README.md and docs/*.md show, as written: in fenced or
+    indented code blocks (a shell prompt dropped, `\\` continuations joined) and in inline code."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = []
+    for path in [os.path.join(here, "README.md"), *sorted(glob.glob(os.path.join(here, "docs", "*.md")))]:
+        block, prose, fenced = [], [], False
+        for line in open(path).read().splitlines():
+            if line.startswith("```"):
+                fenced = not fenced
+            (block if fenced or line.startswith("    ") else prose).append(line.strip())
+        texts = re.sub(r"\\\n", " ", "\n".join(block)).splitlines()
+        for para in re.split(r"\n\s*\n", "\n".join(prose)):
+            texts += [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", para)]
+        for text in texts:
+            for part in re.sub(r"^[\w.-]*\$ ", "", text).split("&&"):
+                part = part.strip().rstrip("&").strip()
+                if part.startswith(f"python {program}"):
+                    found.append((os.path.relpath(path, here), part))
+    return found
+
+
+def test_documented_commands_parse_as_written():
+    """The bench.py and overlap_engine.py commands the README and docs show are commands their parsers
+    take as written (no placeholder for a model: a bench runs `--model-path tiny` or its default model),
+    so a renamed flag or a made-up name cannot go unnoticed; bench.py's own docstring included."""
+    import bench
+    import shlex
+    here = os.path.dirname(os.path.abspath(__file__))
+    benches = documented_commands("bench.py") + [
+        ("bench.py", line.split("#")[0].strip()) for line in bench.__doc__.splitlines()
+        if line.strip().startswith("python bench.py")]
+    assert len(benches) >= 20 and any("--model-path tiny" in cmd for _, cmd in benches)
+    for where, cmd in benches:
+        try:
+            args = bench.parser().parse_args(shlex.split(cmd)[2:])
+        except SystemExit:
+            raise AssertionError(f"{where}: {cmd!r} does not parse") from None
+        model = getattr(args, "model_path", None)
+        assert model in (None, bench.TINY) or os.path.exists(os.path.join(here, model)), (where, cmd)
+    engines = documented_commands("overlap_engine.py")
+    assert len(engines) >= 5
+    for where, cmd in engines:
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # --help prints, then exits with 0
+                oe.cli_parser().parse_args(shlex.split(cmd)[2:])
+        except SystemExit as e:
+            assert e.code == 0, f"{where}: {cmd!r} does not parse"
