@@ -7347,3 +7347,31 @@ def test_documented_commands_parse_as_written():
                 oe.cli_parser().parse_args(shlex.split(cmd)[2:])
         except SystemExit as e:
             assert e.code == 0, f"{where}: {cmd!r} does not parse"
+
+
+def test_requirements_name_every_package_the_code_imports():
+    """Each package that overlap_engine.py, kernels.py, bench.py or this file imports, anywhere in them, is
+    in requirements.txt (by its distribution's name), but for the peers bench.py runs beside the engine
+    where a user has them (llama.cpp's and vLLM's Python packages), which it does not install."""
+    import ast
+    import importlib.metadata
+    here = os.path.dirname(os.path.abspath(__file__))
+    local = {"overlap_engine", "kernels", "bench", "test_overlap_engine", "overlap_engine_kernels"}
+    optional = {"llama_cpp", "vllm"}
+    with open(os.path.join(here, "requirements.txt")) as f:
+        listed = {re.split(r"[<>=!~ ;\[]", line.strip())[0].lower().replace("_", "-")
+                  for line in f if line.strip() and not line.startswith(("#", " "))}
+    dists = importlib.metadata.packages_distributions()
+    missing = []
+    for name in ("overlap_engine.py", "kernels.py", "bench.py", "test_overlap_engine.py"):
+        tree = ast.parse(open(os.path.join(here, name)).read())
+        for node in ast.walk(tree):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            for top in {m.split(".")[0] for m in mods}:
+                if top in sys.stdlib_module_names or top in local | optional or top == "_signal":
+                    continue
+                owners = {d.lower().replace("_", "-") for d in dists.get(top, [top])}
+                if not owners & listed:
+                    missing.append((name, top, sorted(owners)))
+    assert not missing, missing
