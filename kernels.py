@@ -988,6 +988,240 @@ def q_matmul_cpu(x, tiles, bits: int, compiler: str = "cc"):
     return out
 
 
+# ----------------------------------------------------------------------------------------------
+# CPU: a GGUF file's own blocks times float32 activations (C, AVX2)
+#
+# A GGUF stores a linear layer's weights in blocks of 32 inputs: Q4_1 as 4-bit codes q with a scale d and
+# a minimum m (weight = d * q + m), Q4_0 as d * (q - 8), Q8_0 as d * q with signed 8-bit q; d and m in fp16.
+# These are the float model's weights, exactly. gguf_matmul multiplies them in float32, activations and
+# sums, reading each block once for all of a call's rows: a block's dot product is d * sum(q * x) + m *
+# sum(x), sum(q * x) from the codes converted to float (exact) and sum(x) once per block and row. Each row's
+# sums go in one order, whatever the number of rows beside it: a row's result has the same bits alone or
+# in a batch. One token reads 20 bytes a block (Q4_0: 18, Q8_0: 34), as llama.cpp does, at about the speed
+# memory streams them.
+#
+# The layout (pack_gguf_tiles), "lanes are rows": tiles of 8 output rows, and per tile and block of 32
+# inputs, 8 vectors of 8 lanes where lane n is row n, so one broadcast activation feeds 8 rows and no sum
+# crosses lanes. 4-bit: 4 vectors of int32 lanes, vector g holding row n's codes of inputs 8g .. 8g + 7
+# (input 8g + k in bits 4k .. 4k + 3), then the 8 rows' d and m in fp16 (Q4_0: m = -8 d, exact). A code is
+# taken out with one AND (0xF << 4k) and converted as it sits, q * 16^k, against an activation pre-scaled
+# by 16^-k (both exact); the top one with a shift. 8-bit: 32 groups of 8 signed bytes, group i the 8 rows'
+# codes of input i (vpmovsxbd widens them), then d.
+
+GGUF_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml's type numbers of the blocks gguf_matmul reads
+GGUF_ROWS = 8  # output rows a tile
+GGUF_TILE = {2: 160, 3: 160, 8: 272}  # bytes a tile's block takes: its codes, d (and m)
+GGUF_FLAGS = [f for f in CPU_KERNEL_FLAGS if f != "-ffast-math"]  # each row's sums in the order written
+
+GGUF_MATMUL_SRC = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <immintrin.h>
+#if !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#error "gguf_matmul needs AVX2, FMA and F16C"
+#endif
+#define ROWS 8
+#define TILE (BITS == 4 ? 160 : 272)  /* bytes of a tile's block: its codes, then d (and m) in fp16 */
+#define AHEAD 2048  /* bytes ahead of the block it reads that a thread asks the cache for */
+#define CHUNK 32    /* rows of x a pass over a tile serves, their sums kept on the stack */
+
+/* x (M, K) -> xs: each row's 4-bit-scaled copy (input 8g + k times 16^-k, k < 7) and sx (M, K / 32), the
+   sum of each block of 32 inputs, in a fixed order */
+static void prepare(const float *x, int64_t M, int64_t K, float *xs, float *sx) {
+    for (int64_t i = 0; i < M * K; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        if (BITS == 4) {
+            const __m256 scale = _mm256_setr_ps(1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f,
+                                                0x1p-24f, 1.0f);
+            v = _mm256_mul_ps(v, scale);
+        }
+        _mm256_storeu_ps(xs + i, v);
+    }
+    for (int64_t i = 0; i < M * K / 32; i++) {
+        const float *b = x + 32 * i;
+        __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(b), _mm256_loadu_ps(b + 8)),
+                                 _mm256_add_ps(_mm256_loadu_ps(b + 16), _mm256_loadu_ps(b + 24)));
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        sx[i] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    }
+}
+
+/* code i of a block (of the tile's 8 rows) as floats; 4-bit: times 16^(i % 8) for i % 8 < 7, from the
+   block's 4 vectors v, loaded once (LOAD_CODES) */
+#define LOAD_CODES(t) const uint8_t *v = (t)
+#if BITS == 4
+#define CODE(i) _mm256_cvtepi32_ps(code4(_mm256_loadu_si256((const __m256i *)(v + 32 * ((i) / 8))), (i) % 8))
+static inline __m256i code4(__m256i v, int k) {
+    return k < 7 ? _mm256_and_si256(v, _mm256_set1_epi32(15 << (4 * k))) : _mm256_srli_epi32(v, 28);
+}
+#else
+#define CODE(i) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(v + 8 * (i)))))
+#endif
+#define CONVERTED(i) c[i]
+
+/* sum over a block's 32 inputs of code * x for the 8 rows, in a fixed order: per group of 8 inputs two
+   chains (even and odd inputs) added, then the four groups' sums pairwise. C(i): code i as floats */
+#define X(i) _mm256_broadcast_ss(x_ + (i))
+#define GROUP(C, g, s) do {                                                                        \
+        __m256 e_ = _mm256_mul_ps(C(8 * g), X(8 * g)), o_ = _mm256_mul_ps(C(8 * g + 1), X(8 * g + 1)); \
+        e_ = _mm256_fmadd_ps(C(8 * g + 2), X(8 * g + 2), e_);                                       \
+        o_ = _mm256_fmadd_ps(C(8 * g + 3), X(8 * g + 3), o_);                                       \
+        e_ = _mm256_fmadd_ps(C(8 * g + 4), X(8 * g + 4), e_);                                       \
+        o_ = _mm256_fmadd_ps(C(8 * g + 5), X(8 * g + 5), o_);                                       \
+        e_ = _mm256_fmadd_ps(C(8 * g + 6), X(8 * g + 6), e_);                                       \
+        o_ = _mm256_fmadd_ps(C(8 * g + 7), X(8 * g + 7), o_);                                       \
+        s = _mm256_add_ps(e_, o_);                                                                 \
+    } while (0)
+#define BLOCK_DOT(C, x, out) do {                                                                  \
+        const float *x_ = (x);                                                                     \
+        __m256 s0_, s1_, s2_, s3_;                                                                 \
+        GROUP(C, 0, s0_); GROUP(C, 1, s1_); GROUP(C, 2, s2_); GROUP(C, 3, s3_);                    \
+        out = _mm256_add_ps(_mm256_add_ps(s0_, s1_), _mm256_add_ps(s2_, s3_));                      \
+    } while (0)
+
+/* one row of x through tile r: its 8 outputs, the sums held in registers, each code converted as it is used */
+static inline void one_row(const float *xs, const float *sx, const uint8_t *t, int64_t KB, float *y) {
+    __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps(), dot;
+    for (int64_t b = 0; b < KB; b++, t += TILE) {
+        for (int l = 0; l < TILE; l += 64) _mm_prefetch((const char *)t + AHEAD + l, _MM_HINT_T0);
+        LOAD_CODES(t);
+        BLOCK_DOT(CODE, xs + 32 * b, dot);
+        acc = _mm256_fmadd_ps(dot, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 32 * BITS))), acc);
+#if BITS == 4
+        macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 144))),
+                               _mm256_broadcast_ss(sx + b), macc);
+#endif
+    }
+    _mm256_storeu_ps(y, _mm256_add_ps(acc, macc));
+}
+
+/* rows m0 .. m0 + mn - 1 of x through tile r, the block's codes converted once for them all: the same
+   operations, in the same order, as one_row's for each */
+static void many_rows(const float *xs, const float *sx, const uint8_t *t, int64_t K, int mn, float *y) {
+    const int64_t KB = K / 32;
+    __m256 acc[CHUNK], macc[CHUNK], c[32], dot;
+    for (int m = 0; m < mn; m++) acc[m] = macc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < KB; b++, t += TILE) {
+        LOAD_CODES(t);
+        for (int i = 0; i < 32; i++) c[i] = CODE(i);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 32 * BITS)));
+        for (int m = 0; m < mn; m++) {
+            BLOCK_DOT(CONVERTED, xs + m * K + 32 * b, dot);
+            acc[m] = _mm256_fmadd_ps(dot, d, acc[m]);
+#if BITS == 4
+            macc[m] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 144))),
+                                      _mm256_broadcast_ss(sx + m * KB + b), macc[m]);
+#endif
+        }
+    }
+    for (int m = 0; m < mn; m++) _mm256_storeu_ps(y + ROWS * m, _mm256_add_ps(acc[m], macc[m]));
+}
+
+/* out (M, N) float32 = x (M, K) float32 times the weights in w's tiles of BITS-bit codes, N padded up to
+   tiles of 8 rows in w, the padding left out of out */
+void gguf_matmul(const float *x, const uint8_t *w, int64_t M, int64_t N, int64_t K, float *out, int threads) {
+    const int64_t KB = K / 32, tiles = (N + ROWS - 1) / ROWS;
+    float *xs = malloc(M * K * sizeof(float)), *sx = malloc(M * KB * sizeof(float));
+    prepare(x, M, K, xs, sx);
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < tiles; r++) {
+        const int64_t n0 = r * ROWS, nn = N - n0 < ROWS ? N - n0 : ROWS;
+        for (int64_t m0 = 0; m0 < M; m0 += CHUNK) {
+            const int mn = M - m0 < CHUNK ? (int)(M - m0) : CHUNK;
+            float y[CHUNK * ROWS];
+            if (mn == 1)
+                one_row(xs + m0 * K, sx + m0 * KB, w + r * KB * TILE, KB, y);
+            else
+                many_rows(xs + m0 * K, sx + m0 * KB, w + r * KB * TILE, K, mn, y);
+            for (int m = 0; m < mn; m++) memcpy(out + (m0 + m) * N + n0, y + ROWS * m, nn * sizeof(float));
+        }
+    }
+    free(xs);
+    free(sx);
+}
+"""
+
+
+def gguf_blocks(raw: torch.Tensor, type_: int) -> tuple:
+    """A GGUF tensor's raw blocks (N, bytes a row) uint8 -> (codes (N, K) int32, d, m (N, K / 32) float32):
+    weight = d * codes + m. Q4_1 as written; Q4_0's d * (q - 8) as codes q with m = -8 d; Q8_0's signed
+    codes with m = 0."""
+    N = raw.shape[0]
+    size = {2: 18, 3: 20, 8: 34}[type_]
+    b = raw.view(N, -1, size)
+    d = b[..., :2].contiguous().view(torch.float16).float().view(N, -1)
+    if type_ == 8:
+        return b[..., 2:].contiguous().view(torch.int8).int().view(N, -1), d, torch.zeros_like(d)
+    qs = b[..., size - 16:].int()
+    codes = torch.cat((qs & 15, qs >> 4), dim=-1).view(N, -1)  # byte j: input j (low), input j + 16 (high)
+    m = b[..., 2:4].contiguous().view(torch.float16).float().view(N, -1) if type_ == 3 else -8 * d
+    return codes, d, m
+
+
+def gguf_weights_ref(raw: torch.Tensor, type_: int) -> torch.Tensor:
+    """The float32 weights (N, K) a GGUF tensor's blocks stand for, computed as gguf (and llama.cpp)
+    dequantize them: d * q + m (Q4_1), d * (q - 8) (Q4_0), d * q (Q8_0)."""
+    codes, d, m = gguf_blocks(raw, type_)
+    N, K = codes.shape
+    q = codes.float().view(N, K // 32, 32)
+    if type_ == 2:
+        return (d[..., None] * (q - 8)).view(N, K)
+    return (d[..., None] * q + m[..., None]).view(N, K) if type_ == 3 else (d[..., None] * q).view(N, K)
+
+
+def gguf_matmul_ref(x, raw, type_: int):
+    """gguf_matmul's spec: x (M, K) times the blocks' weights, in float64 (the kernel sums in float32)."""
+    return x.double() @ gguf_weights_ref(raw, type_).double().T
+
+
+def pack_gguf_tiles(raw: torch.Tensor, type_: int) -> torch.Tensor:
+    """A GGUF tensor's raw blocks (N, bytes a row) -> gguf_matmul's tiles (ceil(N / 8), K / 32, bytes a
+    tile's block) uint8 (the rows padded with zero blocks to a whole tile)."""
+    codes, d, m = gguf_blocks(raw, type_)
+    N, K = codes.shape
+    pad = -N % GGUF_ROWS
+    if pad:
+        codes, d, m = (torch.cat((t, t.new_zeros(pad, t.shape[1]))) for t in (codes, d, m))
+    T, KB = (N + pad) // GGUF_ROWS, K // 32
+    c = codes.view(T, GGUF_ROWS, KB, 4, 8)  # (tile, row, block, group g, input k of the group)
+    if type_ == 8:  # group i: the 8 rows' codes of input i
+        c = c.view(T, GGUF_ROWS, KB, 32).permute(0, 2, 3, 1).to(torch.int8).contiguous().view(torch.uint8)
+    else:  # vector g, lane n: row n's codes of inputs 8g .. 8g + 7, input 8g + k in bits 4k .. 4k + 3
+        lanes = (c << (4 * torch.arange(8, dtype=torch.int32))).sum(-1, dtype=torch.int64)  # (T, n, KB, g)
+        c = lanes.to(torch.uint32).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
+    def fp16(a):  # (N, KB) -> (T, KB, 8 rows) fp16, as bytes
+        return a.view(T, GGUF_ROWS, KB).transpose(1, 2).half().contiguous().view(torch.uint8)
+    parts = [c.view(T, KB, -1), fp16(d)] + ([] if type_ == 8 else [fp16(m)])
+    return torch.cat(parts, dim=-1).contiguous()
+
+
+def gguf_matmul_kernel(bits: int, compiler: str):
+    """The compiled gguf_matmul for 4- or 8-bit codes, or None where it cannot be built (no AVX2)."""
+    key = ("gguf", bits)
+    if key not in _cpu_kernels:
+        import ctypes
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        _cpu_kernels[key] = build_c(f"gguf{bits}_matmul", GGUF_MATMUL_SRC, GGUF_FLAGS + [f"-DBITS={bits}"],
+                                    compiler, "gguf_matmul", [p, p, i64, i64, i64, p, ctypes.c_int])
+    return _cpu_kernels[key]
+
+
+def gguf_matmul_cpu(x, tiles, type_: int, N: int, compiler: str = "cc"):
+    """x (M, K) float32 times the weights pack_gguf_tiles packed into `tiles`: (M, N) float32; None where
+    the kernel cannot be built here."""
+    fn = gguf_matmul_kernel(8 if type_ == 8 else 4, compiler)
+    if fn is None:
+        return None
+    M, K = x.shape
+    assert x.dtype == torch.float32 and x.is_contiguous() and tiles.shape[1] * 32 == K, tiles.shape
+    assert tiles.shape[2] == GGUF_TILE[type_] and tiles.shape[0] * GGUF_ROWS >= N, (tiles.shape, N)
+    out = torch.empty(M, N, dtype=torch.float32)
+    fn(x.data_ptr(), tiles.data_ptr(), M, N, K, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
 # The CPU kernels of overlap_engine's ops q_linear and decode_attention_c in C++ against torch's headers,
 # calling the C kernels above: a kernel written in Python costs the dispatcher a call back into Python,
 # as much as a small model's one-token matmul itself, and a decode step makes hundreds of such calls. The
