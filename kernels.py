@@ -1222,17 +1222,20 @@ def gguf_matmul_cpu(x, tiles, type_: int, N: int, compiler: str = "cc"):
     return out
 
 
-# The CPU kernels of overlap_engine's ops q_linear and decode_attention_c in C++ against torch's headers,
-# calling the C kernels above: a kernel written in Python costs the dispatcher a call back into Python,
-# as much as a small model's one-token matmul itself, and a decode step makes hundreds of such calls. The
-# ops' Python kernels stay where this does not build. Each C kernel is handed over once it is built, keyed
-# as _cpu_kernels keys it.
+# The CPU kernels of overlap_engine's ops q_linear, gguf_linear and decode_attention_c in C++ against torch's
+# headers, calling the C kernels above: a kernel written in Python costs the dispatcher a call back into
+# Python, as much as a small model's one-token matmul itself, and a decode step makes hundreds of such
+# calls. The ops' Python kernels stay where this does not build. Each C kernel is handed over once it is
+# built, keyed as _cpu_kernels keys it.
 
 CPU_OPS_SRC = r"""
 /* built against torch %(TORCH)s */
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <tuple>
+#include <vector>
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -1240,13 +1243,16 @@ CPU_OPS_SRC = r"""
 #include <ATen/Parallel.h>
 
 typedef void (*q_matmul_fn)(const void *, const void *, int64_t, int64_t, int64_t, void *, int);
+typedef void (*gguf_matmul_fn)(const void *, const void *, int64_t, int64_t, int64_t, void *, int);
 typedef void (*attention_fn)(const void *, const void *, const void *, const void *, const void *,
                              const void *, int64_t, int64_t, float, void *, int);
 typedef std::tuple<int, int64_t, int64_t, int64_t, int64_t> attention_key;  /* fp32 or bf16, D, Hkv, G, E */
 static q_matmul_fn q_matmul[9];  /* by bits */
+static gguf_matmul_fn gguf_matmul[9];  /* by bits */
 static std::map<attention_key, attention_fn> attention;
 
 extern "C" void set_q_matmul(int bits, void *fn) { q_matmul[bits] = (q_matmul_fn)fn; }
+extern "C" void set_gguf_matmul(int bits, void *fn) { gguf_matmul[bits] = (gguf_matmul_fn)fn; }
 extern "C" void set_decode_attention(int bf16, int64_t D, int64_t Hkv, int64_t G, int64_t E, void *fn) {
     attention[{bf16, D, Hkv, G, E}] = (attention_fn)fn;
 }
@@ -1262,6 +1268,24 @@ static at::Tensor q_linear(const at::Tensor &x, const at::Tensor &tiles, int64_t
     shape.back() = N;
     at::Tensor out = at::empty(shape, xc.options());
     q_matmul[bits](xc.data_ptr(), tiles.data_ptr(), M, N, K, out.data_ptr(), at::get_num_threads());
+    return out;
+}
+
+/* kernels.gguf_matmul_cpu's checks and call: x (..., K) float32 times tiles of ggml type `type`, N outputs */
+static at::Tensor gguf_linear(const at::Tensor &x, const at::Tensor &tiles, int64_t type, int64_t N) {
+    const int bits = type == 8 ? 8 : 4;
+    TORCH_CHECK((type == 2 || type == 3 || type == 8) && gguf_matmul[bits], "gguf_linear: no kernel for type ",
+                type);
+    TORCH_CHECK(x.scalar_type() == at::kFloat && tiles.scalar_type() == at::kByte && tiles.is_contiguous()
+                && tiles.dim() == 3 && tiles.size(2) == (bits == 8 ? 272 : 160) && tiles.size(0) * 8 >= N,
+                "gguf_linear: x in float32 and contiguous uint8 tiles of its type");
+    const at::Tensor xc = x.contiguous();
+    const int64_t K = xc.size(-1), M = xc.numel() / K;
+    TORCH_CHECK(tiles.size(1) * 32 == K, "gguf_linear: tiles of ", tiles.size(1) * 32, " inputs, x of ", K);
+    std::vector<int64_t> shape = xc.sizes().vec();
+    shape.back() = N;
+    at::Tensor out = at::empty(shape, xc.options());
+    if (M > 0) gguf_matmul[bits](xc.data_ptr(), tiles.data_ptr(), M, N, K, out.data_ptr(), at::get_num_threads());
     return out;
 }
 
@@ -1288,8 +1312,68 @@ static at::Tensor decode_attention_c(const at::Tensor &q, const at::Tensor &kb, 
     return out;
 }
 
+/* h = w * x / sqrt(mean(x^2) + eps), the mean summed in double */
+static void rms_norm(const float *x, const float *w, int64_t n, double eps, float *h) {
+    double ss = 0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    const float inv = 1.0f / std::sqrt((float)(ss / n) + (float)eps);
+    for (int64_t i = 0; i < n; i++) h[i] = w[i] * (x[i] * inv);
+}
+
+/* One decoder layer of one request's decode step, a single token x (1, E) float32, its weights in GGUF
+   tiles ([qkv, o, gate_up, down], of ggml types `types`, `outs` outputs each): the norm, q/k/v, rotary
+   (HF's halves, cos and sin (.., D) of the token's position), the KV write at slot loc[0], decode attention
+   over the request's row of req_to_token (the C kernel set_decode_attention handed over), o and the
+   residual, the norm, SwiGLU, down and the residual. Returns the layer's output; writes kb and vb. */
+static at::Tensor gguf_decode_layer(const at::Tensor &x, const at::Tensor &in_norm, const at::Tensor &post_norm,
+                                    at::TensorList tiles, at::IntArrayRef types, at::IntArrayRef outs,
+                                    const at::Tensor &cos, const at::Tensor &sin, at::Tensor &kb, at::Tensor &vb,
+                                    const at::Tensor &loc, const at::Tensor &req_to_token, const at::Tensor &rows,
+                                    const at::Tensor &lens, double eps, int64_t H) {
+    const int64_t E = x.size(-1), Hkv = kb.size(1), D = kb.size(2), I = outs[2] / 2;
+    TORCH_CHECK(x.numel() == E && x.scalar_type() == at::kFloat && kb.scalar_type() == at::kFloat
+                && kb.is_contiguous() && vb.is_contiguous() && tiles.size() == 4 && types.size() == 4
+                && outs.size() == 4 && outs[0] == (H + 2 * Hkv) * D && outs[1] == E && outs[3] == E && D <= 512,
+                "gguf_decode_layer: one float32 token and a float32 pool of the model's shapes");
+    for (int i = 0; i < 4; i++)
+        TORCH_CHECK(gguf_matmul[types[i] == 8 ? 8 : 4], "gguf_decode_layer: no kernel for type ", types[i]);
+    const auto found = attention.find({0, D, Hkv, H / Hkv, 1});
+    TORCH_CHECK(found != attention.end(), "gguf_decode_layer: no float32 attention kernel for these shapes");
+    const int threads = at::get_num_threads();
+    auto matmul = [&](int i, const float *in, int64_t K, float *out) {
+        gguf_matmul[types[i] == 8 ? 8 : 4](in, tiles[i].data_ptr(), 1, outs[i], K, out, threads);
+    };
+    at::Tensor out = x.contiguous().clone();  /* the residual stream */
+    float *r = out.data_ptr<float>();
+    std::vector<float> h(std::max(E, I)), qkv(outs[0]), o(H * D), y(std::max(E, 2 * I));
+    const float *c = cos.contiguous().data_ptr<float>(), *s = sin.contiguous().data_ptr<float>();
+    rms_norm(r, in_norm.data_ptr<float>(), E, eps, h.data());
+    matmul(0, h.data(), E, qkv.data());
+    for (int64_t head = 0; head < H + Hkv; head++) {  /* q and k rotate alike: x cos + rotate_half(x) sin */
+        float *v = qkv.data() + head * D, rot[512];
+        for (int64_t d = 0; d < D; d++) rot[d] = d < D / 2 ? -v[d + D / 2] : v[d - D / 2];
+        for (int64_t d = 0; d < D; d++) v[d] = v[d] * c[d] + rot[d] * s[d];
+    }
+    const int64_t slot = loc.to(at::kLong).item<int64_t>();
+    std::memcpy(kb.data_ptr<float>() + slot * Hkv * D, qkv.data() + H * D, Hkv * D * sizeof(float));
+    std::memcpy(vb.data_ptr<float>() + slot * Hkv * D, qkv.data() + (H + Hkv) * D, Hkv * D * sizeof(float));
+    const at::Tensor rows64 = rows.to(at::kLong).contiguous(), lens64 = lens.to(at::kLong).contiguous();
+    found->second(qkv.data(), kb.data_ptr(), vb.data_ptr(), req_to_token.data_ptr(), rows64.data_ptr(),
+                  lens64.data_ptr(), 1, req_to_token.size(1), (float)std::pow((double)D, -0.5), o.data(), threads);
+    matmul(1, o.data(), H * D, y.data());
+    for (int64_t i = 0; i < E; i++) r[i] += y[i];
+    rms_norm(r, post_norm.data_ptr<float>(), E, eps, h.data());
+    matmul(2, h.data(), E, y.data());
+    for (int64_t i = 0; i < I; i++) h[i] = y[i] / (1.0f + std::exp(-y[i])) * y[I + i];  /* silu(gate) up */
+    matmul(3, h.data(), I, y.data());
+    for (int64_t i = 0; i < E; i++) r[i] += y[i];
+    return out;
+}
+
 TORCH_LIBRARY_IMPL(overlap_engine, CPU, m) {
     m.impl("q_linear", &q_linear);
+    m.impl("gguf_linear", &gguf_linear);
+    m.impl("gguf_decode_layer", &gguf_decode_layer);
     m.impl("decode_attention_c", &decode_attention_c);
 }
 """
@@ -1315,6 +1399,17 @@ def q_linear_in_cpp(bits: int, compiler: str) -> bool:
     import ctypes
     fn = q_matmul_kernel(bits, compiler)
     setter = cpu_ops_function("set_q_matmul", [ctypes.c_int, ctypes.c_void_p], compiler)
+    if fn is None or setter is None:
+        return False
+    setter(bits, ctypes.cast(fn, ctypes.c_void_p))
+    return True
+
+
+def gguf_linear_in_cpp(bits: int, compiler: str) -> bool:
+    """As q_linear_in_cpp, for overlap_engine::gguf_linear and gguf_matmul_kernel(bits)."""
+    import ctypes
+    fn = gguf_matmul_kernel(bits, compiler)
+    setter = cpu_ops_function("set_gguf_matmul", [ctypes.c_int, ctypes.c_void_p], compiler)
     if fn is None or setter is None:
         return False
     setter(bits, ctypes.cast(fn, ctypes.c_void_p))

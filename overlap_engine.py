@@ -80,7 +80,7 @@ import re
 import sys
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Callable, Iterator, NamedTuple, Optional
 
@@ -2330,8 +2330,9 @@ class ServerArgs:
     torch_compile_max_bs: int = arg(256, "largest decode batch that runs the compiled model (batch 1 has a "
                                          "graph of its own; one graph serves the larger ones)")
     quantization: Optional[str] = arg(
-        None, "weight-only: int8 (a scale per row) or int4 (groups of 32) linear weights, float activations; "
-              "CPU only; dtype auto is then bfloat16", (None, "int8", "int4"))
+        None, "weight-only: int8 (a scale per row) or int4 (groups of 32) linear weights, float activations, "
+              "dtype auto then bfloat16; or gguf: a GGUF file's own Q4_0/Q4_1/Q8_0 blocks, the float model's "
+              "weights exactly, float32 activations and sums; CPU only", (None, "int8", "int4", "gguf"))
     context_length: Optional[int] = arg(None, "longest prompt + output; none: the model's own")
     # memory and scheduling
     disable_overlap_schedule: bool = arg(False, "run the serial loop (plan, run, wait, commit)")
@@ -2951,6 +2952,8 @@ def check_engine_args(kwargs: dict) -> ServerArgs:
     if args.quantization and args.dtype == "float64":
         raise ValueError(f"quantization={args.quantization!r} needs 32- or 16-bit float activations, "
                          "not dtype='float64'")
+    if args.quantization == "gguf":
+        check_gguf_quantization(args)
     if args.cpu_device == "auto":  # sharing every core, a device process adds its messages and gains nothing
         own_cores = args.device == "cpu" and args.tp_size == 1 and args.cpu_device_threads > 0
         args.cpu_device = "process" if own_cores else "thread"
@@ -2976,7 +2979,8 @@ def check_engine_args(kwargs: dict) -> ServerArgs:
                          f"matmuls), not on device={args.device!r}")
     if args.dtype == "auto":
         # torch's weight-pack matmuls are several times slower with fp32 activations than with bf16
-        bf16 = args.device == "cuda" or bool(args.quantization) or cpu_has_native_bf16()
+        bf16 = args.device == "cuda" or args.quantization in ("int8", "int4") or (
+            args.quantization is None and cpu_has_native_bf16())
         args.dtype = "bfloat16" if bf16 else "float32"
     if args.device == "cuda" and args.tp_size // args.nnodes > torch.cuda.device_count():
         raise ValueError(f"tp_size={args.tp_size} over nnodes={args.nnodes} needs "
@@ -3065,6 +3069,8 @@ def build_worker(args: ServerArgs, cfg: ModelConfig, model: nn.Module, make_stre
     future_map = FutureMap(args.max_running_requests, args.device, args.debug_future_map)
     if compile_max_bs:
         model = CompiledDecode(model, compile_max_bs, verify=args.speculative_algorithm is not None)
+    elif args.quantization == "gguf" and isinstance(backend, CDecodeBackend):
+        model = GGUFDecode(model)
     drafter = None
     if args.speculative_algorithm == "NGRAM":
         drafter = functools.partial(ngram_drafter, lo=args.speculative_ngram_min_match_window_size,
@@ -3126,7 +3132,8 @@ class Engine:
             cfg, state, self.tokenizer = load_dummy(self.model_path, args.device, shard)
         else:
             self.model_path = args.model_path or default_model_path()
-            cfg, state, self.tokenizer = load_checkpoint(self.model_path, shard)
+            cfg, state, self.tokenizer = load_checkpoint(self.model_path, shard,
+                                                         gguf_blocks=args.quantization == "gguf")
         self.model_config = cfg
         self.device_process: Optional[DeviceProcess] = None  # cpu_device="process": the device's end
         process = args.cpu_device == "process"
@@ -4315,6 +4322,161 @@ def pack_linears(model: nn.Module):
             setattr(model.get_submodule(parent), attr, PackedLinear(layer))
 
 
+# -- quantization="gguf": a GGUF file's own blocks, computed as they are --
+#
+# A GGUF's Q4_0, Q4_1 and Q8_0 blocks are the float model's weights exactly (llama.cpp and gguf dequantize
+# them as d * q + m in float32). quantization="gguf" keeps them as the file holds them (20 bytes a Q4_1
+# block of 32 weights: what one token reads) and multiplies them by float32 activations with float32 sums
+# (kernels.gguf_matmul), so the float model's arithmetic runs at the file's bytes: no second quantization,
+# no rounded activations. Other block types (the K-quants) and the norms load as every checkpoint does,
+# dequantized to float32.
+
+GGUF_BLOCKS = ".gguf_blocks"  # load_gguf(blocks=True): a weight's blocks, under its name + this
+GGUF_KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # block types kernels.gguf_matmul reads
+
+
+class GGUFBlocks(NamedTuple):
+    kind: str            # ggml's type name: "Q4_0", "Q4_1" or "Q8_0"
+    raw: torch.Tensor    # (rows, bytes a row) uint8, the file's bytes
+
+
+def check_gguf_quantization(args: ServerArgs):
+    """quantization="gguf": a GGUF checkpoint, whole on one CPU process, in float32 (auto becomes it)."""
+    path = args.model_path or DEFAULT_MODEL_MEMBER
+    if args.load_format == "dummy" or not path.endswith(".gguf"):
+        what = "load_format='dummy'" if args.load_format == "dummy" else f"model_path={path!r}"
+        raise ValueError(f"quantization='gguf' keeps a GGUF file's own blocks: {what} is not a .gguf file")
+    if args.dtype not in ("auto", "float32"):
+        raise ValueError(f"quantization='gguf' computes in float32 (activations and sums): dtype="
+                         f"{args.dtype!r} is not supported with it")
+    if args.tp_size > 1:
+        raise ValueError(f"quantization='gguf' runs whole on one process: tp_size={args.tp_size}")
+    args.dtype = "float32"
+
+
+@functools.cache
+def gguf_matmul_builds(bits: int) -> bool:
+    """Whether kernels.gguf_matmul is built here for `bits`-bit codes (a C compiler, AVX2, FMA and F16C);
+    then also the op gguf_linear's C++ kernel, where it builds."""
+    kernels = load_kernels()
+    if cpp_compiler() is None or kernels.gguf_matmul_kernel(bits, cpp_compiler()) is None:
+        return False
+    kernels.gguf_linear_in_cpp(bits, cpp_compiler())  # else the op's Python kernel below serves
+    return True
+
+
+class GGUFLinear(nn.Module):
+    """Swapped in for a model's nn.Linear by gguf_linears: its weights as the GGUF's blocks of one type
+    (a fused q/k/v or gate/up: its parts' rows one after the other), in kernels.pack_gguf_tiles' tiles,
+    multiplied by float32 activations in kernels.gguf_matmul (the op gguf_linear)."""
+
+    def __init__(self, kind: str, raw: torch.Tensor, in_features: int, bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        kernels = load_kernels()
+        self.kind, self.type = kind, kernels.GGUF_TYPES[kind]
+        self.in_features, self.out_features, self.bias = in_features, raw.shape[0], bias
+        self.register_buffer("tiles", kernels.pack_gguf_tiles(raw, self.type), persistent=False)
+
+    def forward(self, x):
+        y = torch.ops.overlap_engine.gguf_linear(x, self.tiles, self.type, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+@cpu_op("gguf_linear(Tensor x, Tensor tiles, int type, int N) -> Tensor",
+        fake=lambda x, tiles, type, N: x.new_empty(*x.shape[:-1], N))
+def gguf_linear(x, tiles, type, N):
+    """x (..., K) float32 times the weights in kernels.py's GGUF `tiles` (kernels.CPU_OPS_SRC's C++ kernel
+    replaces this one where it builds)."""
+    y = load_kernels().gguf_matmul_cpu(x.reshape(-1, x.shape[-1]).contiguous(), tiles, type, N, cpp_compiler())
+    return y.view(*x.shape[:-1], N)
+
+
+def checkpoint_weights(name: str, cfg: ModelConfig) -> list:
+    """The checkpoint's weights that Part I's linear layer `name` holds: a fused layer's parts, in order."""
+    if name == "lm_head":
+        return ["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    layer, local = ".".join(name.split(".")[:3]), ".".join(name.split(".")[3:])  # model.layers.N, self_attn.*
+    return [f"{layer}.{part}.weight" for part in FUSED_PROJECTIONS.get(local, (local,))]
+
+
+def gguf_linears(model: nn.Module, source: dict) -> dict:
+    """Swaps each nn.Linear whose weights `source` holds as GGUF blocks of a type gguf_matmul reads (a
+    fused q/k/v or gate/up: all its parts of one type) for a GGUFLinear; a tied LM head reads the
+    embedding's blocks and lets go of its float table, which the embedding keeps. Returns how each layer
+    went: {"Q4_1": count, ..., "float32": count of those left as they were}."""
+    paths = Counter()
+    for name, layer in list(model.named_modules()):
+        if not isinstance(layer, nn.Linear):
+            continue
+        parent, _, attr = name.rpartition(".")
+        blocks = [source.get(k + GGUF_BLOCKS) for k in checkpoint_weights(name, model.cfg)]
+        kinds = {b.kind for b in blocks if b is not None}
+        bits = 8 if kinds == {"Q8_0"} else 4
+        if None in blocks or len(kinds) != 1 or not gguf_matmul_builds(bits):
+            paths["float32"] += 1
+            continue
+        raw = torch.cat([b.raw for b in blocks]) if len(blocks) > 1 else blocks[0].raw
+        bias = None if layer.bias is None else layer.bias.detach()
+        setattr(model.get_submodule(parent), attr, GGUFLinear(kinds.pop(), raw, layer.in_features, bias))
+        paths[blocks[0].kind] += 1
+    return dict(paths)
+
+
+@cpu_op("gguf_decode_layer(Tensor x, Tensor in_norm, Tensor post_norm, Tensor[] tiles, int[] types, int[] outs, "
+        "Tensor cos, Tensor sin, Tensor(a!) kb, Tensor(b!) vb, Tensor loc, Tensor req_to_token, Tensor rows, "
+        "Tensor lens, float eps, int heads) -> Tensor",
+        fake=lambda x, *args: torch.empty_like(x))
+def gguf_decode_layer(x, in_norm, post_norm, tiles, types, outs, cos, sin, kb, vb, loc, req_to_token, rows,
+                      lens, eps, heads):
+    """One decoder layer of one request's decode step on GGUF weights, as LlamaDecoderLayer computes it
+    (kernels.CPU_OPS_SRC's C++ kernel, one call for the layer, replaces this one where it builds)."""
+    D = kb.shape[2]
+    h = rms_norm(x, in_norm, eps)
+    qkv = gguf_linear(h, tiles[0], types[0], outs[0]).view(1, -1, D)
+    qk = apply_rope(qkv[:, :heads + kb.shape[1]], cos, sin)
+    kb[loc], vb[loc] = qk[:, heads:], qkv[:, heads + kb.shape[1]:]
+    o = decode_attention_c(qk[:, :heads].contiguous(), kb, vb, req_to_token, rows, lens)
+    x = x + gguf_linear(o.reshape(1, -1), tiles[1], types[1], outs[1])
+    gate, up = gguf_linear(rms_norm(x, post_norm, eps), tiles[2], types[2], outs[2]).chunk(2, dim=-1)
+    return x + gguf_linear(F.silu(gate) * up, tiles[3], types[3], outs[3])
+
+
+class GGUFDecode:
+    """The model callable of quantization="gguf" on a CPU (as CompiledDecode is compile's): one request's
+    decode step runs each decoder layer as one op, gguf_decode_layer, where the eager model dispatches some
+    30 torch ops a layer, each costing more than its arithmetic at one token. Other steps (prefill,
+    batches, a verify) run the model as it is."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.layers = [self.layer_args(layer) for layer in model.model.layers]
+        if any(a is None for a in self.layers) or not gguf_matmul_builds(4) or not gguf_matmul_builds(8):
+            self.layers = None  # a layer off the GGUF path (another block type, biases, q/k norms)
+
+    @staticmethod
+    def layer_args(layer: LlamaDecoderLayer) -> Optional[tuple]:
+        """A layer's weights as gguf_decode_layer takes them, or None where it cannot."""
+        linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        if layer.self_attn.qk_norm or not all(isinstance(m, GGUFLinear) and m.bias is None for m in linears):
+            return None
+        return (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, [m.tiles for m in linears],
+                [m.type for m in linears], [m.out_features for m in linears])
+
+    def __call__(self, input_ids, positions, attn, logit_rows) -> torch.Tensor:
+        m = self.model
+        if self.layers is None or len(input_ids) != 1 or not getattr(attn, "in_c", False):
+            return m(input_ids, positions, attn, logit_rows)
+        x = m.model.embed_tokens(input_ids)                                     # (1, hidden)
+        ang = positions[:, None].to(m.inv_freq.dtype) * m.inv_freq[None]
+        ang = torch.cat((ang, ang), dim=-1)[:, None, :]                         # (1, 1, D), as forward's
+        cos, sin, eps = ang.cos().float(), ang.sin().float(), m.cfg.rms_norm_eps
+        for i, args in enumerate(self.layers):
+            x = torch.ops.overlap_engine.gguf_decode_layer(
+                x, *args, cos, sin, attn.kv.k_buffer[i], attn.kv.v_buffer[i], attn.loc, attn.req_to_token,
+                attn.rows, attn.lens, eps, m.cfg.num_attention_heads)
+        return m.lm_head(rms_norm(x[logit_rows], m.model.norm.weight, eps))
+
+
 # -- grammars: xgrammar (SGLang's default grammar backend) behind Part I's Req.grammar --
 
 
@@ -4730,7 +4892,7 @@ def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str,
                 tp: Optional[TPShard] = None, quantization: Optional[str] = None) -> LlamaForCausalLM:
     """Part I's plain model from a state dict. With tensor parallelism, apply_tp shards it before it is
     filled (the state dict holds this rank's shard); with quantization ("int8" or "int4"), quantize_model
-    swaps its linear layers once it is."""
+    swaps its linear layers once it is, with "gguf" gguf_linears."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
         if tp is not None and tp.size > 1:
@@ -4752,7 +4914,9 @@ def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str,
     model.load_state_dict(state, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    if quantization:
+    if quantization == "gguf":
+        gguf_linears(model, source)
+    elif quantization:
         quantize_model(model, quantization, source, dtype)
     elif device == "cpu" and dtype in PACKED_DTYPES and onednn_packs(dtype):
         pack_linears(model)
@@ -5017,14 +5181,15 @@ def check_checkpoint_path(path: str, key: str = "model_path") -> bool:
     return is_gguf
 
 
-def load_checkpoint(path: str, tp: Optional[TPShard] = None) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
+def load_checkpoint(path: str, tp: Optional[TPShard] = None,
+                    gguf_blocks: bool = False) -> tuple[ModelConfig, dict, Optional[Tokenizer]]:
     """(config, state dict, tokenizer) of a .gguf file or an HF directory (the state dict: this rank's
-    shard). A path that is missing or cannot be read (a truncated file, a config without a key) raises
-    ValueError naming it."""
+    shard; with gguf_blocks, a GGUF's linear weights also as the file's blocks: load_gguf). A path that is
+    missing or cannot be read (a truncated file, a config without a key) raises ValueError naming it."""
     is_gguf = check_checkpoint_path(path)
     from safetensors import SafetensorError
     try:
-        return load_gguf_checkpoint(path, tp) if is_gguf else load_hf_dir(path, tp)
+        return load_gguf_checkpoint(path, tp, gguf_blocks) if is_gguf else load_hf_dir(path, tp)
     except TPLayoutError:
         raise  # the checkpoint is fine; tp_size does not fit it
     except (OSError, ValueError, KeyError, TypeError, IndexError, SafetensorError) as e:
@@ -5204,10 +5369,11 @@ def _gguf_config(reader, tensors, arch: str):
     return cfg
 
 
-def load_gguf(path, tp: Optional[TPShard] = None):
+def load_gguf(path, tp: Optional[TPShard] = None, blocks: bool = False):
     """Read a llama.cpp GGUF file into (hf_config, state_dict, reader): an HF config dict,
     float32 tensors under HF names in HF's Q/K row order (this rank's shard of each), and the open
-    reader for gguf_tokenizer()."""
+    reader for gguf_tokenizer(). With blocks, each 2-D tensor of a type kernels.gguf_matmul reads is also
+    there as the file's blocks, GGUFBlocks under its name + GGUF_BLOCKS, its rows in HF's order too."""
     import gguf  # dequantizes GGUF blocks (vectorized numpy)
     reader = GGUFFile(path)  # memory-maps the file; tensors are read as they are dequantized
     if (arch := _meta(reader, "general.architecture")) not in GGUF_ARCHITECTURES:
@@ -5221,9 +5387,13 @@ def load_gguf(path, tp: Optional[TPShard] = None):
             continue  # already folded into cfg["rope_scaling"]
         name = _hf_name(t.name)
         w = gguf.quants.dequantize(t.data, t.tensor_type)  # (out, in) float32, torch's order
+        raw = t.data if blocks and t.tensor_type.name in GGUF_KERNEL_TYPES and t.data.ndim == 2 else None
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):  # llama.cpp permutes llama's only
             heads = cfg["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
             w = _unpermute_rotary(w, heads)
+            raw = None if raw is None else _unpermute_rotary(raw, heads)  # whole rows of blocks move
+        if raw is not None:
+            state_dict[name + GGUF_BLOCKS] = GGUFBlocks(t.tensor_type.name, torch.from_numpy(np.array(raw)))
         # subtle: F32 tensors come back as read-only views of the memory map, which torch refuses
         w = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
         state_dict[name] = shard_weight(name, w, model_cfg, tp)  # after the unpermute: whole heads
@@ -5367,8 +5537,9 @@ def default_model_path(cache_dir=None):
     return path
 
 
-def load_gguf_checkpoint(path: str, tp: Optional[TPShard] = None) -> tuple[ModelConfig, dict, Tokenizer]:
-    hf_cfg, state, reader = load_gguf(path, tp)
+def load_gguf_checkpoint(path: str, tp: Optional[TPShard] = None,
+                         blocks: bool = False) -> tuple[ModelConfig, dict, Tokenizer]:
+    hf_cfg, state, reader = load_gguf(path, tp, blocks)
     cfg = model_config_from_hf(hf_cfg)
     tk, extra = gguf_tokenizer(reader)
     return cfg, state, Tokenizer(tk, cfg.eos_token_ids, extra["bos_token"], extra["eos_token"],
