@@ -1011,9 +1011,10 @@ def q_matmul_cpu(x, tiles, bits: int, compiler: str = "cc"):
 GGUF_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml's type numbers of the blocks gguf_matmul reads
 GGUF_ROWS = 8  # output rows a tile
 GGUF_TILE = {2: 160, 3: 160, 8: 272}  # bytes a tile's block takes: its codes, d (and m)
-GGUF_FLAGS = [f for f in CPU_KERNEL_FLAGS if f != "-ffast-math"]  # each row's sums in the order written
+GGUF_FLAGS = [f for f in CPU_KERNEL_FLAGS if f != "-ffast-math"]  # every sum in the order written
 
 GGUF_MATMUL_SRC = r"""
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1021,23 +1022,22 @@ GGUF_MATMUL_SRC = r"""
 #if !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #error "gguf_matmul needs AVX2, FMA and F16C"
 #endif
+#include <omp.h>
+#define INLINE static inline __attribute__((always_inline))
 #define ROWS 8
-#define TILE (BITS == 4 ? 160 : 272)  /* bytes of a tile's block: its codes, then d (and m) in fp16 */
 #define AHEAD 2048  /* bytes ahead of the block it reads that a thread asks the cache for */
 #define CHUNK 32    /* rows of x a pass over a tile serves, their sums kept on the stack */
 
-/* x (M, K) -> xs: each row's 4-bit-scaled copy (input 8g + k times 16^-k, k < 7) and sx (M, K / 32), the
-   sum of each block of 32 inputs, in a fixed order */
-static void prepare(const float *x, int64_t M, int64_t K, float *xs, float *sx) {
-    for (int64_t i = 0; i < M * K; i += 8) {
-        __m256 v = _mm256_loadu_ps(x + i);
-        if (BITS == 4) {
-            const __m256 scale = _mm256_setr_ps(1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f,
-                                                0x1p-24f, 1.0f);
-            v = _mm256_mul_ps(v, scale);
-        }
-        _mm256_storeu_ps(xs + i, v);
-    }
+/* Each function that takes `bits` (4 or 8) is inlined where it is called with a constant: one copy a
+   width, no branch on it in a loop. */
+INLINE int64_t tile_bytes(int bits) { return bits == 4 ? 160 : 272; }  /* a tile's block: codes, d (, m) */
+
+/* x (M, K) -> xs: each row's copy, for 4-bit codes scaled (input 8g + k times 16^-k, k < 7), and sx
+   (M, K / 32), the sum of each block of 32 inputs, in a fixed order */
+INLINE void prepare(int bits, const float *x, int64_t M, int64_t K, float *xs, float *sx) {
+    const __m256 scale = bits == 4 ? _mm256_setr_ps(1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f,
+                                                    0x1p-24f, 1.0f) : _mm256_set1_ps(1.0f);
+    for (int64_t i = 0; i < M * K; i += 8) _mm256_storeu_ps(xs + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), scale));
     for (int64_t i = 0; i < M * K / 32; i++) {
         const float *b = x + 32 * i;
         __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(b), _mm256_loadu_ps(b + 8)),
@@ -1048,98 +1048,325 @@ static void prepare(const float *x, int64_t M, int64_t K, float *xs, float *sx) 
     }
 }
 
-/* code i of a block (of the tile's 8 rows) as floats; 4-bit: times 16^(i % 8) for i % 8 < 7, from the
-   block's 4 vectors v, loaded once (LOAD_CODES) */
-#define LOAD_CODES(t) const uint8_t *v = (t)
-#if BITS == 4
-#define CODE(i) _mm256_cvtepi32_ps(code4(_mm256_loadu_si256((const __m256i *)(v + 32 * ((i) / 8))), (i) % 8))
-static inline __m256i code4(__m256i v, int k) {
-    return k < 7 ? _mm256_and_si256(v, _mm256_set1_epi32(15 << (4 * k))) : _mm256_srli_epi32(v, 28);
+/* code i of a block t (of the tile's 8 rows) as floats: 4-bit, times 16^(i % 8) for i % 8 < 7 */
+INLINE __m256 code(int bits, const uint8_t *t, int i) {
+    if (bits == 8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(t + 8 * i))));
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(t + 32 * (i / 8)));
+    const int k = i % 8;
+    return _mm256_cvtepi32_ps(k < 7 ? _mm256_and_si256(v, _mm256_set1_epi32(15 << (4 * k)))
+                                    : _mm256_srli_epi32(v, 28));
 }
-#else
-#define CODE(i) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(v + 8 * (i)))))
-#endif
-#define CONVERTED(i) c[i]
 
-/* sum over a block's 32 inputs of code * x for the 8 rows, in a fixed order: per group of 8 inputs two
-   chains (even and odd inputs) added, then the four groups' sums pairwise. C(i): code i as floats */
-#define X(i) _mm256_broadcast_ss(x_ + (i))
-#define GROUP(C, g, s) do {                                                                        \
-        __m256 e_ = _mm256_mul_ps(C(8 * g), X(8 * g)), o_ = _mm256_mul_ps(C(8 * g + 1), X(8 * g + 1)); \
-        e_ = _mm256_fmadd_ps(C(8 * g + 2), X(8 * g + 2), e_);                                       \
-        o_ = _mm256_fmadd_ps(C(8 * g + 3), X(8 * g + 3), o_);                                       \
-        e_ = _mm256_fmadd_ps(C(8 * g + 4), X(8 * g + 4), e_);                                       \
-        o_ = _mm256_fmadd_ps(C(8 * g + 5), X(8 * g + 5), o_);                                       \
-        e_ = _mm256_fmadd_ps(C(8 * g + 6), X(8 * g + 6), e_);                                       \
-        o_ = _mm256_fmadd_ps(C(8 * g + 7), X(8 * g + 7), o_);                                       \
-        s = _mm256_add_ps(e_, o_);                                                                 \
-    } while (0)
-#define BLOCK_DOT(C, x, out) do {                                                                  \
-        const float *x_ = (x);                                                                     \
-        __m256 s0_, s1_, s2_, s3_;                                                                 \
-        GROUP(C, 0, s0_); GROUP(C, 1, s1_); GROUP(C, 2, s2_); GROUP(C, 3, s3_);                    \
-        out = _mm256_add_ps(_mm256_add_ps(s0_, s1_), _mm256_add_ps(s2_, s3_));                      \
-    } while (0)
+/* sum over block t's 32 inputs of code * x for the 8 rows, in a fixed order: per group of 8 inputs two
+   chains (even and odd inputs) added, then the four groups' sums pairwise. The codes come converted in c,
+   or (c NULL) are converted from t as they are used */
+INLINE __m256 block_dot(int bits, const uint8_t *t, const __m256 *c, const float *x) {
+#define C(i) (c ? c[i] : code(bits, t, i))
+    __m256 s[4];
+    for (int g = 0; g < 4; g++) {
+        const float *xg = x + 8 * g;
+        __m256 e = _mm256_mul_ps(C(8 * g), _mm256_broadcast_ss(xg));
+        __m256 o = _mm256_mul_ps(C(8 * g + 1), _mm256_broadcast_ss(xg + 1));
+        for (int k = 2; k < 8; k += 2) {
+            e = _mm256_fmadd_ps(C(8 * g + k), _mm256_broadcast_ss(xg + k), e);
+            o = _mm256_fmadd_ps(C(8 * g + k + 1), _mm256_broadcast_ss(xg + k + 1), o);
+        }
+        s[g] = _mm256_add_ps(e, o);
+    }
+#undef C
+    return _mm256_add_ps(_mm256_add_ps(s[0], s[1]), _mm256_add_ps(s[2], s[3]));
+}
 
-/* one row of x through tile r: its 8 outputs, the sums held in registers, each code converted as it is used */
-static inline void one_row(const float *xs, const float *sx, const uint8_t *t, int64_t KB, float *y) {
-    __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps(), dot;
-    for (int64_t b = 0; b < KB; b++, t += TILE) {
-        for (int l = 0; l < TILE; l += 64) _mm_prefetch((const char *)t + AHEAD + l, _MM_HINT_T0);
-        LOAD_CODES(t);
-        BLOCK_DOT(CODE, xs + 32 * b, dot);
-        acc = _mm256_fmadd_ps(dot, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 32 * BITS))), acc);
-#if BITS == 4
-        macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 144))),
-                               _mm256_broadcast_ss(sx + b), macc);
-#endif
+/* one row of x through one tile: its 8 outputs into y, the sums held in registers */
+INLINE void one_row(int bits, const float *xs, const float *sx, const uint8_t *t, int64_t KB, float *y) {
+    __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < KB; b++, t += tile_bytes(bits)) {
+        for (int l = 0; l < tile_bytes(bits); l += 64) _mm_prefetch((const char *)t + AHEAD + l, _MM_HINT_T0);
+        const __m256 dot = block_dot(bits, t, NULL, xs + 32 * b);
+        acc = _mm256_fmadd_ps(dot, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 32 * bits))), acc);
+        if (bits == 4)
+            macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 144))),
+                                   _mm256_broadcast_ss(sx + b), macc);
     }
     _mm256_storeu_ps(y, _mm256_add_ps(acc, macc));
 }
 
-/* rows m0 .. m0 + mn - 1 of x through tile r, the block's codes converted once for them all: the same
-   operations, in the same order, as one_row's for each */
-static void many_rows(const float *xs, const float *sx, const uint8_t *t, int64_t K, int mn, float *y) {
+/* rows 0 .. mn - 1 of x through one tile, its blocks' codes converted once for them all: for each row the
+   operations of one_row, in its order */
+INLINE void many_rows(int bits, const float *xs, const float *sx, const uint8_t *t, int64_t K, int mn,
+                      float *y) {
     const int64_t KB = K / 32;
-    __m256 acc[CHUNK], macc[CHUNK], c[32], dot;
+    __m256 acc[CHUNK], macc[CHUNK], c[32];
     for (int m = 0; m < mn; m++) acc[m] = macc[m] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < KB; b++, t += TILE) {
-        LOAD_CODES(t);
-        for (int i = 0; i < 32; i++) c[i] = CODE(i);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 32 * BITS)));
+    for (int64_t b = 0; b < KB; b++, t += tile_bytes(bits)) {
+        for (int i = 0; i < 32; i++) c[i] = code(bits, t, i);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 32 * bits)));
         for (int m = 0; m < mn; m++) {
-            BLOCK_DOT(CONVERTED, xs + m * K + 32 * b, dot);
-            acc[m] = _mm256_fmadd_ps(dot, d, acc[m]);
-#if BITS == 4
-            macc[m] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 144))),
-                                      _mm256_broadcast_ss(sx + m * KB + b), macc[m]);
-#endif
+            acc[m] = _mm256_fmadd_ps(block_dot(bits, t, c, xs + m * K + 32 * b), d, acc[m]);
+            if (bits == 4)
+                macc[m] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 144))),
+                                          _mm256_broadcast_ss(sx + m * KB + b), macc[m]);
         }
     }
     for (int m = 0; m < mn; m++) _mm256_storeu_ps(y + ROWS * m, _mm256_add_ps(acc[m], macc[m]));
 }
 
-/* out (M, N) float32 = x (M, K) float32 times the weights in w's tiles of BITS-bit codes, N padded up to
-   tiles of 8 rows in w, the padding left out of out */
-void gguf_matmul(const float *x, const uint8_t *w, int64_t M, int64_t N, int64_t K, float *out, int threads) {
-    const int64_t KB = K / 32, tiles = (N + ROWS - 1) / ROWS;
-    float *xs = malloc(M * K * sizeof(float)), *sx = malloc(M * KB * sizeof(float));
-    prepare(x, M, K, xs, sx);
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < tiles; r++) {
+/* tiles r0 .. r1 - 1 of w for the M rows of x prepared in xs and sx: out (M, N), N padded up to whole tiles
+   in w, the padding left out of out */
+INLINE void tiles(int bits, const float *xs, const float *sx, const uint8_t *w, int64_t M, int64_t N,
+                  int64_t K, int64_t r0, int64_t r1, float *out) {
+    const int64_t KB = K / 32;
+    for (int64_t r = r0; r < r1; r++) {
         const int64_t n0 = r * ROWS, nn = N - n0 < ROWS ? N - n0 : ROWS;
+        const uint8_t *t = w + r * KB * tile_bytes(bits);
         for (int64_t m0 = 0; m0 < M; m0 += CHUNK) {
             const int mn = M - m0 < CHUNK ? (int)(M - m0) : CHUNK;
             float y[CHUNK * ROWS];
             if (mn == 1)
-                one_row(xs + m0 * K, sx + m0 * KB, w + r * KB * TILE, KB, y);
+                one_row(bits, xs + m0 * K, sx + m0 * KB, t, KB, y);
             else
-                many_rows(xs + m0 * K, sx + m0 * KB, w + r * KB * TILE, K, mn, y);
+                many_rows(bits, xs + m0 * K, sx + m0 * KB, t, K, mn, y);
             for (int m = 0; m < mn; m++) memcpy(out + (m0 + m) * N + n0, y + ROWS * m, nn * sizeof(float));
         }
     }
+}
+
+static void tiles4(const float *xs, const float *sx, const uint8_t *w, int64_t M, int64_t N, int64_t K,
+                   int64_t r0, int64_t r1, float *out) { tiles(4, xs, sx, w, M, N, K, r0, r1, out); }
+static void tiles8(const float *xs, const float *sx, const uint8_t *w, int64_t M, int64_t N, int64_t K,
+                   int64_t r0, int64_t r1, float *out) { tiles(8, xs, sx, w, M, N, K, r0, r1, out); }
+
+/* out (M, N) float32 = x (M, K) float32 times the weights in w's tiles of `bits`-bit codes */
+void gguf_matmul(const float *x, const uint8_t *w, int64_t M, int64_t N, int64_t K, int bits, float *out,
+                 int threads) {
+    float *xs = malloc(M * K * sizeof(float)), *sx = malloc(M * K / 32 * sizeof(float));
+    if (bits == 4) prepare(4, x, M, K, xs, sx); else prepare(8, x, M, K, xs, sx);
+    const int64_t T = (N + ROWS - 1) / ROWS;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < T; r++)
+        (bits == 4 ? tiles4 : tiles8)(xs, sx, w, M, N, K, r, r + 1, out);
     free(xs);
     free(sx);
+}
+
+/* -- one request's decode step, the whole model in one parallel region --
+   The matmuls' tiles are split between the threads, each preparing its own copy of the input row; the
+   few serial parts (norms, rotary, the KV write, the attention's merge, SwiGLU) run on one thread; a
+   barrier after each part. One region and some ten barriers a layer, where a region a matmul would
+   start the threads 150 times a token. */
+
+/* this thread's share [r0, r1) of T tiles */
+INLINE void share(int64_t T, int64_t *r0, int64_t *r1) {
+    const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    *r0 = T * t / n;
+    *r1 = T * (t + 1) / n;
+}
+
+/* out (N) = x (K) times w's tiles, this thread's of them; xs and sx: its own scratch */
+static void team_matvec(int bits, const float *x, const uint8_t *w, int64_t N, int64_t K, float *xs, float *sx,
+                        float *out) {
+    int64_t r0, r1;
+    share((N + ROWS - 1) / ROWS, &r0, &r1);
+    if (bits == 4) {
+        prepare(4, x, 1, K, xs, sx);
+        tiles(4, xs, sx, w, 1, N, K, r0, r1, out);
+    } else {
+        prepare(8, x, 1, K, xs, sx);
+        tiles(8, xs, sx, w, 1, N, K, r0, r1, out);
+    }
+}
+
+static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *h) {
+    double ss = 0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    const float inv = 1.0f / sqrtf((float)(ss / n) + eps);
+    for (int64_t i = 0; i < n; i++) h[i] = w[i] * (x[i] * inv);
+}
+
+/* e^x of 8 floats (Cephes' expf: x = n ln 2 + r, a degree-7 polynomial in r, times 2^n; within 2 ulp),
+   x in [-87.3, 88.7] */
+INLINE __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.7f)), _mm256_set1_ps(-87.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* the dot products of a query (D floats, D a multiple of 8) with 8 keys: 8 sums, lane j key j's */
+INLINE __m256 dots8(const float *q, const float *const k[8], int64_t D) {
+    __m256 s[8];
+    for (int j = 0; j < 8; j++) {
+        s[j] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k[j]));
+        for (int64_t d = 8; d < D; d += 8) s[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k[j] + d), s[j]);
+    }
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
+    /* a: keys 0 1 2 3 (low halves) | 0 1 2 3 (high halves), b likewise for 4-7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+#define KEYS 32  /* keys a pass over the pool takes: their scores on the stack */
+
+/* this thread's part of one query's attention (q: H heads of D, D a multiple of 8) over keys a .. e - 1 of
+   n (their K and V rows in the pool at slots[j]): per query head the running max m, the sum l of
+   exp(score - m) and the sum of those times V, in part[head] (D values, then m and l). The G query heads
+   of a KV head take its rows together */
+static void team_attention(const float *q, const float *kb, const float *vb, const int32_t *slots, int64_t n,
+                           int64_t H, int64_t Hkv, int64_t D, float *part) {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t a = n * t / nt, e = n * (t + 1) / nt, G = H / Hkv, R = Hkv * D;
+    const float scale = 1.0f / sqrtf((float)D);
+    float *s = malloc(G * KEYS * sizeof(float)), *m = malloc(2 * G * sizeof(float)), *l = m + G;
+    for (int64_t kh = 0; kh < Hkv; kh++) {
+        for (int64_t g = 0; g < G; g++) {
+            memset(part + (kh * G + g) * (D + 2), 0, D * sizeof(float));
+            m[g] = -INFINITY;
+            l[g] = 0.0f;
+        }
+        for (int64_t j0 = a; j0 < e; j0 += KEYS) {
+            const int nj = e - j0 < KEYS ? (int)(e - j0) : KEYS;
+            for (int j = 0; j < nj; j += 8) {  /* scores, 8 keys at a time (past nj: repeats of the last) */
+                const float *k[8];
+                for (int i = 0; i < 8; i++) k[i] = kb + (int64_t)slots[j0 + (j + i < nj ? j + i : nj - 1)] * R + kh * D;
+                for (int64_t g = 0; g < G; g++)
+                    _mm256_storeu_ps(s + g * KEYS + j, _mm256_mul_ps(dots8(q + (kh * G + g) * D, k, D),
+                                                                     _mm256_set1_ps(scale)));
+            }
+            for (int64_t g = 0; g < G; g++) {
+                float *sg = s + g * KEYS, *acc = part + (kh * G + g) * (D + 2), top = m[g];
+                for (int j = 0; j < nj; j++) top = sg[j] > top ? sg[j] : top;
+                const float f = expf(m[g] - top);  /* the sums so far, to the new max */
+                l[g] *= f;
+                for (int64_t d = 0; d < D; d++) acc[d] *= f;
+                m[g] = top;
+                for (int j = 0; j < nj; j += 8)
+                    _mm256_storeu_ps(sg + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), _mm256_set1_ps(top))));
+                for (int64_t d = 0; d < D; d += 8) {  /* acc += p V, 8 columns at a time */
+                    __m256 o = _mm256_loadu_ps(acc + d);
+                    for (int j = 0; j < nj; j++)
+                        o = _mm256_fmadd_ps(_mm256_set1_ps(sg[j]), _mm256_loadu_ps(vb + (int64_t)slots[j0 + j] * R + kh * D + d), o);
+                    _mm256_storeu_ps(acc + d, o);
+                }
+                for (int j = 0; j < nj; j++) l[g] += sg[j];
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            part[(kh * G + g) * (D + 2) + D] = m[g];
+            part[(kh * G + g) * (D + 2) + D + 1] = l[g];
+        }
+    }
+    free(s);
+    free(m);
+}
+
+/* the threads' parts of each query head merged, in thread order: o (H, D) */
+static void merge_attention(const float *parts, int nt, int64_t H, int64_t D, float *o) {
+    for (int64_t hq = 0; hq < H; hq++) {
+        float top = -INFINITY, l = 0.0f;
+        for (int t = 0; t < nt; t++) {
+            const float mt = parts[(t * H + hq) * (D + 2) + D];
+            top = mt > top ? mt : top;
+        }
+        memset(o + hq * D, 0, D * sizeof(float));
+        for (int t = 0; t < nt; t++) {
+            const float *p = parts + (t * H + hq) * (D + 2);
+            if (p[D + 1] == 0.0f) continue;  /* no keys */
+            const float f = expf(p[D] - top);
+            l += p[D + 1] * f;
+            for (int64_t d = 0; d < D; d++) o[hq * D + d] += p[d] * f;
+        }
+        for (int64_t d = 0; d < D; d++) o[hq * D + d] /= l;
+    }
+}
+
+/* One token of one request through the model: the token's embedding row, then each of the L layers
+   (layers[8 l ..]: its two norms' weights, its qkv, o, gate_up and down tiles of bits[4 l ..]-bit codes,
+   its K and V pools), the final norm and the head's tiles: logits (V). The token's position, the slot it
+   writes and the request's length come as the step holds them, through pointers; its row of req_to_token
+   (ctx slots a row) gives the slots of its keys. Rotary: HF's halves, angle position * inv_freq. */
+void gguf_decode_step(const int64_t *token, const int64_t *position, const int64_t *slot,
+                      const int32_t *req_to_token, const int64_t *row, int64_t ctx, const int64_t *length,
+                      const float *embed, const float *inv_freq, void *const *layers, const int32_t *bits,
+                      int64_t L, int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t I, float eps,
+                      const float *final_norm, const uint8_t *head, int head_bits, int64_t V, float *logits,
+                      int threads) {
+    const int64_t Q = (H + 2 * Hkv) * D, n = *length, S = *slot, KMAX = E > I ? (E > H * D ? E : H * D) : I;
+    const int32_t *slots = req_to_token + *row * ctx;
+    float *x = malloc(E * sizeof(float)), *h = malloc((E > I ? E : I) * sizeof(float)), *qkv = malloc(Q * 4);
+    float *o = malloc(H * D * 4), *y = malloc((E > 2 * I ? E : 2 * I) * 4), *cs = malloc(D * 4);
+    float *parts = malloc((int64_t)threads * H * (D + 2) * 4), *xs = malloc((int64_t)threads * KMAX * 4);
+    float *sxs = malloc((int64_t)threads * (KMAX / 32 + 1) * 4);
+    memcpy(x, embed + *token * E, E * sizeof(float));
+    for (int64_t d = 0; d < D / 2; d++) {  /* cos, then sin, of each angle */
+        const float ang = (float)*position * inv_freq[d];
+        cs[d] = cosf(ang);
+        cs[D / 2 + d] = sinf(ang);
+    }
+    #pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        float *mx = xs + t * KMAX, *msx = sxs + t * (KMAX / 32 + 1);
+        for (int64_t li = 0; li < L; li++) {
+            void *const *p = layers + 8 * li;
+            const int32_t *b = bits + 4 * li;
+            float *kb = p[6], *vb = p[7];
+            #pragma omp single
+            rms_norm(x, p[0], E, eps, h);
+            team_matvec(b[0], h, p[2], Q, E, mx, msx, qkv);
+            #pragma omp barrier
+            #pragma omp single
+            {
+                for (int64_t head_ = 0; head_ < H + Hkv; head_++) {  /* x cos + rotate_half(x) sin */
+                    float *v = qkv + head_ * D;
+                    for (int64_t d = 0; d < D / 2; d++) {
+                        const float x1 = v[d], x2 = v[d + D / 2];
+                        v[d] = x1 * cs[d] - x2 * cs[D / 2 + d];
+                        v[d + D / 2] = x2 * cs[d] + x1 * cs[D / 2 + d];
+                    }
+                }
+                memcpy(kb + S * Hkv * D, qkv + H * D, Hkv * D * sizeof(float));
+                memcpy(vb + S * Hkv * D, qkv + (H + Hkv) * D, Hkv * D * sizeof(float));
+            }
+            team_attention(qkv, kb, vb, slots, n, H, Hkv, D, parts + (int64_t)t * H * (D + 2));
+            #pragma omp barrier
+            #pragma omp single
+            merge_attention(parts, nt, H, D, o);
+            team_matvec(b[1], o, p[3], E, H * D, mx, msx, y);
+            #pragma omp barrier
+            #pragma omp single
+            {
+                for (int64_t i = 0; i < E; i++) x[i] += y[i];
+                rms_norm(x, p[1], E, eps, h);
+            }
+            team_matvec(b[2], h, p[4], 2 * I, E, mx, msx, y);
+            #pragma omp barrier
+            #pragma omp for schedule(static)
+            for (int64_t i = 0; i < I; i += 8) {  /* silu(gate) * up = gate / (1 + e^-gate) * up */
+                const __m256 gate = _mm256_loadu_ps(y + i), up = _mm256_loadu_ps(y + I + i);
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gate));
+                _mm256_storeu_ps(h + i, _mm256_mul_ps(_mm256_div_ps(gate, _mm256_add_ps(e, _mm256_set1_ps(1.0f))), up));
+            }
+            team_matvec(b[3], h, p[5], E, I, mx, msx, y);
+            #pragma omp barrier
+            #pragma omp single
+            for (int64_t i = 0; i < E; i++) x[i] += y[i];
+        }
+        #pragma omp single
+        rms_norm(x, final_norm, E, eps, h);
+        team_matvec(head_bits, h, head, V, E, mx, msx, logits);
+    }
+    free(x); free(h); free(qkv); free(o); free(y); free(cs); free(parts); free(xs); free(sxs);
 }
 """
 
@@ -1197,29 +1424,37 @@ def pack_gguf_tiles(raw: torch.Tensor, type_: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1).contiguous()
 
 
-def gguf_matmul_kernel(bits: int, compiler: str):
-    """The compiled gguf_matmul for 4- or 8-bit codes, or None where it cannot be built (no AVX2)."""
-    key = ("gguf", bits)
+def gguf_kernel(symbol: str, compiler: str):
+    """GGUF_MATMUL_SRC's function `symbol` (gguf_matmul or gguf_decode_step), built once, or None where
+    it cannot be built here (no AVX2, FMA or F16C)."""
+    key = ("gguf", symbol)
     if key not in _cpu_kernels:
         import ctypes
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        _cpu_kernels[key] = build_c(f"gguf{bits}_matmul", GGUF_MATMUL_SRC, GGUF_FLAGS + [f"-DBITS={bits}"],
-                                    compiler, "gguf_matmul", [p, p, i64, i64, i64, p, ctypes.c_int])
+        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        argtypes = {"gguf_matmul": [p, p, i64, i64, i64, i32, p, i32],
+                    "gguf_decode_step": [p, p, p, p, p, i64, p, p, p, p, p, i64, i64, i64, i64, i64, i64, f32,
+                                         p, p, i32, i64, p, i32]}[symbol]
+        _cpu_kernels[key] = build_c("gguf", GGUF_MATMUL_SRC, GGUF_FLAGS, compiler, symbol, argtypes)
     return _cpu_kernels[key]
 
 
 def gguf_matmul_cpu(x, tiles, type_: int, N: int, compiler: str = "cc"):
     """x (M, K) float32 times the weights pack_gguf_tiles packed into `tiles`: (M, N) float32; None where
     the kernel cannot be built here."""
-    fn = gguf_matmul_kernel(8 if type_ == 8 else 4, compiler)
+    fn = gguf_kernel("gguf_matmul", compiler)
     if fn is None:
         return None
     M, K = x.shape
     assert x.dtype == torch.float32 and x.is_contiguous() and tiles.shape[1] * 32 == K, tiles.shape
     assert tiles.shape[2] == GGUF_TILE[type_] and tiles.shape[0] * GGUF_ROWS >= N, (tiles.shape, N)
     out = torch.empty(M, N, dtype=torch.float32)
-    fn(x.data_ptr(), tiles.data_ptr(), M, N, K, out.data_ptr(), torch.get_num_threads())
+    fn(x.data_ptr(), tiles.data_ptr(), M, N, K, gguf_bits(type_), out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def gguf_bits(type_: int) -> int:
+    """The width of a GGUF block type's codes in gguf_matmul's tiles."""
+    return 8 if type_ == 8 else 4
 
 
 # The CPU kernels of overlap_engine's ops q_linear, gguf_linear and decode_attention_c in C++ against torch's
@@ -1230,12 +1465,9 @@ def gguf_matmul_cpu(x, tiles, type_: int, N: int, compiler: str = "cc"):
 
 CPU_OPS_SRC = r"""
 /* built against torch %(TORCH)s */
-#include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <map>
 #include <tuple>
-#include <vector>
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -1243,16 +1475,16 @@ CPU_OPS_SRC = r"""
 #include <ATen/Parallel.h>
 
 typedef void (*q_matmul_fn)(const void *, const void *, int64_t, int64_t, int64_t, void *, int);
-typedef void (*gguf_matmul_fn)(const void *, const void *, int64_t, int64_t, int64_t, void *, int);
+typedef void (*gguf_matmul_fn)(const void *, const void *, int64_t, int64_t, int64_t, int, void *, int);
 typedef void (*attention_fn)(const void *, const void *, const void *, const void *, const void *,
                              const void *, int64_t, int64_t, float, void *, int);
 typedef std::tuple<int, int64_t, int64_t, int64_t, int64_t> attention_key;  /* fp32 or bf16, D, Hkv, G, E */
 static q_matmul_fn q_matmul[9];  /* by bits */
-static gguf_matmul_fn gguf_matmul[9];  /* by bits */
+static gguf_matmul_fn gguf_matmul;
 static std::map<attention_key, attention_fn> attention;
 
 extern "C" void set_q_matmul(int bits, void *fn) { q_matmul[bits] = (q_matmul_fn)fn; }
-extern "C" void set_gguf_matmul(int bits, void *fn) { gguf_matmul[bits] = (gguf_matmul_fn)fn; }
+extern "C" void set_gguf_matmul(void *fn) { gguf_matmul = (gguf_matmul_fn)fn; }
 extern "C" void set_decode_attention(int bf16, int64_t D, int64_t Hkv, int64_t G, int64_t E, void *fn) {
     attention[{bf16, D, Hkv, G, E}] = (attention_fn)fn;
 }
@@ -1274,8 +1506,7 @@ static at::Tensor q_linear(const at::Tensor &x, const at::Tensor &tiles, int64_t
 /* kernels.gguf_matmul_cpu's checks and call: x (..., K) float32 times tiles of ggml type `type`, N outputs */
 static at::Tensor gguf_linear(const at::Tensor &x, const at::Tensor &tiles, int64_t type, int64_t N) {
     const int bits = type == 8 ? 8 : 4;
-    TORCH_CHECK((type == 2 || type == 3 || type == 8) && gguf_matmul[bits], "gguf_linear: no kernel for type ",
-                type);
+    TORCH_CHECK((type == 2 || type == 3 || type == 8) && gguf_matmul, "gguf_linear: no kernel for type ", type);
     TORCH_CHECK(x.scalar_type() == at::kFloat && tiles.scalar_type() == at::kByte && tiles.is_contiguous()
                 && tiles.dim() == 3 && tiles.size(2) == (bits == 8 ? 272 : 160) && tiles.size(0) * 8 >= N,
                 "gguf_linear: x in float32 and contiguous uint8 tiles of its type");
@@ -1285,7 +1516,7 @@ static at::Tensor gguf_linear(const at::Tensor &x, const at::Tensor &tiles, int6
     std::vector<int64_t> shape = xc.sizes().vec();
     shape.back() = N;
     at::Tensor out = at::empty(shape, xc.options());
-    if (M > 0) gguf_matmul[bits](xc.data_ptr(), tiles.data_ptr(), M, N, K, out.data_ptr(), at::get_num_threads());
+    if (M > 0) gguf_matmul(xc.data_ptr(), tiles.data_ptr(), M, N, K, bits, out.data_ptr(), at::get_num_threads());
     return out;
 }
 
@@ -1312,68 +1543,9 @@ static at::Tensor decode_attention_c(const at::Tensor &q, const at::Tensor &kb, 
     return out;
 }
 
-/* h = w * x / sqrt(mean(x^2) + eps), the mean summed in double */
-static void rms_norm(const float *x, const float *w, int64_t n, double eps, float *h) {
-    double ss = 0;
-    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
-    const float inv = 1.0f / std::sqrt((float)(ss / n) + (float)eps);
-    for (int64_t i = 0; i < n; i++) h[i] = w[i] * (x[i] * inv);
-}
-
-/* One decoder layer of one request's decode step, a single token x (1, E) float32, its weights in GGUF
-   tiles ([qkv, o, gate_up, down], of ggml types `types`, `outs` outputs each): the norm, q/k/v, rotary
-   (HF's halves, cos and sin (.., D) of the token's position), the KV write at slot loc[0], decode attention
-   over the request's row of req_to_token (the C kernel set_decode_attention handed over), o and the
-   residual, the norm, SwiGLU, down and the residual. Returns the layer's output; writes kb and vb. */
-static at::Tensor gguf_decode_layer(const at::Tensor &x, const at::Tensor &in_norm, const at::Tensor &post_norm,
-                                    at::TensorList tiles, at::IntArrayRef types, at::IntArrayRef outs,
-                                    const at::Tensor &cos, const at::Tensor &sin, at::Tensor &kb, at::Tensor &vb,
-                                    const at::Tensor &loc, const at::Tensor &req_to_token, const at::Tensor &rows,
-                                    const at::Tensor &lens, double eps, int64_t H) {
-    const int64_t E = x.size(-1), Hkv = kb.size(1), D = kb.size(2), I = outs[2] / 2;
-    TORCH_CHECK(x.numel() == E && x.scalar_type() == at::kFloat && kb.scalar_type() == at::kFloat
-                && kb.is_contiguous() && vb.is_contiguous() && tiles.size() == 4 && types.size() == 4
-                && outs.size() == 4 && outs[0] == (H + 2 * Hkv) * D && outs[1] == E && outs[3] == E && D <= 512,
-                "gguf_decode_layer: one float32 token and a float32 pool of the model's shapes");
-    for (int i = 0; i < 4; i++)
-        TORCH_CHECK(gguf_matmul[types[i] == 8 ? 8 : 4], "gguf_decode_layer: no kernel for type ", types[i]);
-    const auto found = attention.find({0, D, Hkv, H / Hkv, 1});
-    TORCH_CHECK(found != attention.end(), "gguf_decode_layer: no float32 attention kernel for these shapes");
-    const int threads = at::get_num_threads();
-    auto matmul = [&](int i, const float *in, int64_t K, float *out) {
-        gguf_matmul[types[i] == 8 ? 8 : 4](in, tiles[i].data_ptr(), 1, outs[i], K, out, threads);
-    };
-    at::Tensor out = x.contiguous().clone();  /* the residual stream */
-    float *r = out.data_ptr<float>();
-    std::vector<float> h(std::max(E, I)), qkv(outs[0]), o(H * D), y(std::max(E, 2 * I));
-    const float *c = cos.contiguous().data_ptr<float>(), *s = sin.contiguous().data_ptr<float>();
-    rms_norm(r, in_norm.data_ptr<float>(), E, eps, h.data());
-    matmul(0, h.data(), E, qkv.data());
-    for (int64_t head = 0; head < H + Hkv; head++) {  /* q and k rotate alike: x cos + rotate_half(x) sin */
-        float *v = qkv.data() + head * D, rot[512];
-        for (int64_t d = 0; d < D; d++) rot[d] = d < D / 2 ? -v[d + D / 2] : v[d - D / 2];
-        for (int64_t d = 0; d < D; d++) v[d] = v[d] * c[d] + rot[d] * s[d];
-    }
-    const int64_t slot = loc.to(at::kLong).item<int64_t>();
-    std::memcpy(kb.data_ptr<float>() + slot * Hkv * D, qkv.data() + H * D, Hkv * D * sizeof(float));
-    std::memcpy(vb.data_ptr<float>() + slot * Hkv * D, qkv.data() + (H + Hkv) * D, Hkv * D * sizeof(float));
-    const at::Tensor rows64 = rows.to(at::kLong).contiguous(), lens64 = lens.to(at::kLong).contiguous();
-    found->second(qkv.data(), kb.data_ptr(), vb.data_ptr(), req_to_token.data_ptr(), rows64.data_ptr(),
-                  lens64.data_ptr(), 1, req_to_token.size(1), (float)std::pow((double)D, -0.5), o.data(), threads);
-    matmul(1, o.data(), H * D, y.data());
-    for (int64_t i = 0; i < E; i++) r[i] += y[i];
-    rms_norm(r, post_norm.data_ptr<float>(), E, eps, h.data());
-    matmul(2, h.data(), E, y.data());
-    for (int64_t i = 0; i < I; i++) h[i] = y[i] / (1.0f + std::exp(-y[i])) * y[I + i];  /* silu(gate) up */
-    matmul(3, h.data(), I, y.data());
-    for (int64_t i = 0; i < E; i++) r[i] += y[i];
-    return out;
-}
-
 TORCH_LIBRARY_IMPL(overlap_engine, CPU, m) {
     m.impl("q_linear", &q_linear);
     m.impl("gguf_linear", &gguf_linear);
-    m.impl("gguf_decode_layer", &gguf_decode_layer);
     m.impl("decode_attention_c", &decode_attention_c);
 }
 """
@@ -1405,14 +1577,14 @@ def q_linear_in_cpp(bits: int, compiler: str) -> bool:
     return True
 
 
-def gguf_linear_in_cpp(bits: int, compiler: str) -> bool:
-    """As q_linear_in_cpp, for overlap_engine::gguf_linear and gguf_matmul_kernel(bits)."""
+def gguf_linear_in_cpp(compiler: str) -> bool:
+    """As q_linear_in_cpp, for overlap_engine::gguf_linear and gguf_kernel("gguf_matmul")."""
     import ctypes
-    fn = gguf_matmul_kernel(bits, compiler)
-    setter = cpu_ops_function("set_gguf_matmul", [ctypes.c_int, ctypes.c_void_p], compiler)
+    fn = gguf_kernel("gguf_matmul", compiler)
+    setter = cpu_ops_function("set_gguf_matmul", [ctypes.c_void_p], compiler)
     if fn is None or setter is None:
         return False
-    setter(bits, ctypes.cast(fn, ctypes.c_void_p))
+    setter(ctypes.cast(fn, ctypes.c_void_p))
     return True
 
 

@@ -4355,13 +4355,13 @@ def check_gguf_quantization(args: ServerArgs):
 
 
 @functools.cache
-def gguf_matmul_builds(bits: int) -> bool:
-    """Whether kernels.gguf_matmul is built here for `bits`-bit codes (a C compiler, AVX2, FMA and F16C);
-    then also the op gguf_linear's C++ kernel, where it builds."""
+def gguf_matmul_builds() -> bool:
+    """Whether kernels.gguf_matmul is built here (a C compiler, AVX2, FMA and F16C); then also the op
+    gguf_linear's C++ kernel, where it builds."""
     kernels = load_kernels()
-    if cpp_compiler() is None or kernels.gguf_matmul_kernel(bits, cpp_compiler()) is None:
+    if cpp_compiler() is None or kernels.gguf_kernel("gguf_matmul", cpp_compiler()) is None:
         return False
-    kernels.gguf_linear_in_cpp(bits, cpp_compiler())  # else the op's Python kernel below serves
+    kernels.gguf_linear_in_cpp(cpp_compiler())  # else the op's Python kernel below serves
     return True
 
 
@@ -4411,8 +4411,7 @@ def gguf_linears(model: nn.Module, source: dict) -> dict:
         parent, _, attr = name.rpartition(".")
         blocks = [source.get(k + GGUF_BLOCKS) for k in checkpoint_weights(name, model.cfg)]
         kinds = {b.kind for b in blocks if b is not None}
-        bits = 8 if kinds == {"Q8_0"} else 4
-        if None in blocks or len(kinds) != 1 or not gguf_matmul_builds(bits):
+        if None in blocks or len(kinds) != 1 or not gguf_matmul_builds():
             paths["float32"] += 1
             continue
         raw = torch.cat([b.raw for b in blocks]) if len(blocks) > 1 else blocks[0].raw
@@ -4422,59 +4421,54 @@ def gguf_linears(model: nn.Module, source: dict) -> dict:
     return dict(paths)
 
 
-@cpu_op("gguf_decode_layer(Tensor x, Tensor in_norm, Tensor post_norm, Tensor[] tiles, int[] types, int[] outs, "
-        "Tensor cos, Tensor sin, Tensor(a!) kb, Tensor(b!) vb, Tensor loc, Tensor req_to_token, Tensor rows, "
-        "Tensor lens, float eps, int heads) -> Tensor",
-        fake=lambda x, *args: torch.empty_like(x))
-def gguf_decode_layer(x, in_norm, post_norm, tiles, types, outs, cos, sin, kb, vb, loc, req_to_token, rows,
-                      lens, eps, heads):
-    """One decoder layer of one request's decode step on GGUF weights, as LlamaDecoderLayer computes it
-    (kernels.CPU_OPS_SRC's C++ kernel, one call for the layer, replaces this one where it builds)."""
-    D = kb.shape[2]
-    h = rms_norm(x, in_norm, eps)
-    qkv = gguf_linear(h, tiles[0], types[0], outs[0]).view(1, -1, D)
-    qk = apply_rope(qkv[:, :heads + kb.shape[1]], cos, sin)
-    kb[loc], vb[loc] = qk[:, heads:], qkv[:, heads + kb.shape[1]:]
-    o = decode_attention_c(qk[:, :heads].contiguous(), kb, vb, req_to_token, rows, lens)
-    x = x + gguf_linear(o.reshape(1, -1), tiles[1], types[1], outs[1])
-    gate, up = gguf_linear(rms_norm(x, post_norm, eps), tiles[2], types[2], outs[2]).chunk(2, dim=-1)
-    return x + gguf_linear(F.silu(gate) * up, tiles[3], types[3], outs[3])
-
-
 class GGUFDecode:
     """The model callable of quantization="gguf" on a CPU (as CompiledDecode is compile's): one request's
-    decode step runs each decoder layer as one op, gguf_decode_layer, where the eager model dispatches some
-    30 torch ops a layer, each costing more than its arithmetic at one token. Other steps (prefill,
-    batches, a verify) run the model as it is."""
+    decode step runs the whole model in one C call, kernels.gguf_decode_step (the norms, q/k/v, rotary, the
+    KV write, attention, o, SwiGLU, down, the head: one parallel region), where the eager model dispatches
+    some 30 torch ops a layer, each costing more than its arithmetic at one token. The step's inputs (the
+    token from the FutureMap, its position, slot and length) it reads where the step holds them. Other
+    steps (prefill, batches, a verify) run the model as it is."""
 
     def __init__(self, model: nn.Module):
-        self.model = model
-        self.layers = [self.layer_args(layer) for layer in model.model.layers]
-        if any(a is None for a in self.layers) or not gguf_matmul_builds(4) or not gguf_matmul_builds(8):
-            self.layers = None  # a layer off the GGUF path (another block type, biases, q/k norms)
+        self.model, self.table = model, None
+        linears = [[layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+                   for layer in model.model.layers]
+        fits = (all(isinstance(m, GGUFLinear) and m.bias is None for ms in linears for m in ms)
+                and isinstance(model.lm_head, GGUFLinear) and not model.cfg.qk_norm)
+        self.step = load_kernels().gguf_kernel("gguf_decode_step", cpp_compiler()) if fits else None
+        self.linears = linears
 
-    @staticmethod
-    def layer_args(layer: LlamaDecoderLayer) -> Optional[tuple]:
-        """A layer's weights as gguf_decode_layer takes them, or None where it cannot."""
-        linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-        if layer.self_attn.qk_norm or not all(isinstance(m, GGUFLinear) and m.bias is None for m in linears):
-            return None
-        return (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, [m.tiles for m in linears],
-                [m.type for m in linears], [m.out_features for m in linears])
+    def layer_table(self, kv: TokenToKVPool) -> tuple:
+        """The layers' pointers for gguf_decode_step (norms, tiles, KV pools), made once: every one of
+        these tensors lives as long as the engine."""
+        import ctypes
+        kernels, ptrs, bits = load_kernels(), [], []
+        for i, (layer, ms) in enumerate(zip(self.model.model.layers, self.linears)):
+            ptrs += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *[m.tiles for m in ms],
+                     kv.k_buffer[i], kv.v_buffer[i]]
+            bits += [kernels.gguf_bits(m.type) for m in ms]
+        assert all(t.is_contiguous() and t.dtype in (torch.float32, torch.uint8) for t in ptrs)
+        return ((ctypes.c_void_p * len(ptrs))(*[t.data_ptr() for t in ptrs]),
+                (ctypes.c_int32 * len(bits))(*bits))
 
     def __call__(self, input_ids, positions, attn, logit_rows) -> torch.Tensor:
-        m = self.model
-        if self.layers is None or len(input_ids) != 1 or not getattr(attn, "in_c", False):
+        m, cfg = self.model, self.model.cfg
+        if self.step is None or len(input_ids) != 1 or not getattr(attn, "in_c", False):
             return m(input_ids, positions, attn, logit_rows)
-        x = m.model.embed_tokens(input_ids)                                     # (1, hidden)
-        ang = positions[:, None].to(m.inv_freq.dtype) * m.inv_freq[None]
-        ang = torch.cat((ang, ang), dim=-1)[:, None, :]                         # (1, 1, D), as forward's
-        cos, sin, eps = ang.cos().float(), ang.sin().float(), m.cfg.rms_norm_eps
-        for i, args in enumerate(self.layers):
-            x = torch.ops.overlap_engine.gguf_decode_layer(
-                x, *args, cos, sin, attn.kv.k_buffer[i], attn.kv.v_buffer[i], attn.loc, attn.req_to_token,
-                attn.rows, attn.lens, eps, m.cfg.num_attention_heads)
-        return m.lm_head(rms_norm(x[logit_rows], m.model.norm.weight, eps))
+        if self.table is None:
+            self.table = self.layer_table(attn.kv)
+        inputs = (input_ids, positions, attn.loc, attn.rows, attn.lens)
+        assert all(t.dtype == torch.int64 and t.is_contiguous() for t in inputs), [t.dtype for t in inputs]
+        logits = torch.empty(1, cfg.vocab_size)
+        head = m.lm_head
+        self.step(input_ids.data_ptr(), positions.data_ptr(), attn.loc.data_ptr(), attn.req_to_token.data_ptr(),
+                  attn.rows.data_ptr(), attn.req_to_token.shape[1], attn.lens.data_ptr(),
+                  m.model.embed_tokens.weight.data_ptr(), m.inv_freq.data_ptr(), *self.table,
+                  cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                  cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps, m.model.norm.weight.data_ptr(),
+                  head.tiles.data_ptr(), load_kernels().gguf_bits(head.type), cfg.vocab_size, logits.data_ptr(),
+                  torch.get_num_threads())
+        return logits
 
 
 # -- grammars: xgrammar (SGLang's default grammar backend) behind Part I's Req.grammar --
