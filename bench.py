@@ -1424,19 +1424,23 @@ SINGLE_PROMPT = "Write a short story about a lighthouse keeper who finds a messa
 SINGLE_OUTPUT = 200  # tokens generated (ignore_eos), greedy
 
 
-SINGLE_SETUPS = ("float32,bfloat16,int8,int4,bfloat16+compile,int4-weightonly+compile,int8+compile,"
-                 "int4+compile")  # int8/int4: bf16 activations; -weightonly: torch's kernels, not the C one
+SINGLE_SETUPS = "defaults,gguf,float32,bfloat16+compile,int8+compile,int4+compile"  # defaults: the CLI's
 
 
-def single_setup(text: str) -> dict:
-    """'int4+compile' -> Engine arguments: a dtype or a quantization (then bfloat16), compile or not, and the
-    CPU device (+thread, +process; the engine's default unless named)."""
+def single_setup(text: str, path: str) -> dict:
+    """'int4+compile' -> Engine arguments: a format (a dtype, int8/int4 with bf16 activations, or gguf: the
+    file's own blocks), compile or not, the loop (+serial) and the CPU device (+thread, +process; the
+    engine's default unless named); 'defaults' -> what the CLI picks for one request (one_request_defaults:
+    its first start decides the format, teacher-forced)."""
+    if text == "defaults":
+        return {"torch_compile_max_bs": 1, **oe.one_request_defaults({}, chat=True, model_path=path)[0]}
     parts = text.split("+")
     quant = parts[0].removesuffix("-weightonly")
-    quant = quant if quant in ("int8", "int4") else None
+    quant = quant if quant in ("int8", "int4", "gguf") else None
     device = "thread" if "thread" in parts[1:] or "-weightonly" in text else "process" if "process" in parts[
         1:] else None  # -weightonly patches this process's kernels: the thread device's alone see it
-    return {"dtype": "bfloat16" if quant else parts[0], "quantization": quant,
+    dtype = "float32" if quant == "gguf" else "bfloat16" if quant else parts[0]
+    return {"dtype": dtype, "quantization": quant, "disable_overlap_schedule": "serial" in parts[1:],
             "enable_torch_compile": "compile" in parts[1:], "torch_compile_max_bs": 1,
             **({"cpu_device": device} if device else {})}
 
@@ -1454,14 +1458,18 @@ def weight_only(setup: str):
 
 
 def cmd_single(args):
-    """One request alone, the chat's case, for each setup: decode tok/s and TTFT, best of `repeat`."""
+    """One request alone, the chat's case, for each setup: decode tok/s and TTFT, best of `repeat`, the
+    format's fidelity (teacher-forced over oe.FIDELITY_TEXT against the float model, float64), and llama.cpp
+    on the same GGUF beside them, its fidelity measured the same way."""
     path = bench_model(args)
     n_out = 8 if args.quick else args.output
-    rows = {}
+    rows, fidelities = {}, {}
+    float_model = None if args.no_fidelity else teacher_forced_float(path)
     for setup in ("float32,int8,int4" if args.quick else args.setups).split(","):
         t0 = time.perf_counter()
+        kw = single_setup(setup, path)
         with weight_only(setup):
-            e = new_engine(model_path=path, device="cpu", max_total_tokens=4096, **single_setup(setup))
+            e = new_engine(model_path=path, device="cpu", max_total_tokens=4096, **kw)
         with e:
             start_s = time.perf_counter() - t0
             tk = e.tokenizer
@@ -1472,28 +1480,55 @@ def cmd_single(args):
             single_run(stream, 4)  # warm-up
             runs = [single_run(stream, n_out) for _ in range(args.repeat)]
             best = max(runs, key=lambda r: r["decode_tok_s"])
-            rows[f"overlap_engine {setup}"] = {**best, "start_s": start_s, **weight_matmuls(e),
-                                               "answer": single_answer(e)}
+            name = f"overlap_engine {setup}" + (f" ({format_name(kw)}" + (", serial)" if kw.get(
+                "disable_overlap_schedule") else ")") if setup == "defaults" else "")
+            rows[name] = {**best, "start_s": start_s, **weight_matmuls(e), "answer": single_answer(e)}
+        if float_model is not None:
+            fmt = format_name(kw)
+            if fmt not in fidelities:
+                with oe.format_engine(path, fmt) as fe:
+                    fidelities[fmt] = oe.fidelity(oe.teacher_forced(fe), float_model)
+            rows[name]["fidelity"] = fidelities[fmt]
     if path.endswith(".gguf") and not args.no_llama_cpp:
-        rows.update(llama_cpp_single(path, ids, n_out, args.repeat))
+        rows.update(llama_cpp_single(path, ids, n_out, args.repeat, float_model))
     read_gbps = stream_read_gbps()
     print(f"## single: one request alone, {os.path.basename(path)}, {len(ids)} prompt tokens, {n_out} out, "
           f"greedy, CPU ({torch.get_num_threads()} threads, {read_gbps:.0f} GB/s streaming read)")
     print("| engine | decode tok/s | TTFT s | start-up s | weight matmuls alone, ms/token | their GB/s | "
-          "rest of the step, ms |")
-    print("|---|---|---|---|---|---|---|")
+          "rest of the step, ms | top-1 agreement | mean \\|Δ log p\\| |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         mm = "- | - | -"  # llama.cpp: its kernels are not timed apart
         if "matmul_ms" in r:
             rest_ms = 1e3 / r["decode_tok_s"] - r["matmul_ms"]
             mm = f"{r['matmul_ms']:.1f} | {r['matmul_gbps']:.0f} | {rest_ms:.1f}"
-        print(f"| {name} | {r['decode_tok_s']:.1f} | {r['ttft_s']:.3f} | {r['start_s']:.1f} | {mm} |")
+        f = r.get("fidelity")
+        fid = f"{f['top1']:.1%} | {f['dlogp']:.4f}" if f else "- | -"
+        print(f"| {name} | {r['decode_tok_s']:.1f} | {r['ttft_s']:.3f} | {r['start_s']:.1f} | {mm} | {fid} |")
+    if float_model is not None:
+        n = len(float_model["top"])
+        print(f"\nFidelity: teacher-forced over oe.FIDELITY_TEXT ({n} positions) against "
+              "the float model (the GGUF's weights in float64), each format as its one-request kernels "
+              f"compute it (chunks of {oe.FIDELITY_CHUNK} tokens); llama.cpp's from its logits over the same "
+              "tokens.")
     print(f"\nEach setup's greedy answer to {SINGLE_ANSWER_PROMPT!r} (one request, {SINGLE_ANSWER_TOKENS} "
           "tokens at most):\n\n| engine | answer |\n|---|---|")
     for name, r in rows.items():
         if "answer" in r:
             print(f"| {name} | {r['answer']!r} |")
     return {**rows, "stream_read_gbps": read_gbps}
+
+
+def format_name(engine_kwargs: dict) -> str:
+    """The ONE_REQUEST_CANDIDATES name of a setup's weights."""
+    return next(k for k, (dtype, quant) in oe.ONE_REQUEST_CANDIDATES.items()
+                if engine_kwargs.get("quantization") == quant and (quant or engine_kwargs["dtype"] == dtype))
+
+
+def teacher_forced_float(path: str) -> dict:
+    """The float model's teacher-forced outputs over oe.FIDELITY_TEXT (oe.teacher_forced, float64)."""
+    with oe.format_engine(path, "float64") as e:
+        return oe.teacher_forced(e)
 
 
 SINGLE_ANSWER_PROMPT, SINGLE_ANSWER_TOKENS = "What is the capital of France?", 24
@@ -1513,7 +1548,7 @@ def weight_matmuls(engine) -> dict:
     step cannot be faster than this with these kernels."""
     model = engine.model or host_model(engine)  # the module (the worker may hold its compiled callable)
     dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype (the table stays float)
-    kinds = (torch.nn.Linear, oe.QuantizedLinear, oe.PackedLinear)
+    kinds = (torch.nn.Linear, oe.QuantizedLinear, oe.PackedLinear, oe.GGUFLinear)
     layers = [m for m in model.modules() if isinstance(m, kinds)]
     def read(m):  # a buffer set to None (a layer without tiles) is not among named_buffers
         return [m.tiles] if getattr(m, "tiles", None) is not None else [*m.parameters(), *m.buffers()]
@@ -1526,7 +1561,7 @@ def host_model(engine) -> torch.nn.Module:
     """The engine's model built in this process, as its device process built it (cpu_device="process":
     the engine's own is over there)."""
     a = engine.server_args
-    cfg, state, _ = oe.load_checkpoint(engine.model_path)
+    cfg, state, _ = oe.load_checkpoint(engine.model_path, gguf_blocks=a.quantization == "gguf")
     return oe.build_model(cfg, state, getattr(torch, a.dtype), "cpu", oe.TPShard(), a.quantization)
 
 
@@ -1553,8 +1588,9 @@ def single_run(stream, n) -> dict:
     return {"ttft_s": stamps[0] - t0, "decode_tok_s": (n - 1) / max(stamps[-1] - stamps[0], 1e-9)}
 
 
-def llama_cpp_single(path, ids, n_out, repeat) -> dict:
-    """The same prompt ids through llama-cpp-python on the same GGUF, if it is installed."""
+def llama_cpp_single(path, ids, n_out, repeat, float_model: dict | None = None) -> dict:
+    """The same prompt ids through llama-cpp-python on the same GGUF, if it is installed; with float_model,
+    also its fidelity over oe.FIDELITY_TEXT (llama_cpp_fidelity)."""
     import importlib.util
     if importlib.util.find_spec("llama_cpp") is None:
         print("(llama-cpp-python is not installed: no llama.cpp row)")
@@ -1565,7 +1601,23 @@ def llama_cpp_single(path, ids, n_out, repeat) -> dict:
     stream = functools.partial(llama_cpp_stream, llm, ids)
     single_run(stream, 4)
     best = max((single_run(stream, n_out) for _ in range(repeat)), key=lambda r: r["decode_tok_s"])
-    return {"llama.cpp (llama-cpp-python)": {**best, "start_s": start_s}}
+    row = {**best, "start_s": start_s}
+    if float_model is not None:
+        row["fidelity"] = llama_cpp_fidelity(path, float_model)
+    return {"llama.cpp (llama-cpp-python)": row}
+
+
+def llama_cpp_fidelity(path: str, float_model: dict) -> dict:
+    """llama.cpp's own computation of the GGUF teacher-forced over oe.FIDELITY_TEXT (its logits for every
+    position in one evaluation) against the float model's: what oe.LLAMA_CPP_FIDELITY records."""
+    import numpy as np
+    ids = oe.load_checkpoint(path)[2].encode(oe.FIDELITY_TEXT)
+    llm = llama_cpp_load(path, n_ctx=len(ids) + 8, logits_all=True)
+    llm.reset()
+    llm.eval(ids)
+    lp = torch.log_softmax(torch.from_numpy(np.array(llm.scores[:len(ids) - 1])).double(), dim=-1)
+    logp = lp.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+    return oe.fidelity({"top": lp.argmax(-1).tolist(), "logp": logp.tolist()}, float_model)
 
 
 def llama_cpp_stream(llm, ids, n_out, to_eos=False):
@@ -2264,8 +2316,10 @@ def add_model_commands(sub):
     gr.add_argument("--quick", action="store_true")
     si = command(sub, "single", cmd_single, "one request alone: TTFT and decode tok/s per setup, llama.cpp")
     si.add_argument("--model-path", default=None, help=MODEL_HELP)
-    si.add_argument("--setups", default=SINGLE_SETUPS, help="comma-separated: a dtype or int8/int4 (bf16 "
-                                                             "activations); +compile: torch.compile")
+    si.add_argument("--setups", default=SINGLE_SETUPS, help="comma-separated: defaults (the CLI's pick), a "
+                    "dtype, int8/int4 (bf16 activations) or gguf (the file's blocks, float32); +compile: "
+                    "torch.compile, +serial: the serial loop")
+    si.add_argument("--no-fidelity", action="store_true", help="skip the teacher-forced fidelity column")
     si.add_argument("--prompt", default=SINGLE_PROMPT, help="a user message (chat template applied)")
     si.add_argument("--output", type=int, default=SINGLE_OUTPUT, help="tokens to generate")
     si.add_argument("--repeat", type=int, default=2, help="runs of each; the best is reported")

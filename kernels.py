@@ -1037,7 +1037,8 @@ INLINE int64_t tile_bytes(int bits) { return bits == 4 ? 160 : 272; }  /* a tile
 INLINE void prepare(int bits, const float *x, int64_t M, int64_t K, float *xs, float *sx) {
     const __m256 scale = bits == 4 ? _mm256_setr_ps(1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f,
                                                     0x1p-24f, 1.0f) : _mm256_set1_ps(1.0f);
-    for (int64_t i = 0; i < M * K; i += 8) _mm256_storeu_ps(xs + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), scale));
+    for (int64_t i = 0; i < M * K; i += 8)
+        _mm256_storeu_ps(xs + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), scale));
     for (int64_t i = 0; i < M * K / 32; i++) {
         const float *b = x + 32 * i;
         __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(b), _mm256_loadu_ps(b + 8)),
@@ -1059,11 +1060,11 @@ INLINE __m256 code(int bits, const uint8_t *t, int i) {
 }
 
 /* sum over block t's 32 inputs of code * x for the 8 rows, in a fixed order: per group of 8 inputs two
-   chains (even and odd inputs) added, then the four groups' sums pairwise. The codes come converted in c,
-   or (c NULL) are converted from t as they are used */
+   chains (even and odd inputs) added, the groups' sums added in turn (one running sum: few registers).
+   The codes come converted in c, or (c NULL) are converted from t as they are used */
 INLINE __m256 block_dot(int bits, const uint8_t *t, const __m256 *c, const float *x) {
 #define C(i) (c ? c[i] : code(bits, t, i))
-    __m256 s[4];
+    __m256 sum = _mm256_setzero_ps();
     for (int g = 0; g < 4; g++) {
         const float *xg = x + 8 * g;
         __m256 e = _mm256_mul_ps(C(8 * g), _mm256_broadcast_ss(xg));
@@ -1072,10 +1073,10 @@ INLINE __m256 block_dot(int bits, const uint8_t *t, const __m256 *c, const float
             e = _mm256_fmadd_ps(C(8 * g + k), _mm256_broadcast_ss(xg + k), e);
             o = _mm256_fmadd_ps(C(8 * g + k + 1), _mm256_broadcast_ss(xg + k + 1), o);
         }
-        s[g] = _mm256_add_ps(e, o);
+        sum = g ? _mm256_add_ps(sum, _mm256_add_ps(e, o)) : _mm256_add_ps(e, o);
     }
 #undef C
-    return _mm256_add_ps(_mm256_add_ps(s[0], s[1]), _mm256_add_ps(s[2], s[3]));
+    return sum;
 }
 
 /* one row of x through one tile: its 8 outputs into y, the sums held in registers */
@@ -1164,8 +1165,8 @@ INLINE void share(int64_t T, int64_t *r0, int64_t *r1) {
 }
 
 /* out (N) = x (K) times w's tiles, this thread's of them; xs and sx: its own scratch */
-static void team_matvec(int bits, const float *x, const uint8_t *w, int64_t N, int64_t K, float *xs, float *sx,
-                        float *out) {
+static void team_matvec(int bits, const float *x, const uint8_t *w, int64_t N, int64_t K, float *xs,
+                        float *sx, float *out) {
     int64_t r0, r1;
     share((N + ROWS - 1) / ROWS, &r0, &r1);
     if (bits == 4) {
@@ -1208,7 +1209,8 @@ INLINE __m256 dots8(const float *q, const float *const k[8], int64_t D) {
     __m256 s[8];
     for (int j = 0; j < 8; j++) {
         s[j] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k[j]));
-        for (int64_t d = 8; d < D; d += 8) s[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k[j] + d), s[j]);
+        for (int64_t d = 8; d < D; d += 8)
+            s[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k[j] + d), s[j]);
     }
     const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
     const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
@@ -1238,7 +1240,8 @@ static void team_attention(const float *q, const float *kb, const float *vb, con
             const int nj = e - j0 < KEYS ? (int)(e - j0) : KEYS;
             for (int j = 0; j < nj; j += 8) {  /* scores, 8 keys at a time (past nj: repeats of the last) */
                 const float *k[8];
-                for (int i = 0; i < 8; i++) k[i] = kb + (int64_t)slots[j0 + (j + i < nj ? j + i : nj - 1)] * R + kh * D;
+                for (int i = 0; i < 8; i++)
+                    k[i] = kb + (int64_t)slots[j0 + (j + i < nj ? j + i : nj - 1)] * R + kh * D;
                 for (int64_t g = 0; g < G; g++)
                     _mm256_storeu_ps(s + g * KEYS + j, _mm256_mul_ps(dots8(q + (kh * G + g) * D, k, D),
                                                                      _mm256_set1_ps(scale)));
@@ -1251,11 +1254,13 @@ static void team_attention(const float *q, const float *kb, const float *vb, con
                 for (int64_t d = 0; d < D; d++) acc[d] *= f;
                 m[g] = top;
                 for (int j = 0; j < nj; j += 8)
-                    _mm256_storeu_ps(sg + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), _mm256_set1_ps(top))));
+                    _mm256_storeu_ps(sg + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j),
+                                                                _mm256_set1_ps(top))));
                 for (int64_t d = 0; d < D; d += 8) {  /* acc += p V, 8 columns at a time */
                     __m256 o = _mm256_loadu_ps(acc + d);
                     for (int j = 0; j < nj; j++)
-                        o = _mm256_fmadd_ps(_mm256_set1_ps(sg[j]), _mm256_loadu_ps(vb + (int64_t)slots[j0 + j] * R + kh * D + d), o);
+                        o = _mm256_fmadd_ps(_mm256_set1_ps(sg[j]),
+                                            _mm256_loadu_ps(vb + (int64_t)slots[j0 + j] * R + kh * D + d), o);
                     _mm256_storeu_ps(acc + d, o);
                 }
                 for (int j = 0; j < nj; j++) l[g] += sg[j];
@@ -1355,7 +1360,8 @@ void gguf_decode_step(const int64_t *token, const int64_t *position, const int64
             for (int64_t i = 0; i < I; i += 8) {  /* silu(gate) * up = gate / (1 + e^-gate) * up */
                 const __m256 gate = _mm256_loadu_ps(y + i), up = _mm256_loadu_ps(y + I + i);
                 const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gate));
-                _mm256_storeu_ps(h + i, _mm256_mul_ps(_mm256_div_ps(gate, _mm256_add_ps(e, _mm256_set1_ps(1.0f))), up));
+                const __m256 silu = _mm256_div_ps(gate, _mm256_add_ps(e, _mm256_set1_ps(1.0f)));
+                _mm256_storeu_ps(h + i, _mm256_mul_ps(silu, up));
             }
             team_matvec(b[3], h, p[5], E, I, mx, msx, y);
             #pragma omp barrier
@@ -1506,7 +1512,8 @@ static at::Tensor q_linear(const at::Tensor &x, const at::Tensor &tiles, int64_t
 /* kernels.gguf_matmul_cpu's checks and call: x (..., K) float32 times tiles of ggml type `type`, N outputs */
 static at::Tensor gguf_linear(const at::Tensor &x, const at::Tensor &tiles, int64_t type, int64_t N) {
     const int bits = type == 8 ? 8 : 4;
-    TORCH_CHECK((type == 2 || type == 3 || type == 8) && gguf_matmul, "gguf_linear: no kernel for type ", type);
+    TORCH_CHECK((type == 2 || type == 3 || type == 8) && gguf_matmul, "gguf_linear: no kernel for type ",
+                type);
     TORCH_CHECK(x.scalar_type() == at::kFloat && tiles.scalar_type() == at::kByte && tiles.is_contiguous()
                 && tiles.dim() == 3 && tiles.size(2) == (bits == 8 ? 272 : 160) && tiles.size(0) * 8 >= N,
                 "gguf_linear: x in float32 and contiguous uint8 tiles of its type");
@@ -1516,7 +1523,8 @@ static at::Tensor gguf_linear(const at::Tensor &x, const at::Tensor &tiles, int6
     std::vector<int64_t> shape = xc.sizes().vec();
     shape.back() = N;
     at::Tensor out = at::empty(shape, xc.options());
-    if (M > 0) gguf_matmul(xc.data_ptr(), tiles.data_ptr(), M, N, K, bits, out.data_ptr(), at::get_num_threads());
+    if (M > 0)
+        gguf_matmul(xc.data_ptr(), tiles.data_ptr(), M, N, K, bits, out.data_ptr(), at::get_num_threads());
     return out;
 }
 

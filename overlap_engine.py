@@ -996,9 +996,9 @@ class FutureMap:
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
     """A host tensor onto the device without waiting (a blocking copy would wait for every step queued on
     the stream): from pinned memory the copy is a DMA queued on the stream."""
-    if t.device.type == "cpu" and torch.device(device).type == "cuda":
+    if t.device.type == "cpu" and str(device).startswith("cuda"):
         t = t.pin_memory()
-    return t.to(device, non_blocking=True)
+    return t if t.device.type == str(device) else t.to(device, non_blocking=True)  # already there: as is
 
 
 def map_tensors(x, fn: Callable):
@@ -4387,7 +4387,8 @@ class GGUFLinear(nn.Module):
 def gguf_linear(x, tiles, type, N):
     """x (..., K) float32 times the weights in kernels.py's GGUF `tiles` (kernels.CPU_OPS_SRC's C++ kernel
     replaces this one where it builds)."""
-    y = load_kernels().gguf_matmul_cpu(x.reshape(-1, x.shape[-1]).contiguous(), tiles, type, N, cpp_compiler())
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    y = load_kernels().gguf_matmul_cpu(x2, tiles, type, N, cpp_compiler())
     return y.view(*x.shape[:-1], N)
 
 
@@ -4412,6 +4413,10 @@ def gguf_linears(model: nn.Module, source: dict) -> dict:
         blocks = [source.get(k + GGUF_BLOCKS) for k in checkpoint_weights(name, model.cfg)]
         kinds = {b.kind for b in blocks if b is not None}
         if None in blocks or len(kinds) != 1 or not gguf_matmul_builds():
+            if layer.weight.is_meta:  # its parts' weights were left as blocks: float ones from those
+                kernels = load_kernels()
+                w = torch.cat([kernels.gguf_weights_ref(b.raw, kernels.GGUF_TYPES[b.kind]) for b in blocks])
+                layer.weight = nn.Parameter(w, requires_grad=False)
             paths["float32"] += 1
             continue
         raw = torch.cat([b.raw for b in blocks]) if len(blocks) > 1 else blocks[0].raw
@@ -4431,8 +4436,8 @@ class GGUFDecode:
 
     def __init__(self, model: nn.Module):
         self.model, self.table = model, None
-        linears = [[layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-                   for layer in model.model.layers]
+        linears = [[layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                    layer.mlp.down_proj] for layer in model.model.layers]
         fits = (all(isinstance(m, GGUFLinear) and m.bias is None for ms in linears for m in ms)
                 and isinstance(model.lm_head, GGUFLinear) and not model.cfg.qk_norm)
         self.step = load_kernels().gguf_kernel("gguf_decode_step", cpp_compiler()) if fits else None
@@ -4444,8 +4449,8 @@ class GGUFDecode:
         import ctypes
         kernels, ptrs, bits = load_kernels(), [], []
         for i, (layer, ms) in enumerate(zip(self.model.model.layers, self.linears)):
-            ptrs += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *[m.tiles for m in ms],
-                     kv.k_buffer[i], kv.v_buffer[i]]
+            ptrs += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                     *[m.tiles for m in ms], kv.k_buffer[i], kv.v_buffer[i]]
             bits += [kernels.gguf_bits(m.type) for m in ms]
         assert all(t.is_contiguous() and t.dtype in (torch.float32, torch.uint8) for t in ptrs)
         return ((ctypes.c_void_p * len(ptrs))(*[t.data_ptr() for t in ptrs]),
@@ -4461,13 +4466,14 @@ class GGUFDecode:
         assert all(t.dtype == torch.int64 and t.is_contiguous() for t in inputs), [t.dtype for t in inputs]
         logits = torch.empty(1, cfg.vocab_size)
         head = m.lm_head
-        self.step(input_ids.data_ptr(), positions.data_ptr(), attn.loc.data_ptr(), attn.req_to_token.data_ptr(),
-                  attn.rows.data_ptr(), attn.req_to_token.shape[1], attn.lens.data_ptr(),
+        self.step(input_ids.data_ptr(), positions.data_ptr(), attn.loc.data_ptr(),
+                  attn.req_to_token.data_ptr(), attn.rows.data_ptr(), attn.req_to_token.shape[1],
+                  attn.lens.data_ptr(),
                   m.model.embed_tokens.weight.data_ptr(), m.inv_freq.data_ptr(), *self.table,
                   cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                   cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps, m.model.norm.weight.data_ptr(),
-                  head.tiles.data_ptr(), load_kernels().gguf_bits(head.type), cfg.vocab_size, logits.data_ptr(),
-                  torch.get_num_threads())
+                  head.tiles.data_ptr(), load_kernels().gguf_bits(head.type), cfg.vocab_size,
+                  logits.data_ptr(), torch.get_num_threads())
         return logits
 
 
@@ -4887,7 +4893,7 @@ def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str,
     """Part I's plain model from a state dict. With tensor parallelism, apply_tp shards it before it is
     filled (the state dict holds this rank's shard); with quantization ("int8" or "int4"), quantize_model
     swaps its linear layers once it is, with "gguf" gguf_linears."""
-    with torch.device("meta"):
+    with torch.device("meta"), no_weight_init():
         model = LlamaForCausalLM(cfg)
         if tp is not None and tp.size > 1:
             apply_tp(model, tp)
@@ -4904,7 +4910,8 @@ def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str,
     if missing:
         raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
     source = state  # the checkpoint's own values: quantize reads these, not the copies rounded to dtype
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if k in model.state_dict()}
+    state = {k: v if v.is_meta else v.to(device=device, dtype=dtype)  # meta: left to gguf_linears
+             for k, v in state.items() if k in model.state_dict()}
     model.load_state_dict(state, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -4917,6 +4924,19 @@ def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str,
     rope_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     model.inv_freq = rope_inv_freq(cfg, rope_dtype).to(device)
     return model.eval()
+
+
+@contextlib.contextmanager
+def no_weight_init():
+    """Module constructors leave their weights as they are: build_model fills them from the checkpoint
+    (on the meta device, normal_ would import torch's compiler, seconds at every start)."""
+    init = nn.init
+    saved = init.normal_, init.uniform_, init.kaiming_uniform_
+    init.normal_ = init.uniform_ = init.kaiming_uniform_ = lambda tensor, *args, **kwargs: tensor
+    try:
+        yield
+    finally:
+        init.normal_, init.uniform_, init.kaiming_uniform_ = saved
 
 
 def rope_inv_freq(cfg: ModelConfig, dtype=torch.float64) -> torch.Tensor:
@@ -5380,14 +5400,21 @@ def load_gguf(path, tp: Optional[TPShard] = None, blocks: bool = False):
         if t.name == "rope_freqs.weight":
             continue  # already folded into cfg["rope_scaling"]
         name = _hf_name(t.name)
-        w = gguf.quants.dequantize(t.data, t.tensor_type)  # (out, in) float32, torch's order
         raw = t.data if blocks and t.tensor_type.name in GGUF_KERNEL_TYPES and t.data.ndim == 2 else None
+        if raw is not None and name != "model.embed_tokens.weight":  # gguf_linears reads the blocks
+            w = np.empty(0)
+        else:
+            w = gguf.quants.dequantize(t.data, t.tensor_type)  # (out, in) float32, torch's order
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):  # llama.cpp permutes llama's only
             heads = cfg["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
-            w = _unpermute_rotary(w, heads)
+            w = w if w.size == 0 else _unpermute_rotary(w, heads)
             raw = None if raw is None else _unpermute_rotary(raw, heads)  # whole rows of blocks move
         if raw is not None:
             state_dict[name + GGUF_BLOCKS] = GGUFBlocks(t.tensor_type.name, torch.from_numpy(np.array(raw)))
+        if w.size == 0:  # its float weights are never made: a placeholder of their shape
+            block, size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+            state_dict[name] = torch.empty(raw.shape[0], raw.shape[1] // size * block, device="meta")
+            continue
         # subtle: F32 tensors come back as read-only views of the memory map, which torch refuses
         w = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
         state_dict[name] = shard_weight(name, w, model_cfg, tp)  # after the unpermute: whole heads
@@ -6435,27 +6462,114 @@ def cpp_compiler() -> Optional[str]:
 
 # One request alone, the chat's case: a decode step reads every weight once for a single token, so the
 # weight layout whose one-token matmul is fastest on this machine makes the fastest chat, among the layouts
-# that keep the float model's answers. The CLI decides it once per model, machine and torch version (the
-# first start: the matmuls, then the float model's replies and those of the fastest candidates), records
-# it, and compiles the batch-1 step.
+# as faithful to the float model as llama.cpp's own computation of the same GGUF. The CLI decides it once
+# per model, machine and torch version (the first start: the matmuls, then the float model and the
+# candidates teacher-forced over FIDELITY_TEXT), and records it.
 
-ONE_REQUEST_ARGS = ("dtype", "quantization", "enable_torch_compile", "torch_compile_max_bs")
-ONE_REQUEST_CANDIDATES = {"float32": ("float32", None), "bfloat16": ("bfloat16", None),  # name: (dtype,
-                          "int8": ("bfloat16", "int8"), "int4": ("bfloat16", "int4")}   #  quantization)
+ONE_REQUEST_ARGS = ("dtype", "quantization", "enable_torch_compile", "torch_compile_max_bs",
+                    "disable_overlap_schedule")
+ONE_REQUEST_CANDIDATES = {"gguf": ("float32", "gguf"), "float32": ("float32", None),  # name: (dtype,
+                          "bfloat16": ("bfloat16", None), "int8": ("bfloat16", "int8"),  # quantization)
+                          "int4": ("bfloat16", "int4")}
+
+# The field's measure of a weight format (llama.cpp's perplexity tool): teacher-forced over a text, the
+# share of positions whose most likely next token is the float model's, and the mean |difference| of the
+# log probability each gives the text's own next token. The text: prose and code, 668 tokens of SmolLM2's.
+FIDELITY_TEXT = """\
+The lighthouse stood at the end of a narrow spit of rock, and for forty years the same family had kept its
+lamp burning. Each evening the keeper climbed one hundred and twelve steps, trimmed the wick, wound the clock
+that turned the lens, and wrote the weather in a leather book. Ships passed far out at sea, and most of them
+never knew his name. In winter the storms came from the north and the spray reached the gallery windows; in
+summer the evenings were long and quiet, and he read by the last of the light before the lamp was needed.
+
+Tea is grown on the slopes of warm hills where rain falls often and the soil drains well. The youngest
+leaves are picked by hand, spread out to wither, rolled to break their cells, and then either dried at once
+for green tea or left to oxidize for black tea. A good cup depends on fresh water, the right temperature,
+and patience: boiling water scorches green leaves, while black tea needs it to open fully.
+
+A cache keeps recent results close at hand so that a program does not compute them twice. When the cache
+is full, something must be evicted, and the simplest fair rule is to drop the entry that was used least
+recently. The trade-off is memory: a larger cache answers more requests but costs space that the rest of
+the system might need.
+
+def least_recently_used(capacity):
+    \"\"\"A cache that forgets the entry it has not seen for the longest time.\"\"\"
+    from collections import OrderedDict
+    store = OrderedDict()
+
+    def get(key):
+        if key not in store:
+            return None
+        store.move_to_end(key)
+        return store[key]
+
+    def put(key, value):
+        store[key] = value
+        store.move_to_end(key)
+        if len(store) > capacity:
+            store.popitem(last=False)
+
+    return get, put
+
+
+for n in range(1, 16):
+    if n % 15 == 0:
+        print("FizzBuzz")
+    elif n % 3 == 0:
+        print("Fizz")
+    elif n % 5 == 0:
+        print("Buzz")
+    else:
+        print(n)
+
+The river rises in the mountains and runs for three hundred kilometres to the sea. In spring, melting
+snow swells it until it floods the fields along its banks, which is why the old towns were built on the
+higher ground. Farmers learned to plant after the water fell, when the soil was soft and rich. Today a dam
+holds back the worst of the floods, and the lake behind it supplies power to the city in the valley.
+
+Learning a new language takes time, but a few habits help. Read a little every day, even if you do not
+understand every word. Listen to people speaking at a natural pace, and repeat what they say. Keep a small
+notebook of phrases you want to use, and try them in conversation as soon as you can; mistakes are part of
+the process, and most listeners are glad that you are trying.
+"""
+FIDELITY_CHUNK = 8  # tokens a teacher-forced step feeds: a verify's, which the one-token kernels serve
+# llama.cpp on the default model's Q4_1 file (its int8 activations) against the float model over the text
+# (`bench.py single`, docs/results.md): a format is eligible when at least this faithful
+LLAMA_CPP_FIDELITY = {"top1": 0.961, "dlogp": 0.0577}
+CLEARLY_FASTER = 1.2  # a format replaces a more faithful pick only with matmuls this much faster: one-token
+                      # timings vary by up to a fifth between rounds on a quiet machine
+
+
+def gguf_candidate(model_path: str) -> Optional[str]:
+    """The block type of a GGUF's linear weights (the most common one), where gguf_matmul computes it
+    here; else None."""
+    if not model_path.endswith(".gguf") or not gguf_matmul_builds():
+        return None
+    kinds = Counter(t.tensor_type.name for t in GGUFFile(model_path).tensors
+                    if t.data.ndim == 2 and t.name.startswith("blk."))
+    kind = kinds.most_common(1)[0][0] if kinds else None
+    return kind if kind in GGUF_KERNEL_TYPES else None
 
 
 @torch.no_grad()
-def one_token_matmul_ms(shape: tuple = (1536, 576), count: int = 24, passes: int = 5,
-                        tokens: int = 1) -> dict:
+def one_token_matmul_ms(shape: tuple = (1536, 576), count: int = 24, passes: int = 5, tokens: int = 1,
+                        gguf_kind: Optional[str] = None) -> dict:
     """{candidate: ms} for one token (a verify step's tokens: 1 + k) through `count` weight matrices of
     `shape` (SmolLM2's down projection, transposed; 21M weights, more than a CPU cache holds), each stored
-    as its Linear stores it; the best of `passes`. The weight-only int4/int8 kernels cost M times one
-    token for M tokens here, bf16's about the same for 1 and 5: a verify may pick another format."""
+    as its Linear stores it (gguf: in blocks of gguf_kind, only if given); the best of `passes`. The
+    weight-only int4/int8 kernels cost M times one token for M tokens here, bf16's about the same for 1 and
+    5: a verify may pick another format."""
+    import gguf
     w = torch.randn(shape) * 0.02
     ms = {}
     for name, (dtype, quant) in ONE_REQUEST_CANDIDATES.items():
         dt = getattr(torch, dtype)
-        if quant:
+        if quant == "gguf":
+            if gguf_kind is None:
+                continue
+            raw = torch.from_numpy(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[gguf_kind]))
+            layers = [GGUFLinear(gguf_kind, raw, shape[1]) for _ in range(count)]
+        elif quant:
             layers = [QuantizedLinear(quant, w, dt) for _ in range(count)]
         else:
             layers = [nn.Linear(shape[1], shape[0], bias=False).to(dt) for _ in range(count)]
@@ -6514,12 +6628,12 @@ def other_cores_while(fn: Callable, min_seconds: float = 0.5) -> tuple:
     return result, max(0.0, others / os.sysconf("SC_CLK_TCK") / wall)
 
 
-def quiet_matmul_ms(steps: tuple) -> tuple[dict, Optional[str]]:
+def quiet_matmul_ms(steps: tuple, gguf_kind: Optional[str] = None) -> tuple[dict, Optional[str]]:
     """{candidate: ms} summed over one step of each size in `steps` (one_token_matmul_ms), the faster of two
     rounds; and None if the machine was quiet (other processes below BUSY_CORES, where /proc tells) and the
     rounds agreed within ROUNDS_AGREE, else why not. Tries QUIET_TRIES times, after a round that warms up."""
     def one_round():
-        each = [one_token_matmul_ms(tokens=n) for n in steps]
+        each = [one_token_matmul_ms(tokens=n, gguf_kind=gguf_kind) for n in steps]
         return {name: sum(m[name] for m in each) for name in each[0]}
     one_round()  # the first builds kernels and touches every page
     for attempt in range(QUIET_TRIES):
@@ -6537,55 +6651,54 @@ def quiet_matmul_ms(steps: tuple) -> tuple[dict, Optional[str]]:
     return ms, noise
 
 
-# The check of a format: the greedy replies of one request alone (batch 1, as the chat runs; another
-# batch size rounds bf16 differently) to these chat prompts, against the float32 model's. The answer is
-# in a reply's first tokens ("The capital of France is Paris." is 8), so those must all agree; and all in
-# all, counted up to each reply's first difference, most of the float model's tokens.
-FORMAT_CHECK_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
-                        "List three prime numbers.", "Explain what a KV cache is in one sentence.",
-                        "How many days are in a week?", "Who wrote Romeo and Juliet?", "What is 12 times 12?",
-                        "Name the largest planet in our solar system.")
-FORMAT_CHECK_TOKENS, FORMAT_CHECK_ANSWER, FORMAT_CHECK_SHARE = 16, 8, 0.75
-
-
 def format_engine(model_path: str, name: str) -> Engine:
-    """The engine of a format's check; its replies are the same on either CPU device, the thread's starts
-    sooner."""
-    dtype, quantization = ONE_REQUEST_CANDIDATES[name]
+    """The engine of a format's check (name: a candidate, or "float64", the float model): one request
+    prefilled in chunks of FIDELITY_CHUNK, as a verify runs the one-token kernels; the thread device, the
+    soonest to start."""
+    dtype, quantization = ("float64", None) if name == "float64" else ONE_REQUEST_CANDIDATES[name]
     return Engine(model_path=model_path, device="cpu", dtype=dtype, quantization=quantization,
-                  max_total_tokens=2048, cpu_device="thread")
+                  max_total_tokens=2048, cpu_device="thread",
+                  chunked_prefill_size=-1 if name == "float64" else FIDELITY_CHUNK)
 
 
-def greedy_replies(engine: Engine) -> list:
-    """Each FORMAT_CHECK_PROMPTS reply's first FORMAT_CHECK_TOKENS greedy tokens, one request at a time."""
-    sp = {"max_new_tokens": FORMAT_CHECK_TOKENS, "temperature": 0}
-    prompts = [prompt_ids(engine.tokenizer, p, False) for p in FORMAT_CHECK_PROMPTS]
-    return [engine.generate(input_ids=ids, sampling_params=sp)["output_ids"] for ids in prompts]
+def teacher_forced(engine: Engine) -> dict:
+    """Over FIDELITY_TEXT (as much of it as the model's context holds), each position's most likely next
+    token ("top") and the log probability of the text's own next token ("logp"), from the engine's prompt
+    logprobs."""
+    ids = engine.tokenizer.encode(FIDELITY_TEXT)[:engine.context_len - 1]
+    out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
+                          return_logprob=True, logprob_start_len=0, top_logprobs_num=1)
+    m = out["meta_info"]  # the first prompt token has no logprob
+    return {"top": [top[0][1] for top in m["input_top_logprobs"][1:]],
+            "logp": [lp for lp, _, _ in m["input_token_logprobs"][1:]]}
 
 
-def keeps_the_answers(replies: list, ref: list) -> tuple[bool, list]:
-    """Whether `replies` keep the float model's (`ref`): each agrees with its reference for its first
-    FORMAT_CHECK_ANSWER tokens (all of it, if shorter), and the tokens agreed before each reply's first
-    difference are at least FORMAT_CHECK_SHARE of the reference's. Also those counts."""
-    agreed = [next((i for i, (a, b) in enumerate(zip(out, want)) if a != b), min(len(out), len(want)))
-              for out, want in zip(replies, ref)]
-    answers = all(n >= min(FORMAT_CHECK_ANSWER, len(want)) for n, want in zip(agreed, ref))
-    return answers and sum(agreed) >= FORMAT_CHECK_SHARE * sum(map(len, ref)), agreed
+def fidelity(measured: dict, float_model: dict) -> dict:
+    """A format's teacher-forced outputs against the float model's: top-1 agreement, mean |Δ log p|."""
+    n = len(float_model["top"])
+    return {"top1": round(sum(a == b for a, b in zip(measured["top"], float_model["top"])) / n, 4),
+            "dlogp": round(sum(abs(a - b) for a, b in zip(measured["logp"], float_model["logp"])) / n, 5)}
+
+
+def as_faithful_as_llama_cpp(f: dict) -> bool:
+    return f["top1"] >= LLAMA_CPP_FIDELITY["top1"] and f["dlogp"] <= LLAMA_CPP_FIDELITY["dlogp"]
 
 
 def one_request_format(model_path: str, steps: tuple = (1,)) -> dict:
     """The weight format for one request alone with this model on this machine, decided once and kept in
-    cache_root()/one_request_formats.json (so the same command picks the same format on every run): of the
-    ONE_REQUEST_CANDIDATES, the fastest (quiet_matmul_ms) for one step of each size in `steps` (tokens
-    a step feeds: a decode's 1; speculating, also a verify's 1 + k, as its engine runs both) whose greedy
-    replies keep the float32 model's (keeps_the_answers); float32 itself is always eligible. Returns the
-    record: pick, matmul_ms and, for each format checked, its agreed token counts and whether it passed;
-    timings that stayed noisy make a pick for this run alone, not recorded (its `noisy` says why)."""
+    cache_root()/one_request_formats.json (so the same command picks the same format on every run): the
+    fastest of the ONE_REQUEST_CANDIDATES (quiet_matmul_ms, for one step of each size in `steps`: a
+    decode's 1 token; speculating, also a verify's 1 + k) at least as faithful as llama.cpp, teacher-forced
+    against the float model. The GGUF's own blocks (gguf_candidate) are checked first, float32 is faithful
+    by definition; a format replaces the pick only if CLEARLY_FASTER. Returns the record: pick, matmul_ms,
+    and for each format checked its fidelity and whether it qualified; timings that stayed noisy make a
+    pick for this run alone, not recorded (its `noisy` says why)."""
     st = os.stat(model_path)
     key = (f"{os.path.basename(os.path.normpath(model_path))} {st.st_size} {st.st_mtime:.0f} | "
            f"{cpu_name()} | {torch.get_num_threads()} threads | torch {torch.__version__} | "
            f"{'+'.join(map(str, steps))} tokens" + (" | C matmul 1-8 tokens" if c_matmul_builds(4) else "")
-           + ("" if cpu_has_native_bf16() else f" | int8 in float32 from {FLOAT_SUM_ROWS} rows"))
+           + ("" if cpu_has_native_bf16() else f" | int8 in float32 from {FLOAT_SUM_ROWS} rows")
+           + (" | gguf_matmul" if gguf_matmul_builds() else "") + f" | llama.cpp {LLAMA_CPP_FIDELITY}")
     path = os.path.join(cache_root(), "one_request_formats.json")
     try:
         with open(path) as f:
@@ -6594,22 +6707,32 @@ def one_request_format(model_path: str, steps: tuple = (1,)) -> dict:
         records = {}
     if key in records:
         return records[key]
-    with format_engine(model_path, "float32") as e:  # a checkpoint that cannot be read fails here, first
-        print("overlap_engine: one request: choosing the weight format once for this model and machine (the "
-              "float model's replies and the fastest formats' to 8 prompts, ~30 s) ...", file=sys.stderr,
-              flush=True)
-        ref = greedy_replies(e)
-    ms, noisy = quiet_matmul_ms(steps)
-    checked = {"float32": {"agreed": [len(r) for r in ref], "eligible": True}}
-    for name in sorted(ms, key=ms.get):  # the fastest first; float32 ends the search
-        if name == "float32":
-            break
+    t0, kind = time.perf_counter(), gguf_candidate(model_path)
+    with format_engine(model_path, "float64") as e:  # a checkpoint that cannot be read fails here, first
+        print("overlap_engine: one request: choosing the weight format once for this model and machine: the "
+              "matmuls timed, then the float model and the fastest formats teacher-forced over a text, as "
+              "llama.cpp's perplexity tool measures a format (~1 minute) ...", file=sys.stderr, flush=True)
+        float_model = teacher_forced(e)
+    ms, noisy = quiet_matmul_ms(steps, kind)
+    checked = {}
+
+    def faithful(name: str) -> bool:
         with format_engine(model_path, name) as e:
-            eligible, agreed = keeps_the_answers(greedy_replies(e), ref)
-        checked[name] = {"agreed": agreed, "eligible": eligible}
-        if eligible:
+            f = fidelity(teacher_forced(e), float_model)
+        checked[name] = {**f, "eligible": as_faithful_as_llama_cpp(f)}
+        return checked[name]["eligible"]
+    pick = "gguf" if kind and faithful("gguf") else "float32"
+    for name in sorted(ms, key=ms.get):  # the fastest first, down to the pick's own speed
+        if name == "gguf" and not kind:
+            continue
+        if ms[name] * CLEARLY_FASTER > ms[pick]:
             break
-    record = {"pick": name, "matmul_ms": ms, "checked": checked, "decided": datetime.now().isoformat()}
+        if name not in checked and faithful(name):
+            pick = name
+            break
+    record = {"pick": pick, "gguf_kind": kind, "matmul_ms": ms, "checked": checked,
+              "llama_cpp": LLAMA_CPP_FIDELITY,
+              "seconds": round(time.perf_counter() - t0, 1), "decided": datetime.now().isoformat()}
     if noisy:
         return {**record, "noisy": noisy}
     records[key] = record
@@ -6621,12 +6744,14 @@ def one_request_format(model_path: str, steps: tuple = (1,)) -> dict:
 
 
 def one_request_defaults(given: dict, chat: bool = True, steps: tuple = (1,),
-                         model_path: Optional[str] = None) -> tuple[dict, str]:
+                         model_path: Optional[str] = None, own_cores: bool = False) -> tuple[dict, str]:
     """For one request alone on the CPU, values of the ONE_REQUEST_ARGS that are not in `given`: the weight
     format one_request_format decides for `model_path` (the default model if None; unless --dtype or
-    --quantization is given), and for the interactive chat torch.compile of the batch-1 decode step (one
-    --prompt would spend longer compiling than it saves). steps: the tokens its steps feed (speculating: a
-    decode's 1 and a verify's 1 + k). Also the line that says what was picked and why."""
+    --quantization is given); the serial loop, unless the device has cores of its own (own_cores); and for
+    the interactive chat torch.compile of the batch-1 decode step, except on the GGUF's own blocks, whose
+    step is one C call already (one --prompt would spend longer compiling than it saves). steps: the tokens
+    its steps feed (speculating: a decode's 1 and a verify's 1 + k). Also the line that says what was
+    picked and why."""
     picked, why = {}, []
     if "dtype" not in given and "quantization" not in given:
         model_path = model_path or default_model_path()
@@ -6636,19 +6761,26 @@ def one_request_defaults(given: dict, chat: bool = True, steps: tuple = (1,),
         picked["dtype"], picked["quantization"] = ONE_REQUEST_CANDIDATES[best]
         timings = ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(ms.items(), key=lambda kv: kv[1]))
         what = "one-token matmul" if steps == (1,) else f"matmuls of a decode and a {steps[1]}-token verify"
-        failed = [k for k, c in record["checked"].items() if not c["eligible"]]
-        kept = f" that keeps the float model's answers ({', '.join(failed)} did not)" if failed else ""
+        fid = record["checked"].get(best)
         how = (f"timed while {record['noisy']}: for this run only, not recorded" if record.get("noisy")
                else "decided once and recorded")
-        why.append(f"{best} weights{' (bf16 activations)' if picked['quantization'] else ''}, the fastest "
-                   f"{what} here ({timings}){kept}, {how}")
-    if chat and "enable_torch_compile" not in given and cpp_compiler():
+        form = {"gguf": f"the file's own {record.get('gguf_kind')} blocks, float32 activations",
+                "int8": "bf16 activations", "int4": "bf16 activations"}.get(best)
+        why.append(f"{best} weights{f' ({form})' if form else ''}: the fastest {what} here ({timings}) as "
+                   f"faithful as llama.cpp (top-1 {LLAMA_CPP_FIDELITY['top1']:.1%} and mean |Δ log p| "
+                   f"{LLAMA_CPP_FIDELITY['dlogp']} against the float model over a text)"
+                   + (f": top-1 {fid['top1']:.1%}, |Δ log p| {fid['dlogp']}" if fid else "") + f", {how}")
+    if "disable_overlap_schedule" not in given and not own_cores:
+        picked["disable_overlap_schedule"] = True
+        why.append("the serial loop (the device shares the host's cores: nothing to overlap)")
+    gguf = picked.get("quantization", given.get("quantization")) == "gguf"
+    if chat and "enable_torch_compile" not in given and cpp_compiler() and not gguf:
         picked["enable_torch_compile"] = True
         if "torch_compile_max_bs" not in given:
             picked["torch_compile_max_bs"] = 1
         why.append("torch.compile of the batch-1 step")
-    line = ("overlap_engine: one request: " + "; ".join(why) + " (--dtype, --quantization and "
-            "--no-enable-torch-compile choose otherwise)") if why else ""
+    line = ("overlap_engine: one request: " + "; ".join(why) + " (--dtype, --quantization, "
+            "--no-disable-overlap-schedule and --enable-torch-compile choose otherwise)") if why else ""
     return picked, line
 
 
@@ -6702,8 +6834,11 @@ def cli_parser() -> argparse.ArgumentParser:
             if f.name in ONE_REQUEST_ARGS:  # the chat picks these where not given (one_request_defaults)
                 help += ("; the chat and one --prompt on a CPU: decided for one request unless given"
                          if f.name in ("dtype", "quantization") else
-                         "; on a CPU with a C++ compiler, unless given: the chat compiles batch 1, the "
-                         "server and several prompts every batch" if f.name == "enable_torch_compile" else
+                         "; on a CPU with a C++ compiler, unless given: the chat compiles batch 1 (but on "
+                         "gguf weights), the server and several prompts every batch"
+                         if f.name == "enable_torch_compile" else
+                         "; the chat and one --prompt on a CPU, unless given: on where the device shares "
+                         "the host's cores" if f.name == "disable_overlap_schedule" else
                          "; the chat: 1 unless given")
             if f.type in ("bool", bool):
                 action = argparse.BooleanOptionalAction if f.name in ONE_REQUEST_ARGS else "store_true"
@@ -6758,7 +6893,8 @@ def main(argv=None):
             k = args.speculative_num_draft_tokens if args.speculative_algorithm else 0  # k < 1: refused below
             steps = (1, 1 + k) if k >= 1 else (1,)
             picked, line = one_request_defaults(cli_given(argv), chat=not args.prompt, steps=steps,
-                                                model_path=args.model_path)
+                                                model_path=args.model_path,
+                                                own_cores=args.cpu_device_threads > 0)
             engine_args.update(picked)
             if args.enable_deterministic_inference and "enable_torch_compile" not in cli_given(argv):
                 engine_args["enable_torch_compile"] = False  # the mode runs eager
