@@ -4365,6 +4365,22 @@ def gguf_matmul_builds() -> bool:
     return True
 
 
+def gguf_paths(model_path: str) -> str:
+    """How quantization="gguf" computes each kind of a GGUF's tensors, for the start line."""
+    tensors = GGUFFile(model_path).tensors
+    linear = Counter(t.tensor_type.name for t in tensors if t.data.ndim == 2 and t.name != "token_embd.weight")
+    embed = next(t.tensor_type.name for t in tensors if t.name == "token_embd.weight")
+    tied = not any(t.name == "output.weight" for t in tensors)
+    builds = gguf_matmul_builds()
+    own = [f"{n} {k}" for k, n in linear.items() if k in GGUF_KERNEL_TYPES and builds]
+    other = [f"{n} {k}" for k, n in linear.items() if k not in GGUF_KERNEL_TYPES or not builds]
+    parts = [f"{', '.join(own)} linear weights as the file's blocks (float32 activations)"] if own else []
+    parts += [f"{', '.join(other)} linear weights dequantized to float32"] if other else []
+    head = " (and the LM head, tied, as its blocks)" if tied and embed in GGUF_KERNEL_TYPES and builds else ""
+    parts.append(f"the {embed} embedding looked up in a float32 copy{head}")
+    return "overlap_engine: gguf: " + "; ".join(parts) + "; the norms in float32"
+
+
 class GGUFLinear(nn.Module):
     """Swapped in for a model's nn.Linear by gguf_linears: its weights as the GGUF's blocks of one type
     (a fused q/k/v or gate/up: its parts' rows one after the other), in kernels.pack_gguf_tiles' tiles,
@@ -6768,10 +6784,12 @@ def one_request_defaults(given: dict, chat: bool = True, steps: tuple = (1,),
                else "decided once and recorded")
         form = {"gguf": f"the file's own {record.get('gguf_kind')} blocks, float32 activations",
                 "int8": "bf16 activations", "int4": "bf16 activations"}.get(best)
-        why.append(f"{best} weights{f' ({form})' if form else ''}: the fastest {what} here ({timings}) as "
-                   f"faithful as llama.cpp (top-1 {LLAMA_CPP_FIDELITY['top1']:.1%} and mean |Δ log p| "
-                   f"{LLAMA_CPP_FIDELITY['dlogp']} against the float model over a text)"
-                   + (f": top-1 {fid['top1']:.1%}, |Δ log p| {fid['dlogp']}" if fid else "") + f", {how}")
+        faithful = (f"top-1 {fid['top1']:.1%} and mean |Δ log p| {fid['dlogp']} against the float model, "
+                    "teacher-forced over a text" if fid else "the float model itself")
+        llama = LLAMA_CPP_FIDELITY
+        why.append(f"{best} weights{f' ({form})' if form else ''}: {faithful} (llama.cpp on the default model: "
+                   f"{llama['top1']:.1%}, {llama['dlogp']}); the fastest {what} of the formats that faithful "
+                   f"({timings}; {CLEARLY_FASTER}x faster to replace a more faithful one), {how}")
     if "disable_overlap_schedule" not in given and not own_cores:
         picked["disable_overlap_schedule"] = True
         why.append("the serial loop (the device shares the host's cores: nothing to overlap)")
@@ -6908,6 +6926,8 @@ def main(argv=None):
         engine = Engine(**engine_args)
         if line:  # once the engine stands: bad input ends in its one line alone
             print(line, file=sys.stderr, flush=True)
+        if engine.server_args.quantization == "gguf":
+            print(gguf_paths(engine.model_path), file=sys.stderr, flush=True)
     except (ValueError, DefaultModelUnavailable, DeviceProcessError) as e:
         cli_error(e)
     if args.serve:
