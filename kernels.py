@@ -1378,16 +1378,16 @@ void gguf_decode_step(const int64_t *token, const int64_t *position, const int64
 
 
 def gguf_blocks(raw: torch.Tensor, type_: int) -> tuple:
-    """A GGUF tensor's raw blocks (N, bytes a row) uint8 -> (codes (N, K) int32, d, m (N, K / 32) float32):
-    weight = d * codes + m. Q4_1 as written; Q4_0's d * (q - 8) as codes q with m = -8 d; Q8_0's signed
-    codes with m = 0."""
+    """A GGUF tensor's raw blocks (N, bytes a row) uint8 -> (codes (N, K) uint8, or int8 for Q8_0; d, m
+    (N, K / 32) float32): weight = d * codes + m. Q4_1 as written; Q4_0's d * (q - 8) as codes q with
+    m = -8 d; Q8_0's signed codes with m = 0."""
     N = raw.shape[0]
     size = {2: 18, 3: 20, 8: 34}[type_]
     b = raw.view(N, -1, size)
     d = b[..., :2].contiguous().view(torch.float16).float().view(N, -1)
     if type_ == 8:
-        return b[..., 2:].contiguous().view(torch.int8).int().view(N, -1), d, torch.zeros_like(d)
-    qs = b[..., size - 16:].int()
+        return b[..., 2:].contiguous().view(torch.int8).view(N, -1), d, torch.zeros_like(d)
+    qs = b[..., size - 16:]
     codes = torch.cat((qs & 15, qs >> 4), dim=-1).view(N, -1)  # byte j: input j (low), input j + 16 (high)
     m = b[..., 2:4].contiguous().view(torch.float16).float().view(N, -1) if type_ == 3 else -8 * d
     return codes, d, m
@@ -1420,10 +1420,10 @@ def pack_gguf_tiles(raw: torch.Tensor, type_: int) -> torch.Tensor:
     T, KB = (N + pad) // GGUF_ROWS, K // 32
     c = codes.view(T, GGUF_ROWS, KB, 4, 8)  # (tile, row, block, group g, input k of the group)
     if type_ == 8:  # group i: the 8 rows' codes of input i
-        c = c.view(T, GGUF_ROWS, KB, 32).permute(0, 2, 3, 1).to(torch.int8).contiguous().view(torch.uint8)
-    else:  # vector g, lane n: row n's codes of inputs 8g .. 8g + 7, input 8g + k in bits 4k .. 4k + 3
-        lanes = (c << (4 * torch.arange(8, dtype=torch.int32))).sum(-1, dtype=torch.int64)  # (T, n, KB, g)
-        c = lanes.to(torch.uint32).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
+        c = c.view(T, GGUF_ROWS, KB, 32).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
+    else:  # vector g, lane n: row n's codes of inputs 8g .. 8g + 7, input 8g + k in bits 4k .. 4k + 3: the
+        # lane's little-endian byte j holds inputs 2j (low nibble) and 2j + 1 (high)
+        c = (c[..., 0::2] | (c[..., 1::2] << 4)).permute(0, 2, 3, 1, 4).contiguous()  # (T, KB, g, n, 4)
     def fp16(a):  # (N, KB) -> (T, KB, 8 rows) fp16, as bytes
         return a.view(T, GGUF_ROWS, KB).transpose(1, 2).half().contiguous().view(torch.uint8)
     parts = [c.view(T, KB, -1), fp16(d)] + ([] if type_ == 8 else [fp16(m)])

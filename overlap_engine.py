@@ -3068,6 +3068,8 @@ def build_worker(args: ServerArgs, cfg: ModelConfig, model: nn.Module, make_stre
         backend = GroupedDecodeBackend(kv_pool, req_to_token_pool)
     future_map = FutureMap(args.max_running_requests, args.device, args.debug_future_map)
     if compile_max_bs:
+        for buf in kv_pool.k_buffer + kv_pool.v_buffer:  # compile=dynamic makes every size symbolic: the
+            torch._dynamo.mark_static(buf)  # pool's are fixed, and as symbols they slow the kernels down
         model = CompiledDecode(model, compile_max_bs, verify=args.speculative_algorithm is not None)
     elif args.quantization == "gguf" and isinstance(backend, CDecodeBackend):
         model = GGUFDecode(model)
@@ -3996,7 +3998,7 @@ def padded_vocab(vocab_size: int, tp_size: int) -> int:
 
 
 def apply_tp(model: LlamaForCausalLM, tp: TPShard):
-    """Shards a plain model, built on the meta device, for rank tp.rank of tp.size (gpt-fast's apply_tp):
+    """Shards a plain model, built with its weights uninitialized, for rank tp.rank of tp.size (gpt-fast's apply_tp):
     q/k/v and gate/up keep this rank's rows (column parallel), o and down its columns (row parallel: an
     all-reduce adds the ranks' partial sums after each attention and MLP block), the embedding and LM
     head its slice of the vocabulary, whose logits are gathered. Loading fills in shard_weight's parts."""
@@ -4695,8 +4697,6 @@ class FusedGatherDecodeBackend(GroupedDecodeBackend):
     def __init__(self, kv_pool: TokenToKVPool, req_to_token_pool: ReqToTokenPool, max_bs: int):
         super().__init__(kv_pool, req_to_token_pool)
         self.max_bs = max_bs
-        for buf in kv_pool.k_buffer + kv_pool.v_buffer:  # compile=dynamic makes every size symbolic: the
-            torch._dynamo.mark_static(buf)  # pool's are fixed, and as symbols they slow the kernel down
 
     def init_forward_metadata(self, meta: ForwardMetadata):
         self.fused = meta.forward_mode.is_decode() and 1 < len(meta.seq_lens_cpu) <= self.max_bs
@@ -4735,8 +4735,6 @@ class CDecodeBackend(GroupedDecodeBackend):
             if kernels.cpu_kernel(*shape, cpp_compiler(), E) is None:
                 raise ValueError("attention_backend='c': the C decode kernel did not build here")
             kernels.decode_attention_in_cpp(*shape, E, cpp_compiler())  # else the op's Python kernel serves
-        for buf in kv_pool.k_buffer + kv_pool.v_buffer:  # as FusedGatherDecodeBackend: sizes stay static
-            torch._dynamo.mark_static(buf)
 
     def init_forward_metadata(self, meta: ForwardMetadata):
         self.in_c = not meta.forward_mode.is_extend()  # a decode or a verify
@@ -4900,7 +4898,9 @@ def fuse_projections(state: dict, num_layers: int) -> dict:
                                                      ("weight", "bias")):
         names = [f"model.layers.{i}.{p}.{kind}" for p in parts]
         if all(state.get(n) is not None for n in names):
-            state[f"model.layers.{i}.{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+            ws = [state.pop(n) for n in names]
+            state[f"model.layers.{i}.{fused}.{kind}"] = torch.cat(ws) if not ws[0].is_meta else torch.empty(
+                sum(len(w) for w in ws), *ws[0].shape[1:], device="meta")  # placeholders (load_gguf's)
     return state
 
 
@@ -4909,16 +4909,17 @@ def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str,
     """Part I's plain model from a state dict. With tensor parallelism, apply_tp shards it before it is
     filled (the state dict holds this rank's shard); with quantization ("int8" or "int4"), quantize_model
     swaps its linear layers once it is, with "gguf" gguf_linears."""
-    with torch.device("meta"), no_weight_init():
+    with no_weight_init():  # (on the meta device, torch's reference ops would import its compiler: seconds)
         model = LlamaForCausalLM(cfg)
         if tp is not None and tp.size > 1:
             apply_tp(model, tp)
+    expected = model.state_dict().keys()
     state = fuse_projections(dict(state), cfg.num_hidden_layers)
     if cfg.tie_word_embeddings:  # one tensor under both names; re-tied after loading
         state["lm_head.weight"] = state.get("model.embed_tokens.weight")
     elif "lm_head.weight" not in state:
         raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
-    missing = {k for k in model.state_dict() if state.get(k) is None}
+    missing = {k for k in expected if state.get(k) is None}
     for fused, parts in FUSED_PROJECTIONS.items():  # name what the checkpoint lacks, not the fused name
         for k in [k for k in missing if f".{fused}." in k]:
             missing.remove(k)
@@ -4927,7 +4928,7 @@ def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str,
         raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
     source = state  # the checkpoint's own values: quantize reads these, not the copies rounded to dtype
     state = {k: v if v.is_meta else v.to(device=device, dtype=dtype)  # meta: left to gguf_linears
-             for k, v in state.items() if k in model.state_dict()}
+             for k, v in state.items() if k in expected}
     model.load_state_dict(state, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -4944,8 +4945,8 @@ def build_model(cfg: ModelConfig, state: dict, dtype: torch.dtype, device: str,
 
 @contextlib.contextmanager
 def no_weight_init():
-    """Module constructors leave their weights as they are: build_model fills them from the checkpoint
-    (on the meta device, normal_ would import torch's compiler, seconds at every start)."""
+    """Module constructors leave their weights as they are, uninitialized memory that nothing touches:
+    build_model fills them from the checkpoint."""
     init = nn.init
     saved = init.normal_, init.uniform_, init.kaiming_uniform_
     init.normal_ = init.uniform_ = init.kaiming_uniform_ = lambda tensor, *args, **kwargs: tensor
@@ -5298,13 +5299,25 @@ class GGUFFile:
         self.pos += n
         return self.raw[self.pos - n:self.pos].decode("utf-8")
 
+    def strings(self, n: int) -> list[str]:
+        """n strings one after the other (a vocabulary: tens of thousands, read in one loop)."""
+        raw, pos, length, out = self.raw, self.pos, struct.Struct("<Q").unpack_from, []
+        for _ in range(n):
+            (size,) = length(raw, pos)
+            out.append(raw[pos + 8:pos + 8 + size].decode("utf-8"))
+            pos += 8 + size
+        self.pos = pos
+        return out
+
     def value(self, kind: int):
         if kind == 8:
             return self.string()
         if kind != 9:
             return self.scalar(kind)
         item, n = self.scalar(4), self.scalar(10)
-        if item in (8, 9):
+        if item == 8:
+            return self.strings(n)
+        if item == 9:
             return [self.value(item) for _ in range(n)]
         numbers = np.frombuffer(self.raw, np.dtype(self.SCALARS[item]), n, self.pos)  # in one read
         self.pos += numbers.nbytes
@@ -5419,6 +5432,8 @@ def load_gguf(path, tp: Optional[TPShard] = None, blocks: bool = False):
         raw = t.data if blocks and t.tensor_type.name in GGUF_KERNEL_TYPES and t.data.ndim == 2 else None
         if raw is not None and name != "model.embed_tokens.weight":  # gguf_linears reads the blocks
             w = np.empty(0)
+        elif t.tensor_type.name in GGUF_KERNEL_TYPES:  # gguf's arithmetic in torch: the same values, sooner
+            w = load_kernels().gguf_weights_ref(torch.from_numpy(np.array(t.data)), int(t.tensor_type)).numpy()
         else:
             w = gguf.quants.dequantize(t.data, t.tensor_type)  # (out, in) float32, torch's order
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):  # llama.cpp permutes llama's only
