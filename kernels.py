@@ -1,7 +1,9 @@
 """
 Triton kernels for overlap_engine: paged KV store, decode attention and extend (prefill) attention; and
-two CPU kernels in C: decode attention (`decode_attention_cpu`, the same spec as `decode_attention_ref`)
-and a quantized matmul with integer dot products (`q_matmul_cpu`, its spec `q_matmul_ref`).
+CPU kernels in C: decode attention (`decode_attention_cpu`, the same spec as `decode_attention_ref`), a
+quantized matmul with integer dot products (`q_matmul_cpu`, its spec `q_matmul_ref`), and a GGUF file's own
+blocks times float32 activations (`gguf_matmul_cpu`, its spec `gguf_matmul_ref`) with one request's whole
+decode step on them (`gguf_decode_step`).
 
 Every op comes in three parts: `<op>_ref()`, plain torch and the spec; `_<op>_kernel`, the Triton
 kernel; `<op>()`, the launcher that checks shapes, allocates the output and builds the grid.
