@@ -1464,7 +1464,8 @@ def cmd_single(args):
     path = bench_model(args)
     n_out = 8 if args.quick else args.output
     rows, fidelities = {}, {}
-    float_model = None if args.no_fidelity else teacher_forced_float(path)
+    text = 64 if args.quick else None  # tokens of the fidelity text
+    float_model = None if args.no_fidelity else teacher_forced_float(path, text)
     for setup in ("float32,int8,int4" if args.quick else args.setups).split(","):
         t0 = time.perf_counter()
         kw = single_setup(setup, path)
@@ -1487,7 +1488,7 @@ def cmd_single(args):
             fmt = format_name(kw)
             if fmt not in fidelities:
                 with oe.format_engine(path, fmt) as fe:
-                    fidelities[fmt] = oe.fidelity(oe.teacher_forced(fe), float_model)
+                    fidelities[fmt] = oe.fidelity(oe.teacher_forced(fe, text), float_model)
             rows[name]["fidelity"] = fidelities[fmt]
     if path.endswith(".gguf") and not args.no_llama_cpp:
         rows.update(llama_cpp_single(path, ids, n_out, args.repeat, float_model))
@@ -1525,10 +1526,10 @@ def format_name(engine_kwargs: dict) -> str:
                 if engine_kwargs.get("quantization") == quant and (quant or engine_kwargs["dtype"] == dtype))
 
 
-def teacher_forced_float(path: str) -> dict:
+def teacher_forced_float(path: str, tokens: int | None = None) -> dict:
     """The float model's teacher-forced outputs over oe.FIDELITY_TEXT (oe.teacher_forced, float64)."""
     with oe.format_engine(path, "float64") as e:
-        return oe.teacher_forced(e)
+        return oe.teacher_forced(e, tokens)
 
 
 SINGLE_ANSWER_PROMPT, SINGLE_ANSWER_TOKENS = "What is the capital of France?", 24

@@ -3998,10 +3998,11 @@ def padded_vocab(vocab_size: int, tp_size: int) -> int:
 
 
 def apply_tp(model: LlamaForCausalLM, tp: TPShard):
-    """Shards a plain model, built with its weights uninitialized, for rank tp.rank of tp.size (gpt-fast's apply_tp):
-    q/k/v and gate/up keep this rank's rows (column parallel), o and down its columns (row parallel: an
-    all-reduce adds the ranks' partial sums after each attention and MLP block), the embedding and LM
-    head its slice of the vocabulary, whose logits are gathered. Loading fills in shard_weight's parts."""
+    """Shards a plain model, built with its weights uninitialized, for rank tp.rank of tp.size (gpt-fast's
+    apply_tp): q/k/v and gate/up keep this rank's rows (column parallel), o and down its columns (row
+    parallel: an all-reduce adds the ranks' partial sums after each attention and MLP block), the embedding
+    and LM head its slice of the vocabulary, whose logits are gathered. Loading fills in shard_weight's
+    parts."""
     cfg = model.cfg
     H, Hkv, _ = tp_heads(cfg, tp)
     D, E, inter = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size // tp.size
@@ -4370,7 +4371,8 @@ def gguf_matmul_builds() -> bool:
 def gguf_paths(model_path: str) -> str:
     """How quantization="gguf" computes each kind of a GGUF's tensors, for the start line."""
     tensors = GGUFFile(model_path).tensors
-    linear = Counter(t.tensor_type.name for t in tensors if t.data.ndim == 2 and t.name != "token_embd.weight")
+    linear = Counter(t.tensor_type.name for t in tensors
+                     if t.data.ndim == 2 and t.name != "token_embd.weight")
     embed = next(t.tensor_type.name for t in tensors if t.name == "token_embd.weight")
     tied = not any(t.name == "output.weight" for t in tensors)
     builds = gguf_matmul_builds()
@@ -5433,7 +5435,8 @@ def load_gguf(path, tp: Optional[TPShard] = None, blocks: bool = False):
         if raw is not None and name != "model.embed_tokens.weight":  # gguf_linears reads the blocks
             w = np.empty(0)
         elif t.tensor_type.name in GGUF_KERNEL_TYPES:  # gguf's arithmetic in torch: the same values, sooner
-            w = load_kernels().gguf_weights_ref(torch.from_numpy(np.array(t.data)), int(t.tensor_type)).numpy()
+            blocks = torch.from_numpy(np.array(t.data))
+            w = load_kernels().gguf_weights_ref(blocks, int(t.tensor_type)).numpy()
         else:
             w = gguf.quants.dequantize(t.data, t.tensor_type)  # (out, in) float32, torch's order
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):  # llama.cpp permutes llama's only
@@ -6694,11 +6697,11 @@ def format_engine(model_path: str, name: str) -> Engine:
                   chunked_prefill_size=-1 if name == "float64" else FIDELITY_CHUNK)
 
 
-def teacher_forced(engine: Engine) -> dict:
-    """Over FIDELITY_TEXT (as much of it as the model's context holds), each position's most likely next
-    token ("top") and the log probability of the text's own next token ("logp"), from the engine's prompt
-    logprobs."""
-    ids = engine.tokenizer.encode(FIDELITY_TEXT)[:engine.context_len - 1]
+def teacher_forced(engine: Engine, tokens: Optional[int] = None) -> dict:
+    """Over FIDELITY_TEXT (its first `tokens`, and as much as the model's context holds), each position's
+    most likely next token ("top") and the log probability of the text's own next token ("logp"), from the
+    engine's prompt logprobs."""
+    ids = engine.tokenizer.encode(FIDELITY_TEXT)[:min(tokens or math.inf, engine.context_len - 1)]
     out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
                           return_logprob=True, logprob_start_len=0, top_logprobs_num=1)
     m = out["meta_info"]  # the first prompt token has no logprob
@@ -6802,7 +6805,8 @@ def one_request_defaults(given: dict, chat: bool = True, steps: tuple = (1,),
         faithful = (f"top-1 {fid['top1']:.1%} and mean |Δ log p| {fid['dlogp']} against the float model, "
                     "teacher-forced over a text" if fid else "the float model itself")
         llama = LLAMA_CPP_FIDELITY
-        why.append(f"{best} weights{f' ({form})' if form else ''}: {faithful} (llama.cpp on the default model: "
+        why.append(f"{best} weights{f' ({form})' if form else ''}: {faithful} (llama.cpp on the default "
+                   "model: "
                    f"{llama['top1']:.1%}, {llama['dlogp']}); the fastest {what} of the formats that faithful "
                    f"({timings}; {CLEARLY_FASTER}x faster to replace a more faithful one), {how}")
     if "disable_overlap_schedule" not in given and not own_cores:
