@@ -4420,12 +4420,11 @@ def checkpoint_weights(name: str, cfg: ModelConfig) -> list:
     return [f"{layer}.{part}.weight" for part in FUSED_PROJECTIONS.get(local, (local,))]
 
 
-def gguf_linears(model: nn.Module, source: dict) -> dict:
+def gguf_linears(model: nn.Module, source: dict):
     """Swaps each nn.Linear whose weights `source` holds as GGUF blocks of a type gguf_matmul reads (a
     fused q/k/v or gate/up: all its parts of one type) for a GGUFLinear; a tied LM head reads the
-    embedding's blocks and lets go of its float table, which the embedding keeps. Returns how each layer
-    went: {"Q4_1": count, ..., "float32": count of those left as they were}."""
-    paths = Counter()
+    embedding's blocks and lets go of its float table, which the embedding keeps. The others stay float32
+    (gguf_paths says which)."""
     for name, layer in list(model.named_modules()):
         if not isinstance(layer, nn.Linear):
             continue
@@ -4437,13 +4436,10 @@ def gguf_linears(model: nn.Module, source: dict) -> dict:
                 kernels = load_kernels()
                 w = torch.cat([kernels.gguf_weights_ref(b.raw, kernels.GGUF_TYPES[b.kind]) for b in blocks])
                 layer.weight = nn.Parameter(w, requires_grad=False)
-            paths["float32"] += 1
             continue
         raw = torch.cat([b.raw for b in blocks]) if len(blocks) > 1 else blocks[0].raw
         bias = None if layer.bias is None else layer.bias.detach()
         setattr(model.get_submodule(parent), attr, GGUFLinear(kinds.pop(), raw, layer.in_features, bias))
-        paths[blocks[0].kind] += 1
-    return dict(paths)
 
 
 class GGUFDecode:
@@ -4459,7 +4455,8 @@ class GGUFDecode:
         linears = [[layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                     layer.mlp.down_proj] for layer in model.model.layers]
         fits = (all(isinstance(m, GGUFLinear) and m.bias is None for ms in linears for m in ms)
-                and isinstance(model.lm_head, GGUFLinear) and not model.cfg.qk_norm)
+                and isinstance(model.lm_head, GGUFLinear) and not model.cfg.qk_norm
+                and model.cfg.head_dim % 8 == 0)  # the step's attention takes 8 dimensions at a time
         self.step = load_kernels().gguf_kernel("gguf_decode_step", cpp_compiler()) if fits else None
         self.linears = linears
 
@@ -5435,8 +5432,8 @@ def load_gguf(path, tp: Optional[TPShard] = None, blocks: bool = False):
         if raw is not None and name != "model.embed_tokens.weight":  # gguf_linears reads the blocks
             w = np.empty(0)
         elif t.tensor_type.name in GGUF_KERNEL_TYPES:  # gguf's arithmetic in torch: the same values, sooner
-            blocks = torch.from_numpy(np.array(t.data))
-            w = load_kernels().gguf_weights_ref(blocks, int(t.tensor_type)).numpy()
+            data = torch.from_numpy(np.array(t.data))
+            w = load_kernels().gguf_weights_ref(data, int(t.tensor_type)).numpy()
         else:
             w = gguf.quants.dequantize(t.data, t.tensor_type)  # (out, in) float32, torch's order
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):  # llama.cpp permutes llama's only
