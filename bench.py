@@ -2393,8 +2393,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main():
-    args = parser().parse_args()
+def main(argv: list | None = None):
+    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     if getattr(args, "quick", False):
         ENGINE_DEFAULTS["cpu_device"] = "thread"
     if getattr(args, "compile", False) and not oe.cpp_compiler():
@@ -2403,7 +2404,7 @@ def main():
         if args.markdown:
             out = stack.enter_context(open(args.markdown, "w"))
             stack.enter_context(contextlib.redirect_stdout(Tee(sys.stdout, out)))
-            print(f"`python bench.py {' '.join(sys.argv[1:])}` on a {os.cpu_count()}-core {oe.cpu_name()}, "
+            print(f"`python bench.py {' '.join(argv)}` on a {os.cpu_count()}-core {oe.cpu_name()}, "
                   f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}\n")
         result = args.fn(args)
     if getattr(args, "json", None):
