@@ -3,7 +3,8 @@ Triton kernels for overlap_engine: paged KV store, decode attention and extend (
 CPU kernels in C: decode attention (`decode_attention_cpu`, the same spec as `decode_attention_ref`), a
 quantized matmul with integer dot products (`q_matmul_cpu`, its spec `q_matmul_ref`), and a GGUF file's own
 blocks times float32 activations (`gguf_matmul_cpu`, its spec `gguf_matmul_ref`) with one request's whole
-decode step on them (`gguf_decode_step`).
+decode step on them (`gguf_decode_step`), and float32 or bf16 weights in the same family's tiles
+(`float_matmul_cpu`, its spec `float_matmul_ref`), each row's sums in one order whatever the batch.
 
 Every op comes in three parts: `<op>_ref()`, plain torch and the spec; `_<op>_kernel`, the Triton
 kernel; `<op>()`, the launcher that checks shapes, allocates the output and builds the grid.
@@ -1153,6 +1154,83 @@ void gguf_matmul(const float *x, const uint8_t *w, int64_t M, int64_t N, int64_t
     free(sx);
 }
 
+/* -- float32 and bf16 weights in the same order: float_matmul --
+   The weights in tiles of 8 outputs, input-major (a tile: K vectors of 8, bf16 or float32), two tiles a
+   task. Every output is one chain of fused multiply-adds over its inputs in ascending order, begun at
+   zero, whatever the number of rows: a row's bits do not depend on the rows beside it. Up to six rows
+   share each vector of weights read (12 sums in registers); the inputs go in passes of FKC, the pass's
+   weights staying in L1 over a task's rows, each sum continued where the last pass left it. A task takes
+   FMC rows: a decode batch of up to 96 reads each weight once. */
+#define FMR 6     /* rows of x a register block holds */
+#define FKC 256   /* inputs a pass takes */
+#define FMC 96    /* rows of x a task takes */
+#define FG 16     /* outputs a task takes: two tiles */
+
+/* weights i .. i + 7 of a tile, as floats */
+INLINE __m256 fvec(int bf16, const void *w, int64_t i) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i))), 16));
+    return _mm256_loadu_ps((const float *)w + i);
+}
+
+/* R rows (1 to 6, a constant where inlined) at x, K apart, times the two tiles at w, inputs k0 .. k1 - 1:
+   each row's 16 sums (acc, 16 floats a row) continued, or begun at zero where k0 is 0; the same chain of
+   operations for a row whatever R is */
+INLINE void rows_block(int bf16, int R, const float *x, int64_t K, const void *w, int64_t k0, int64_t k1,
+                       float *acc) {
+#define LD(r, t) (r < R && k0 ? _mm256_loadu_ps(acc + FG * r + ROWS * t) : _mm256_setzero_ps())
+#define FMA2(r) if (r < R) { b = _mm256_broadcast_ss(x + r * K + k); \
+                a##r##0 = _mm256_fmadd_ps(b, w0, a##r##0); a##r##1 = _mm256_fmadd_ps(b, w1, a##r##1); }
+#define ST(r) if (r < R) { _mm256_storeu_ps(acc + FG * r, a##r##0); _mm256_storeu_ps(acc + FG * r + ROWS, \
+                                                                                     a##r##1); }
+    __m256 a00 = LD(0, 0), a01 = LD(0, 1), a10 = LD(1, 0), a11 = LD(1, 1), a20 = LD(2, 0), a21 = LD(2, 1);
+    __m256 a30 = LD(3, 0), a31 = LD(3, 1), a40 = LD(4, 0), a41 = LD(4, 1), a50 = LD(5, 0), a51 = LD(5, 1);
+    for (int64_t k = k0; k < k1; k++) {
+        const __m256 w0 = fvec(bf16, w, k * ROWS), w1 = fvec(bf16, w, (K + k) * ROWS);
+        __m256 b;
+        FMA2(0) FMA2(1) FMA2(2) FMA2(3) FMA2(4) FMA2(5)
+    }
+    ST(0) ST(1) ST(2) ST(3) ST(4) ST(5)
+#undef LD
+#undef FMA2
+#undef ST
+}
+
+static void rows_any(int bf16, int R, const float *x, int64_t K, const void *w, int64_t k0, int64_t k1,
+                     float *acc) {
+#define CASE(r) case r: if (bf16) rows_block(1, r, x, K, w, k0, k1, acc); \
+                        else rows_block(0, r, x, K, w, k0, k1, acc); break;
+    switch (R) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) default: CASE(6) }
+#undef CASE
+}
+
+/* task (mb, g): rows mb * FMC .. of x through tiles 2g and 2g + 1, into out's columns 16g .. */
+static void float_task(int bf16, const float *x, const void *w, int64_t M, int64_t N, int64_t K,
+                       int64_t mb, int64_t g, float *out) {
+    float acc[FMC * FG];
+    const int64_t m0 = mb * FMC, mn = M - m0 < FMC ? M - m0 : FMC;
+    const void *wg = (const char *)w + g * 2 * K * ROWS * (bf16 ? 2 : 4);
+    for (int64_t k0 = 0; k0 < K; k0 += FKC) {
+        const int64_t k1 = K - k0 < FKC ? K : k0 + FKC;
+        for (int64_t m = 0; m < mn; m += FMR)
+            rows_any(bf16, mn - m < FMR ? (int)(mn - m) : FMR, x + (m0 + m) * K, K, wg, k0, k1,
+                     acc + m * FG);
+    }
+    const int64_t n0 = g * FG, nn = N - n0 < FG ? N - n0 : FG;
+    for (int64_t m = 0; m < mn; m++) memcpy(out + (m0 + m) * N + n0, acc + m * FG, nn * sizeof(float));
+}
+
+/* out (M, N) float32 = x (M, K) float32 times w, kernels.pack_float_tiles' tiles of bf16 or float32 */
+void float_matmul(const float *x, const void *w, int64_t M, int64_t N, int64_t K, int bf16, float *out,
+                  int threads) {
+    const int64_t G = (N + FG - 1) / FG, MB = (M + FMC - 1) / FMC;
+    #pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
+    for (int64_t mb = 0; mb < MB; mb++)
+        for (int64_t g = 0; g < G; g++)
+            float_task(bf16, x, w, M, N, K, mb, g, out);
+}
+
 /* -- one request's decode step, the whole model in one parallel region --
    The matmuls' tiles are split between the threads, each preparing its own copy of the input row; the
    few serial parts (norms, rotary, the KV write, the attention's merge, SwiGLU) run on one thread; a
@@ -1376,6 +1454,42 @@ void gguf_decode_step(const int64_t *token, const int64_t *position, const int64
     }
     free(x); free(h); free(qkv); free(o); free(y); free(cs); free(parts); free(xs); free(sxs);
 }
+
+/* -- the deterministic mode's SwiGLU, vectorized: silu_mul --
+   out (N, I) = silu(gate) * up of gate_up (N, 2I), float32 or bf16 (each product rounded to bf16 where
+   overlap_engine's SwiGLU rounds), I a multiple of 8: every element by the same instructions, wherever
+   its row is in the batch */
+INLINE __m256 load8(int bf16, const void *p, int64_t i) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+/* 8 floats to bf16, rounded to nearest even (finite values), as floats again */
+INLINE __m256 round_bf16(__m256 v) {
+    const __m256i b = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+void silu_mul(const void *gu, int64_t N, int64_t I, int bf16, void *out, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < N; t++)
+        for (int64_t i = 0; i < I; i += 8) {
+            const __m256 gate = load8(bf16, gu, t * 2 * I + i), up = load8(bf16, gu, t * 2 * I + I + i);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gate));
+            __m256 silu = _mm256_div_ps(gate, _mm256_add_ps(e, _mm256_set1_ps(1.0f)));
+            if (bf16) {
+                const __m256i y = _mm256_castps_si256(round_bf16(_mm256_mul_ps(round_bf16(silu), up)));
+                const __m256i h = _mm256_srli_epi32(y, 16);  /* the 8 bf16 in the low halves */
+                _mm_storeu_si128((__m128i *)((uint16_t *)out + t * I + i),
+                                 _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+            } else
+                _mm256_storeu_ps((float *)out + t * I + i, _mm256_mul_ps(silu, up));
+        }
+}
 """
 
 
@@ -1433,13 +1547,15 @@ def pack_gguf_tiles(raw: torch.Tensor, type_: int) -> torch.Tensor:
 
 
 def gguf_kernel(symbol: str, compiler: str):
-    """GGUF_MATMUL_SRC's function `symbol` (gguf_matmul or gguf_decode_step), built once, or None where
-    it cannot be built here (no AVX2, FMA or F16C)."""
+    """GGUF_MATMUL_SRC's function `symbol` (gguf_matmul, float_matmul or gguf_decode_step), built once, or
+    None where it cannot be built here (no AVX2, FMA or F16C)."""
     key = ("gguf", symbol)
     if key not in _cpu_kernels:
         import ctypes
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         argtypes = {"gguf_matmul": [p, p, i64, i64, i64, i32, p, i32],
+                    "float_matmul": [p, p, i64, i64, i64, i32, p, i32],
+                    "silu_mul": [p, i64, i64, i32, p, i32],
                     "gguf_decode_step": [p, p, p, p, p, i64, p, p, p, p, p, i64, i64, i64, i64, i64, i64, f32,
                                          p, p, i32, i64, p, i32]}[symbol]
         _cpu_kernels[key] = build_c("gguf", GGUF_MATMUL_SRC, GGUF_FLAGS, compiler, symbol, argtypes)
@@ -1460,16 +1576,48 @@ def gguf_matmul_cpu(x, tiles, type_: int, N: int, compiler: str = "cc"):
     return out
 
 
+FLOAT_GROUP = 16  # outputs a float_matmul task takes: two tiles of GGUF_ROWS
+
+
+def pack_float_tiles(w: torch.Tensor) -> torch.Tensor:
+    """Float32 or bf16 weights (N, K) -> float_matmul's tiles (ceil(N / 16) * 2, K, 8) of the same dtype:
+    tile t holds outputs 8t .. 8t + 7, input by input (the rows padded with zeros to whole pairs)."""
+    N, K = w.shape
+    w = torch.cat((w, w.new_zeros(-N % FLOAT_GROUP, K))) if N % FLOAT_GROUP else w
+    return w.view(-1, GGUF_ROWS, K).transpose(1, 2).contiguous()
+
+
+def float_matmul_ref(x, w):
+    """float_matmul's spec: x (M, K) times w (N, K) transposed, in float64 (the kernel sums in float32,
+    each output one chain of fused multiply-adds over its inputs in order)."""
+    return x.double() @ w.double().T
+
+
+def float_matmul_cpu(x, tiles, N: int, compiler: str = "cc"):
+    """x (M, K) float32 times the weights pack_float_tiles packed into `tiles`: (M, N) float32, each row's
+    bits the same in any batch; None where the kernel cannot be built here."""
+    fn = gguf_kernel("float_matmul", compiler)
+    if fn is None:
+        return None
+    M, K = x.shape
+    assert x.dtype == torch.float32 and x.is_contiguous() and tiles.shape[1] == K, (x.dtype, tiles.shape)
+    assert tiles.dtype in (torch.float32, torch.bfloat16) and tiles.shape[0] * GGUF_ROWS >= N, tiles.shape
+    out = torch.empty(M, N, dtype=torch.float32)
+    fn(x.data_ptr(), tiles.data_ptr(), M, N, K, int(tiles.dtype == torch.bfloat16), out.data_ptr(),
+       torch.get_num_threads())
+    return out
+
+
 def gguf_bits(type_: int) -> int:
     """The width of a GGUF block type's codes in gguf_matmul's tiles."""
     return 8 if type_ == 8 else 4
 
 
-# The CPU kernels of overlap_engine's ops q_linear, gguf_linear and decode_attention_c in C++ against torch's
-# headers, calling the C kernels above: a kernel written in Python costs the dispatcher a call back into
-# Python, as much as a small model's one-token matmul itself, and a decode step makes hundreds of such
-# calls. The ops' Python kernels stay where this does not build. Each C kernel is handed over once it is
-# built, keyed as _cpu_kernels keys it.
+# The CPU kernels of overlap_engine's ops q_linear, gguf_linear, float_linear and decode_attention_c in
+# C++ against torch's headers, calling the C kernels above: a kernel written in Python costs the dispatcher
+# a call back into Python, as much as a small model's one-token matmul itself, and a decode step makes
+# hundreds of such calls. The ops' Python kernels stay where this does not build. Each C kernel is handed
+# over once it is built, keyed as _cpu_kernels keys it.
 
 CPU_OPS_SRC = r"""
 /* built against torch %(TORCH)s */
@@ -1480,19 +1628,28 @@ CPU_OPS_SRC = r"""
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
 #include <ATen/Parallel.h>
 
 typedef void (*q_matmul_fn)(const void *, const void *, int64_t, int64_t, int64_t, void *, int);
 typedef void (*gguf_matmul_fn)(const void *, const void *, int64_t, int64_t, int64_t, int, void *, int);
+typedef gguf_matmul_fn float_matmul_fn;  /* x, tiles, M, N, K, bf16 tiles, out, threads */
 typedef void (*attention_fn)(const void *, const void *, const void *, const void *, const void *,
                              const void *, int64_t, int64_t, float, void *, int);
 typedef std::tuple<int, int64_t, int64_t, int64_t, int64_t> attention_key;  /* fp32 or bf16, D, Hkv, G, E */
 static q_matmul_fn q_matmul[9];  /* by bits */
 static gguf_matmul_fn gguf_matmul;
+static float_matmul_fn float_matmul;
+typedef void (*silu_mul_fn)(const void *, int64_t, int64_t, int, void *, int);
+static silu_mul_fn silu_mul;  /* GGUF_MATMUL_SRC's, vectorized; handed over with float_matmul */
 static std::map<attention_key, attention_fn> attention;
 
 extern "C" void set_q_matmul(int bits, void *fn) { q_matmul[bits] = (q_matmul_fn)fn; }
 extern "C" void set_gguf_matmul(void *fn) { gguf_matmul = (gguf_matmul_fn)fn; }
+extern "C" void set_float_matmul(void *fn, void *silu) {
+    float_matmul = (float_matmul_fn)fn;
+    silu_mul = (silu_mul_fn)silu;
+}
 extern "C" void set_decode_attention(int bf16, int64_t D, int64_t Hkv, int64_t G, int64_t E, void *fn) {
     attention[{bf16, D, Hkv, G, E}] = (attention_fn)fn;
 }
@@ -1530,6 +1687,151 @@ static at::Tensor gguf_linear(const at::Tensor &x, const at::Tensor &tiles, int6
     return out;
 }
 
+/* kernels.float_matmul_cpu's checks and call: x (..., K) float32 or bf16 (summed in float32, the result
+   rounded to x's dtype) times pack_float_tiles' tiles, N outputs */
+static at::Tensor float_linear(const at::Tensor &x, const at::Tensor &tiles, int64_t N) {
+    TORCH_CHECK(float_matmul, "float_linear: no kernel");
+    TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && tiles.dim() == 3
+                && (tiles.scalar_type() == at::kFloat || tiles.scalar_type() == at::kBFloat16)
+                && tiles.is_contiguous() && tiles.size(2) == 8 && tiles.size(0) %% 2 == 0
+                && tiles.size(0) * 8 >= N, "float_linear: x in float32 or bf16 and contiguous tiles");
+    const at::Tensor xc = x.to(at::kFloat).contiguous();
+    const int64_t K = xc.size(-1), M = xc.numel() / K;
+    TORCH_CHECK(tiles.size(1) == K, "float_linear: tiles of ", tiles.size(1), " inputs, x of ", K);
+    std::vector<int64_t> shape = xc.sizes().vec();
+    shape.back() = N;
+    at::Tensor out = at::empty(shape, xc.options());
+    if (M > 0)
+        float_matmul(xc.data_ptr(), tiles.data_ptr(), M, N, K, tiles.scalar_type() == at::kBFloat16,
+                     out.data_ptr(), at::get_num_threads());
+    return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+/* The deterministic mode's per-row ops, each row computed alone in one order written out (no reordering
+   flags here), so that a prefill, a decode at any batch and a compiled graph (to which each is one op)
+   give a token the same bits; the arithmetic is overlap_engine's rms_norm, apply_rope and SwiGLU's, each
+   result rounded to the dtype where theirs is (SwiGLU's e^x is GGUF_MATMUL_SRC's exp8, vectorized, where
+   that is handed over). */
+template <typename T> static inline float f32(T v) { return static_cast<float>(v); }
+
+/* rows of x (plus r's, into sum, where r is given) times w (n): w * (s / sqrt(mean(s^2) + eps)), the
+   squares summed in 8 running sums */
+template <typename T> static void rms_norm_rows(const T *x, const T *r, const T *w, int64_t rows, int64_t n,
+                                                float eps, T *sum, T *out) {
+    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+        for (int64_t row = r0; row < r1; row++) {
+            const T *xr = x + row * n;
+            if (r) {
+                for (int64_t i = 0; i < n; i++) sum[row * n + i] = T(f32(xr[i]) + f32(r[row * n + i]));
+                xr = sum + row * n;
+            }
+            float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            int64_t i = 0;
+            for (; i + 8 <= n; i += 8)
+                for (int j = 0; j < 8; j++) s[j] += f32(xr[i + j]) * f32(xr[i + j]);
+            for (; i < n; i++) s[0] += f32(xr[i]) * f32(xr[i]);
+            const float ss = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+            const float inv = 1.0f / std::sqrt(ss / (float)n + eps);
+            for (i = 0; i < n; i++) out[row * n + i] = T(f32(w[i]) * f32(T(f32(xr[i]) * inv)));
+        }
+    });
+}
+
+static void check_norm(const at::Tensor &x, const at::Tensor &w) {
+    TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16)
+                && w.scalar_type() == x.scalar_type() && w.dim() == 1 && w.size(0) == x.size(-1),
+                "row_rms_norm: x in float32 or bf16, w of its last dimension and dtype");
+}
+
+static void norm_call(const at::Tensor &x, const at::Tensor *r, const at::Tensor &w, double eps,
+                      at::Tensor *sum, at::Tensor &out) {
+    const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+#define NORM(T) rms_norm_rows(x.data_ptr<T>(), r ? r->data_ptr<T>() : nullptr, w.data_ptr<T>(), rows, n, \
+                              (float)eps, sum ? sum->data_ptr<T>() : nullptr, out.data_ptr<T>())
+    if (x.scalar_type() == at::kFloat) NORM(float); else NORM(at::BFloat16);
+#undef NORM
+}
+
+static at::Tensor row_rms_norm(const at::Tensor &x, const at::Tensor &w, double eps) {
+    check_norm(x, w);
+    const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+    at::Tensor out = at::empty_like(xc);
+    norm_call(xc, nullptr, wc, eps, nullptr, out);
+    return out;
+}
+
+/* (x + r, its rms_norm) */
+static std::tuple<at::Tensor, at::Tensor> row_add_rms_norm(const at::Tensor &x, const at::Tensor &r,
+                                                           const at::Tensor &w, double eps) {
+    check_norm(x, w);
+    TORCH_CHECK(r.sizes() == x.sizes() && r.scalar_type() == x.scalar_type(), "row_add_rms_norm: r unlike x");
+    const at::Tensor xc = x.contiguous(), rc = r.contiguous(), wc = w.contiguous();
+    at::Tensor sum = at::empty_like(xc), out = at::empty_like(xc);
+    norm_call(xc, &rc, wc, eps, &sum, out);
+    return {sum, out};
+}
+
+/* x (N, H, D) rotated: x * cos + rotate_half(x) * sin, cos and sin (N, 1, D) */
+template <typename T> static void rope_rows(const T *x, const T *cos, const T *sin, int64_t N, int64_t H,
+                                            int64_t D, T *out) {
+    at::parallel_for(0, N, 16, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; t++)
+            for (int64_t h = 0; h < H; h++) {
+                const T *xr = x + (t * H + h) * D;
+                for (int64_t d = 0; d < D; d++) {
+                    const float rot = d < D / 2 ? -f32(xr[d + D / 2]) : f32(xr[d - D / 2]);
+                    const float xc = f32(xr[d]) * f32(cos[t * D + d]);
+                    out[(t * H + h) * D + d] = T(f32(T(rot * f32(sin[t * D + d]))) + xc);
+                }
+            }
+    });
+}
+
+static at::Tensor row_rope(const at::Tensor &x, const at::Tensor &cos, const at::Tensor &sin) {
+    TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() == 3
+                && cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type()
+                && cos.numel() == x.size(0) * x.size(2) && sin.numel() == cos.numel(),
+                "row_rope: x (N, H, D), cos and sin (N, 1, D), all of one dtype");
+    const at::Tensor xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+    at::Tensor out = at::empty_like(xc);
+    const int64_t N = xc.size(0), H = xc.size(1), D = xc.size(2);
+    if (x.scalar_type() == at::kFloat)
+        rope_rows(xc.data_ptr<float>(), cc.data_ptr<float>(), sc.data_ptr<float>(), N, H, D,
+                  out.data_ptr<float>());
+    else
+        rope_rows(xc.data_ptr<at::BFloat16>(), cc.data_ptr<at::BFloat16>(), sc.data_ptr<at::BFloat16>(), N,
+                  H, D, out.data_ptr<at::BFloat16>());
+    return out;
+}
+
+/* gate_up (N, 2I) -> silu(gate) * up (N, I) */
+template <typename T> static void silu_mul_rows(const T *gu, int64_t N, int64_t I, T *out) {
+    at::parallel_for(0, N, 16, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; t++)
+            for (int64_t i = 0; i < I; i++) {
+                const float g = f32(gu[t * 2 * I + i]);
+                out[t * I + i] = T(f32(T(g / (1.0f + std::exp(-g)))) * f32(gu[t * 2 * I + I + i]));
+            }
+    });
+}
+
+static at::Tensor row_silu_mul(const at::Tensor &gate_up) {
+    TORCH_CHECK((gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16)
+                && gate_up.dim() == 2 && gate_up.size(1) %% 2 == 0,
+                "row_silu_mul: gate_up (N, 2I) in float32 or bf16");
+    const at::Tensor gc = gate_up.contiguous();
+    const int64_t N = gc.size(0), I = gc.size(1) / 2;
+    at::Tensor out = at::empty({N, I}, gc.options());
+    if (silu_mul && I %% 8 == 0)
+        silu_mul(gc.data_ptr(), N, I, gc.scalar_type() == at::kBFloat16, out.data_ptr(),
+                 at::get_num_threads());
+    else if (gc.scalar_type() == at::kFloat)
+        silu_mul_rows(gc.data_ptr<float>(), N, I, out.data_ptr<float>());
+    else
+        silu_mul_rows(gc.data_ptr<at::BFloat16>(), N, I, out.data_ptr<at::BFloat16>());
+    return out;
+}
+
 /* kernels.decode_attention_cpu's checks and call, with the softmax scale head_dim ** -0.5 */
 static at::Tensor decode_attention_c(const at::Tensor &q, const at::Tensor &kb, const at::Tensor &vb,
                                      const at::Tensor &req_to_token, const at::Tensor &rows,
@@ -1556,6 +1858,11 @@ static at::Tensor decode_attention_c(const at::Tensor &q, const at::Tensor &kb, 
 TORCH_LIBRARY_IMPL(overlap_engine, CPU, m) {
     m.impl("q_linear", &q_linear);
     m.impl("gguf_linear", &gguf_linear);
+    m.impl("float_linear", &float_linear);
+    m.impl("row_rms_norm", &row_rms_norm);
+    m.impl("row_add_rms_norm", &row_add_rms_norm);
+    m.impl("row_rope", &row_rope);
+    m.impl("row_silu_mul", &row_silu_mul);
     m.impl("decode_attention_c", &decode_attention_c);
 }
 """
@@ -1568,9 +1875,9 @@ def cpu_ops_function(symbol: str, argtypes: list, compiler: str):
     if key not in _cpu_kernels:
         torch_dir = os.path.dirname(torch.__file__)
         inc, lib = os.path.join(torch_dir, "include"), os.path.join(torch_dir, "lib")
-        _cpu_kernels[key] = build_c("ops", CPU_OPS_SRC % {"TORCH": torch.__version__},
-                                    ["-O2", "-std=c++20", "-shared", "-fPIC", f"-I{inc}"], compiler, symbol,
-                                    argtypes, lang="c++", libs=(f"-L{lib}", "-lc10", "-ltorch_cpu",
+        flags = ["-O2", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC", f"-I{inc}"]  # sums as written
+        _cpu_kernels[key] = build_c("ops", CPU_OPS_SRC % {"TORCH": torch.__version__}, flags, compiler,
+                                    symbol, argtypes, lang="c++", libs=(f"-L{lib}", "-lc10", "-ltorch_cpu",
                                                                 f"-Wl,-rpath,{lib}"))
     return _cpu_kernels[key]
 
@@ -1595,6 +1902,18 @@ def gguf_linear_in_cpp(compiler: str) -> bool:
     if fn is None or setter is None:
         return False
     setter(ctypes.cast(fn, ctypes.c_void_p))
+    return True
+
+
+def float_linear_in_cpp(compiler: str) -> bool:
+    """As q_linear_in_cpp, for overlap_engine::float_linear and gguf_kernel("float_matmul"), with
+    gguf_kernel("silu_mul") for overlap_engine::row_silu_mul."""
+    import ctypes
+    fn, silu = gguf_kernel("float_matmul", compiler), gguf_kernel("silu_mul", compiler)
+    setter = cpu_ops_function("set_float_matmul", [ctypes.c_void_p, ctypes.c_void_p], compiler)
+    if fn is None or silu is None or setter is None:
+        return False
+    setter(ctypes.cast(fn, ctypes.c_void_p), ctypes.cast(silu, ctypes.c_void_p))
     return True
 
 

@@ -2251,8 +2251,9 @@ def causal_attention(q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
 # Part II: the plumbing. The Engine API and its argument checks, tensor parallelism, quantization,
 # compile, deterministic inference, checkpoint loading, CPU tuning, the CLI and the server. Each changes
 # Part I's objects from outside: apply_tp shards the built model, quantization swaps its nn.Linear modules,
-# compile wraps the model callable the worker is handed, deterministic inference wraps the linear layers
-# and brings its attention backend, and the Engine sizes the pools and times the loop it drives.
+# compile wraps the model callable the worker is handed, deterministic inference swaps the linear layers,
+# wraps the model in its own forward and brings its attention backend, and the Engine sizes the pools and
+# times the loop it drives.
 # Their imports sit here, so that Part I's list above shows what the lesson needs: torch alone.
 
 import _signal  # the C module under signal: see CtrlCHeld
@@ -2358,8 +2359,8 @@ class ServerArgs:
     random_seed: int = arg(0, "seeds the requests that give no sampling_seed")
     enable_deterministic_inference: bool = arg(
         False, "a request's tokens depend on its prompt and sampling parameters alone, not on the batch, "
-               "the prefill chunk, cache hits or the loop (CPU, tp_size 1; runs the model eager: "
-               "enable_torch_compile is then ignored)")
+               "the prefill chunk, cache hits or the loop (CPU, tp_size 1; compiles with bf16, float32 "
+               "or GGUF weights)")
     constrained_json_disable_any_whitespace: bool = arg(
         False, "a json_schema grammar allows no whitespace between tokens of JSON (by default any)")
     # speculative decoding
@@ -2906,7 +2907,7 @@ def c_attention_fits(args: ServerArgs) -> bool:
 
 
 def check_deterministic(args: ServerArgs):
-    """enable_deterministic_inference: on a CPU, one rank, no drafts; compiled graphs give way to eager."""
+    """enable_deterministic_inference: on a CPU, one rank, no drafts."""
     if args.device != "cpu":
         raise ValueError(f"enable_deterministic_inference is implemented for device='cpu', not "
                          f"device={args.device!r}")
@@ -2915,9 +2916,6 @@ def check_deterministic(args: ServerArgs):
     if args.speculative_algorithm:
         raise ValueError(f"enable_deterministic_inference does not combine with speculative_algorithm="
                          f"{args.speculative_algorithm!r}")
-    if args.enable_torch_compile:
-        LOG.warning("enable_deterministic_inference runs the model eager: enable_torch_compile is ignored")
-        args.enable_torch_compile = False
 
 
 def check_engine_args(kwargs: dict) -> ServerArgs:
@@ -3055,7 +3053,11 @@ def build_worker(args: ServerArgs, cfg: ModelConfig, model: nn.Module, make_stre
         draft_model = StandaloneDrafter(args, cfg, dtype, kv_pool, req_to_token_pool)
     compile_max_bs = args.torch_compile_max_bs if args.enable_torch_compile else 0
     if args.enable_deterministic_inference:
-        block_rows(model)
+        model = deterministic_model(model, args)
+        if compile_max_bs and not isinstance(model, RowInvariantModel):
+            LOG.warning("enable_deterministic_inference runs eager here (int8 or int4 layers, float64, or no "
+                        "C kernel): enable_torch_compile is ignored")
+            compile_max_bs = 0
         backend = RowInvariantAttnBackend(kv_pool, req_to_token_pool, cfg.num_attention_heads)
     elif args.attention_backend == "triton":
         backend = TritonAttnBackend(kv_pool, req_to_token_pool)
@@ -3092,6 +3094,7 @@ def memory_usage(model: nn.Module, kv_pool: TokenToKVPool) -> dict:
     params = list(model.parameters())
     held = [t for m in model.modules() if isinstance(m, QuantizedLinear) for t in m.buffers()]
     held += [PACKED_WEIGHTS[m.key] for m in model.modules() if isinstance(m, PackedLinear)]
+    held += [m.tiles for m in model.modules() if isinstance(m, RowInvariantLinear)]
     size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     return {"kv_cache": size(kv_pool.k_buffer + kv_pool.v_buffer),
             "sharded_weights": size(p for p in params if p.dim() == 2) + size(held),
@@ -4357,15 +4360,23 @@ def check_gguf_quantization(args: ServerArgs):
     args.dtype = "float32"
 
 
+C_LINEAR_OPS = {"gguf_matmul": "gguf_linear_in_cpp", "float_matmul": "float_linear_in_cpp"}
+
+
 @functools.cache
-def gguf_matmul_builds() -> bool:
-    """Whether kernels.gguf_matmul is built here (a C compiler, AVX2, FMA and F16C); then also the op
-    gguf_linear's C++ kernel, where it builds."""
+def c_matmul_builds(symbol: str) -> bool:
+    """Whether kernels.<symbol> (gguf_matmul or float_matmul) is built here (a C compiler, AVX2, FMA and
+    F16C); then also its op's C++ kernel (gguf_linear, float_linear), where it builds."""
     kernels = load_kernels()
-    if cpp_compiler() is None or kernels.gguf_kernel("gguf_matmul", cpp_compiler()) is None:
+    if cpp_compiler() is None or kernels.gguf_kernel(symbol, cpp_compiler()) is None:
         return False
-    kernels.gguf_linear_in_cpp(cpp_compiler())  # else the op's Python kernel below serves
+    getattr(kernels, C_LINEAR_OPS[symbol])(cpp_compiler())  # else the op's Python kernel serves
     return True
+
+
+def gguf_matmul_builds() -> bool:
+    """Whether kernels.gguf_matmul is built here (and the op gguf_linear's C++ kernel, where it builds)."""
+    return c_matmul_builds("gguf_matmul")
 
 
 def gguf_paths(model_path: str) -> str:
@@ -4806,18 +4817,122 @@ def fused_gather_decode(q, kb, vb, slots, visible) -> torch.Tensor:
 # A GEMM library picks its kernel, and with it the order in which a dot product is summed, by the shape of
 # the call: on one CPU an fp32 row times a weight matrix gives other bits alone than beside 3 or 15 others,
 # on another the bf16 one does. Attention over a prefill chunk sums over the chunk's keys, whose number
-# depends on where the chunk was cut. enable_deterministic_inference fixes the order per row: every linear
-# layer multiplies blocks of DETERMINISTIC_ROWS rows (the last padded with zeros), so each call has the same
-# shape, and every query attends as a decode of its own, over the keys up to its position in the C kernel's
-# order. The rest of a row's path (norms, sampling, logprobs) is per row already; eager only: a compiled
-# graph sums its norms in another order than the eager prefill that wrote the same tokens' KV.
+# depends on where the chunk was cut. enable_deterministic_inference fixes the order per row: every bf16 or
+# float32 linear layer runs kernels.float_matmul, where each output is one chain of fused multiply-adds over
+# the inputs in order, whatever the number of rows (the GGUF's blocks, gguf_matmul, are so already); and
+# every query attends as a decode of its own, over the keys up to its position in the C kernel's order.
+# RowInvariantModel runs the rest of a row's path (norms, rotary, SwiGLU) as ops that compute each row
+# alone, which a compiled graph calls as they are: its decode steps may compile. Sampling and logprobs
+# are per row already.
 
-DETERMINISTIC_ROWS = 16  # rows a deterministic linear multiplies at a time
+DETERMINISTIC_ROWS = 16  # rows a RowBlockedLinear multiplies at a time
+
+
+class RowInvariantLinear(nn.Module):
+    """A bf16 or float32 linear layer (nn.Linear or PackedLinear) of the deterministic mode: its weights in
+    kernels.pack_float_tiles' tiles, multiplied by the op float_linear (kernels.float_matmul), whose rows
+    have the same bits in any batch. The weight stays (a tied LM head shares it with the embedding)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.weight, self.bias = layer.weight, layer.bias
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        tiles = load_kernels().pack_float_tiles(layer.weight.detach())
+        self.register_buffer("tiles", tiles, persistent=False)
+
+    def forward(self, x):
+        y = torch.ops.overlap_engine.float_linear(x, self.tiles, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+@cpu_op("float_linear(Tensor x, Tensor tiles, int N) -> Tensor",
+        fake=lambda x, tiles, N: x.new_empty(*x.shape[:-1], N))
+def float_linear(x, tiles, N):
+    """x (..., K) float32 or bf16 times the weights in kernels.py's float `tiles`, summed in float32
+    (kernels.CPU_OPS_SRC's C++ kernel replaces this one where it builds)."""
+    x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+    y = load_kernels().float_matmul_cpu(x2, tiles, N, cpp_compiler())
+    return y.view(*x.shape[:-1], N).to(x.dtype)
+
+
+class RowInvariantModel(nn.Module):
+    """enable_deterministic_inference's model callable (as CompiledDecode is compile's), where float_matmul
+    builds: Part I's forward, its weights, with each step of a row one op (norm plus the residual add
+    before it, rotary, SwiGLU, the linear layers, attention): each computes a row alone, in one order,
+    and a compiled graph calls it as it is, so that a token computed in an eager prefill, a decode at any
+    batch or a compiled decode graph gets the same bits (Inductor's own code for a norm would sum in
+    another order, and its fused bf16 adds would skip a rounding)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    @torch.no_grad()
+    def forward(self, input_ids, positions, attn, logit_rows) -> torch.Tensor:
+        m, ops, eps = self.model, torch.ops.overlap_engine, self.model.cfg.rms_norm_eps
+        x = m.model.embed_tokens(input_ids)
+        cos, sin = ops.row_cos_sin(positions, m.inv_freq, x)
+        N, layers = x.shape[0], m.model.layers
+        h = ops.row_rms_norm(x, layers[0].input_layernorm.weight, eps)
+        for i, layer in enumerate(layers):
+            a = layer.self_attn
+            qkv = a.qkv_proj(h).view(N, a.H + 2 * a.Hkv, a.D)
+            qk = qkv[:, :a.H + a.Hkv]
+            if a.qk_norm:
+                qk = torch.cat((ops.row_rms_norm(qk[:, :a.H], a.q_norm.weight, eps),
+                                ops.row_rms_norm(qk[:, a.H:], a.k_norm.weight, eps)), dim=1)
+            qk = ops.row_rope(qk, cos, sin)
+            o = attn.forward(qk[:, :a.H], qk[:, a.H:], qkv[:, a.H + a.Hkv:], a.layer_id)
+            o = a.o_proj(o.reshape(N, a.H * a.D))
+            x, h = ops.row_add_rms_norm(x, o, layer.post_attention_layernorm.weight, eps)
+            norm = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else m.model.norm.weight
+            x, h = ops.row_add_rms_norm(x, layer.mlp.down_proj(ops.row_silu_mul(layer.mlp.gate_up_proj(h))),
+                                        norm, eps)
+        return m.lm_head(h[logit_rows]).to(torch.promote_types(x.dtype, torch.float32))
+
+
+# RowInvariantModel's ops: the Python kernels are Part I's arithmetic; kernels.CPU_OPS_SRC's C++ kernels
+# replace them where it builds (RowInvariantModel is made after it has been loaded: one kind a process)
+
+
+@cpu_op("row_rms_norm(Tensor x, Tensor w, float eps) -> Tensor", fake=lambda x, w, eps: torch.empty_like(x))
+def row_rms_norm(x, w, eps):
+    return rms_norm(x, w, eps)
+
+
+@cpu_op("row_add_rms_norm(Tensor x, Tensor r, Tensor w, float eps) -> (Tensor, Tensor)",
+        fake=lambda x, r, w, eps: (torch.empty_like(x), torch.empty_like(x)))
+def row_add_rms_norm(x, r, w, eps):
+    s = x + r
+    return s, rms_norm(s, w, eps)
+
+
+@cpu_op("row_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", fake=lambda x, cos, sin: torch.empty_like(x))
+def row_rope(x, cos, sin):
+    return apply_rope(x, cos, sin)
+
+
+@cpu_op("row_silu_mul(Tensor gate_up) -> Tensor",
+        fake=lambda gu: gu.new_empty(gu.shape[0], gu.shape[1] // 2))
+def row_silu_mul(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
+@cpu_op("row_cos_sin(Tensor positions, Tensor inv_freq, Tensor like) -> (Tensor, Tensor)",
+        fake=lambda p, f, like: tuple(like.new_empty(p.shape[0], 1, 2 * f.shape[0]) for _ in "cs"))
+def row_cos_sin(positions, inv_freq, like):
+    """Part I's rotary angles (LlamaForCausalLM.forward), as one op: a compiled graph's own cos would round
+    otherwise."""
+    ang = positions[:, None].to(inv_freq.dtype) * inv_freq[None]
+    ang = torch.cat((ang, ang), dim=-1)[:, None, :]
+    return ang.cos().to(like.dtype), ang.sin().to(like.dtype)
 
 
 class RowBlockedLinear(nn.Module):
-    """A linear layer (nn.Linear, PackedLinear or QuantizedLinear) run on blocks of DETERMINISTIC_ROWS rows:
-    a row's result does not depend on how many rows came with it, nor on their values."""
+    """A linear layer float_matmul does not serve (QuantizedLinear; any, without the kernel) run on blocks
+    of DETERMINISTIC_ROWS rows, the last padded with zeros: each call has one shape, so a row's result does
+    not depend on how many rows came with it, nor on their values."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
@@ -4832,31 +4947,45 @@ class RowBlockedLinear(nn.Module):
         return torch.cat([self.inner(x[i:i + R]) for i in range(0, len(x), R)])[:M]
 
 
-LINEAR_LAYERS = (nn.Linear, PackedLinear, QuantizedLinear)
+def deterministic_model(model: nn.Module, args: ServerArgs) -> nn.Module:
+    """The mode's model callable: its linear layers made row-invariant, in a RowInvariantModel where their
+    weights are bf16, float32 or GGUF blocks and float_matmul builds; else Part I's model (eager only)."""
+    row_invariant_linears(model)
+    layers = [m for m in model.modules() if isinstance(m, (RowBlockedLinear, QuantizedLinear))]
+    if args.dtype in ("float32", "bfloat16") and not layers and c_matmul_builds("float_matmul"):
+        return RowInvariantModel(model)
+    return model
 
 
-def block_rows(model: nn.Module):
-    """Wraps each linear layer of the model in a RowBlockedLinear (a tied LM head keeps its weight)."""
+def row_invariant_linears(model: nn.Module):
+    """Swaps each linear layer of the model for one whose rows do not depend on the batch: a bf16 or
+    float32 one for a RowInvariantLinear where float_matmul builds, the others into a RowBlockedLinear
+    (a GGUFLinear stays: gguf_matmul sums each row in one order already)."""
     for parent in list(model.modules()):
         for name, child in parent.named_children():
-            if isinstance(child, LINEAR_LAYERS):
+            floats = isinstance(child, (nn.Linear, PackedLinear)) and child.weight.dtype in PACKED_DTYPES
+            if floats and c_matmul_builds("float_matmul"):
+                setattr(parent, name, RowInvariantLinear(child))
+            elif isinstance(child, (nn.Linear, PackedLinear, QuantizedLinear)):
                 setattr(parent, name, RowBlockedLinear(child))
 
 
 class RowInvariantAttnBackend(TorchAttnBackend):
     """enable_deterministic_inference's attention: each query, of a decode, a prefill chunk or a verify, is
-    one decode of the C kernel (kernels.decode_attention_cpu) over its request's keys up to its own
-    position, summed from the first key in chunks of 32: the same for a token in any batch, any chunk,
-    after any cache hit. Without the C kernel (no compiler, a float64 pool), kernels.decode_attention_ref,
-    one query at a time."""
+    one decode of the C kernel (kernels.decode_attention_cpu, the op decode_attention_c: one op to a
+    compiled graph) over its request's keys up to its own position, summed from the first key in chunks of
+    32: the same for a token in any batch, any chunk, after any cache hit. Without the C kernel (no
+    compiler, a float64 pool), kernels.decode_attention_ref, one query at a time."""
 
     def __init__(self, kv_pool: TokenToKVPool, req_to_token_pool: ReqToTokenPool, heads: int):
         super().__init__(kv_pool, req_to_token_pool)
         self.kernels = load_kernels()
         kb = kv_pool.k_buffer[0]
+        shape = (kb.dtype, kb.shape[2], kb.shape[1], heads // kb.shape[1])
         self.in_c = (kb.dtype in (torch.float32, torch.bfloat16) and cpp_compiler() is not None
-                     and self.kernels.cpu_kernel(kb.dtype, kb.shape[2], kb.shape[1], heads // kb.shape[1],
-                                                 cpp_compiler()) is not None)
+                     and self.kernels.cpu_kernel(*shape, cpp_compiler()) is not None)
+        if self.in_c:
+            self.kernels.decode_attention_in_cpp(*shape, 1, cpp_compiler())  # else the op's Python kernel
 
     def init_forward_metadata(self, meta: ForwardMetadata):
         """Per query: its request's pool row and the keys it sees (its position + 1)."""
@@ -4871,16 +5000,18 @@ class RowInvariantAttnBackend(TorchAttnBackend):
             E = meta.extend_lens_cpu[0]
             self.rows = meta.req_pool_indices.repeat_interleave(E)
             self.lens = (meta.seq_lens[:, None] - E + 1 + torch.arange(E, device=dev)).reshape(-1)
+        self.loc = meta.out_cache_loc.clone()  # its own storage, as in CDecodeBackend
 
     def forward(self, q, k, v, layer_id: int) -> torch.Tensor:
-        kb, vb = self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id]
-        kb.index_copy_(0, self.meta.out_cache_loc, k)
-        vb.index_copy_(0, self.meta.out_cache_loc, v)
-        scale = q.shape[-1] ** -0.5
+        kb, vb, loc = self.kv.k_buffer[layer_id], self.kv.v_buffer[layer_id], self.loc
         if self.in_c:
-            return self.kernels.decode_attention_cpu(q.contiguous(), kb, vb, self.req_to_token, self.rows,
-                                                     self.lens, scale, cpp_compiler())
-        return self.kernels.decode_attention_ref(q, kb, vb, self.req_to_token, self.rows, self.lens, scale)
+            kb[loc], vb[loc] = k, v  # index_put, as in CDecodeBackend
+            return torch.ops.overlap_engine.decode_attention_c(q, kb, vb, self.req_to_token, self.rows,
+                                                               self.lens)
+        kb.index_copy_(0, loc, k)
+        vb.index_copy_(0, loc, v)
+        return self.kernels.decode_attention_ref(q, kb, vb, self.req_to_token, self.rows, self.lens,
+                                                 q.shape[-1] ** -0.5)
 
 
 # -- building the model: Part I's plain Llama from a checkpoint's tensors --
@@ -6932,10 +7063,8 @@ def main(argv=None):
                                                 model_path=args.model_path,
                                                 own_cores=args.cpu_device_threads > 0)
             engine_args.update(picked)
-            if args.enable_deterministic_inference and "enable_torch_compile" not in cli_given(argv):
-                engine_args["enable_torch_compile"] = False  # the mode runs eager
         elif (on_cpu and args.tp_size == 1 and "enable_torch_compile" not in cli_given(argv)
-              and cpp_compiler() and not args.enable_deterministic_inference):
+              and cpp_compiler()):
             engine_args["enable_torch_compile"] = True  # batches: the server, several prompts
             line = ("overlap_engine: torch.compile of the decode step (once per model and machine, then "
                     "from Inductor's cache; --no-enable-torch-compile runs it eager)")

@@ -2102,6 +2102,72 @@ def test_kernel_gguf_matmul_computes_the_files_blocks(kind):
     assert cpp_kernel_serves("gguf_linear")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_float_matmul_gives_a_row_the_same_bits_in_any_batch(dtype):
+    """float_matmul: float32 or bf16 weights times float32 rows, each output within float32's rounding of
+    the float64 product, for 1 to 100 rows (blocks of 6, tasks of 48) and 40 outputs (two pairs of tiles
+    and a padded one) over 300 inputs (two passes); every row has the same bits alone as in any batch, in
+    any order. The op float_linear (bias added, bf16 rows rounded) serves through its C++ kernel."""
+    needs_built(lambda: oe.c_matmul_builds("float_matmul"), "avx2", "fma", "f16c")
+    g = torch.Generator().manual_seed(11)
+    N, K = 40, 300
+    w = torch.randn(N, K, generator=g).to(dtype)
+    tiles = kernels.pack_float_tiles(w)
+    assert tiles.shape == (6, K, 8) and tiles.dtype == dtype
+    x = torch.randn(100, K, generator=g)
+    out = kernels.float_matmul_cpu(x, tiles, N, oe.cpp_compiler())
+    bound = x.double().abs() @ w.double().abs().T  # what float32 sums can be off by, times 2^-14
+    assert ((out.double() - kernels.float_matmul_ref(x, w)).abs() <= bound * 2**-14).all()
+    for lo, hi in ((0, 1), (5, 6), (5, 7), (3, 10), (40, 53), (0, 49), (1, 100)):
+        assert torch.equal(kernels.float_matmul_cpu(x[lo:hi].contiguous(), tiles, N, oe.cpp_compiler()),
+                           out[lo:hi]), (lo, hi)
+    perm = torch.randperm(100, generator=g)
+    assert torch.equal(kernels.float_matmul_cpu(x[perm].contiguous(), tiles, N, oe.cpp_compiler()), out[perm])
+    layer = torch.nn.Linear(K, N).to(dtype)
+    layer.weight.data = w
+    inv = oe.RowInvariantLinear(layer)
+    xd = x.to(dtype)
+    by_op = inv(xd.view(20, 5, K))
+    assert by_op.dtype == dtype
+    assert torch.equal(by_op.view(100, N), (kernels.float_matmul_cpu(xd.float(), tiles, N, oe.cpp_compiler())
+                                            .to(dtype) + layer.bias))
+    assert torch.equal(inv(xd[7:8]), by_op.view(100, N)[7:8])
+    assert cpp_kernel_serves("float_linear")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_row_ops_compute_each_row_alone_as_part_one_does(dtype):
+    """The deterministic mode's row ops (norm, the residual add and norm, rotary, SwiGLU) through their C++
+    kernels: Part I's arithmetic (bf16: its roundings, SwiGLU's within one; float32: within a few
+    roundings of it), and a row alone gets the bits it gets among 37 others."""
+    needs_built(lambda: oe.c_matmul_builds("float_matmul"), "avx2", "fma", "f16c")
+    ops, g = torch.ops.overlap_engine, torch.Generator().manual_seed(12)
+    x, r = (torch.randn(37, 576, generator=g).to(dtype) for _ in "xr")
+    w = (1 + torch.randn(576, generator=g) / 10).to(dtype)
+    qk = torch.randn(37, 12, 64, generator=g).to(dtype)
+    ang = torch.randn(37, 1, 64, generator=g, dtype=torch.float64)
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    gu = torch.randn(37, 3072, generator=g).to(dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    s, h = ops.row_add_rms_norm(x, r, w, 1e-5)
+    got = {"norm": (ops.row_rms_norm(x, w, 1e-5), oe.rms_norm(x, w, 1e-5)), "sum": (s, x + r),
+           "add norm": (h, oe.rms_norm(x + r, w, 1e-5)), "rope": (ops.row_rope(qk, cos, sin),
+                                                              oe.apply_rope(qk, cos, sin)),
+           "silu": (ops.row_silu_mul(gu), torch.nn.functional.silu(gate) * up)}
+    for name, (mine, part_one) in got.items():
+        tol = 0 if dtype == torch.bfloat16 or name == "sum" else 4e-6 * part_one.abs().max().item()
+        if name == "silu" and dtype == torch.bfloat16:  # its own e^x, within 2 ulp: a rounding may differ
+            tol = 2**-7 * part_one.abs().max().item()
+        assert (mine.double() - part_one.double()).abs().max().item() <= tol, name
+    alone = {"norm": ops.row_rms_norm(x[9:10], w, 1e-5), "add norm": ops.row_add_rms_norm(x[9:10], r[9:10],
+                                                                                           w, 1e-5)[1],
+             "rope": ops.row_rope(qk[9:10], cos[9:10], sin[9:10]), "silu": ops.row_silu_mul(gu[9:10])}
+    for name, row in alone.items():
+        assert torch.equal(row, got[name][0][9:10]), name
+    assert all(cpp_kernel_serves(op) for op in ("row_rms_norm", "row_add_rms_norm", "row_rope",
+                                                "row_silu_mul"))
+
+
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("G", [1, 3, 4])
 def test_kernel_extend_attention_matches_ref(G, dtype):
@@ -2873,16 +2939,22 @@ DET_ENGINE = {"chunked_prefill_size": 16, "max_prefill_tokens": 48, "debug_ledge
 def test_deterministic_inference_gives_each_request_its_tokens_alone(det_ckpt, dtype):
     """enable_deterministic_inference: each request's tokens and logprobs, greedy and seeded, are the same
     bits alone, together, shuffled and beside strangers, with chunked prefill cut where the batch's token
-    budget falls and cache hits, in both loops, on the process device and with compile asked for."""
+    budget falls and cache hits, in both loops, on the process device and compiled (bf16: where Inductor's
+    own code would round otherwise); a greedy text prefilled whole gives the token and logprob its last
+    decode step gave."""
     prompts, sps, strangers = det_workload()
-    setups = [("overlap", {}), ("serial", {}),
-              ("overlap", {"cpu_device": "process", "enable_torch_compile": dtype == "float32"})]
+    setups = [("overlap", {}), ("serial", {"enable_torch_compile": dtype == "bfloat16"}),
+              ("overlap", {"cpu_device": "process"})]
     seen = []
     for loop, kw in setups:
         engine = make_engine(det_ckpt, loop, dtype=dtype, enable_deterministic_inference=True,
                              **DET_ENGINE, **kw)
         try:
+            if kw.get("enable_torch_compile"):  # the mode's own model, its decode steps compiled
+                model = engine.scheduler.worker.model
+                assert isinstance(model, oe.CompiledDecode) and isinstance(model.eager, oe.RowInvariantModel)
             got = outputs_by_batching(engine, prompts, sps, strangers)
+            got["prefilled"] = prefill_of_what_was_decoded(engine, prompts, sps, got["alone"])
         finally:
             engine.shutdown()
         for batching, outs in got.items():
@@ -2890,6 +2962,18 @@ def test_deterministic_inference_gives_each_request_its_tokens_alone(det_ckpt, d
         seen.append(got["alone"])
     assert seen[1] == seen[0] and seen[2] == seen[0]
     assert any(sps[i]["temperature"] > 0 and len(set(seen[0][i][0])) > 1 for i in seen[0])  # sampled
+
+
+def prefill_of_what_was_decoded(engine, prompts, sps, alone) -> dict:
+    """Each greedy request's text but its last token, prefilled whole into an empty cache: its next token
+    and that token's logprob, in `alone`'s form for the last one (those the decode steps computed)."""
+    engine.flush_cache()
+    greedy = [i for i in alone if sps[i]["temperature"] == 0]
+    outs = engine.generate(input_ids=[prompts[i] + alone[i][0][:-1] for i in greedy], return_logprob=True,
+                           sampling_params=[{"max_new_tokens": 1, "temperature": 0}] * len(greedy))
+    return {i: (alone[i][0][:-1] + o["output_ids"],
+                alone[i][1][:-1] + [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]])
+            for i, o in zip(greedy, outs)}
 
 
 def test_without_the_mode_a_request_gets_other_logprobs_beside_others(det_ckpt):
