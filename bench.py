@@ -1229,27 +1229,39 @@ DETERMINISTIC_SETUPS = {"eager": {}, "compiled": {"enable_torch_compile": True},
 
 def cmd_deterministic(args):
     """What enable_deterministic_inference costs: one decode step at each batch size, and the prefill of
-    those requests, replayed on their own (the best of five), the mode against the default engine, each
-    eager and compiled (a compiled engine prefills eager)."""
+    those requests, replayed on their own, the mode against the default engine, each eager and compiled (a
+    compiled engine prefills eager). The four engines stand side by side and each step is timed in turns,
+    the best of five rounds: this machine's speed drifts by a quarter within minutes."""
     path = bench_model(args)
     batches = [1, 4] if args.quick else [int(b) for b in args.batches.split(",")]
     lengths = (8, 32) if args.quick else tuple(map(int, args.input.split(",")))
     steps = 3 if args.quick else args.steps
     ms = {}
-    for name, kw in DETERMINISTIC_SETUPS.items():
-        print(f"[{name}]", file=sys.stderr, flush=True)
-        with new_engine(model_path=path, cpu_device="thread", device="cpu", dtype=args.dtype,
-                        disable_overlap_schedule=True, max_total_tokens=args.max_total_tokens,
-                        torch_compile_max_bs=max(batches), **kw) as e:
-            for B in batches:
-                prefill, decode = captured_steps(e, B, lengths, steps, args.seed)
-                step = e.scheduler.worker.forward_step
-                ms[name, B] = [1e3 * min(timed(lambda: step(b)) for _ in range(5)) for b in (decode, prefill)]
+    with contextlib.ExitStack() as stack:
+        engines = {}
+        for name, kw in DETERMINISTIC_SETUPS.items():
+            print(f"[{name}]", file=sys.stderr, flush=True)
+            engines[name] = stack.enter_context(new_engine(
+                model_path=path, cpu_device="thread", device="cpu", dtype=args.dtype,
+                disable_overlap_schedule=True, max_total_tokens=args.max_total_tokens,
+                torch_compile_max_bs=max(batches), **kw))
+        for B in batches:
+            captured = {name: captured_steps(e, B, lengths, steps, args.seed) for name, e in engines.items()}
+            best = {name: [math.inf, math.inf] for name in engines}
+            for _ in range(5):
+                for name, e in engines.items():
+                    step = e.scheduler.worker.forward_step
+                    prefill, decode = captured[name]
+                    timed_steps = (decode,) if "compile" in name else (decode, prefill)  # a compiled one
+                    for i, batch in enumerate(timed_steps):                                # prefills eager
+                        best[name][i] = min(best[name][i], 1e3 * timed(lambda: step(batch)))
+            for name, e in engines.items():
+                ms[name, B] = best[name]
                 while not e.scheduler.is_idle():  # the batch drains
                     e.step()
                 e.flush_cache()
     print(f"## deterministic: one step, {os.path.basename(path)}, {args.dtype}, input {lengths[0]}-"
-          f"{lengths[1]} tokens, decode {steps} tokens in; ms, best of 5")
+          f"{lengths[1]} tokens, decode {steps} tokens in; ms, best of 5 rounds, the engines in turn")
     print("| batch | decode: default eager | compiled | mode eager | mode compiled | mode / default, "
           "compiled | prefill: default | mode | mode / default |")
     print("|---|---|---|---|---|---|---|---|---|")
