@@ -4364,7 +4364,7 @@ C_LINEAR_OPS = {"gguf_matmul": "gguf_linear_in_cpp", "float_matmul": "float_line
 
 
 @functools.cache
-def c_matmul_builds(symbol: str) -> bool:
+def gguf_source_builds(symbol: str) -> bool:
     """Whether kernels.<symbol> (gguf_matmul or float_matmul) is built here (a C compiler, AVX2, FMA and
     F16C); then also its op's C++ kernel (gguf_linear, float_linear), where it builds."""
     kernels = load_kernels()
@@ -4376,7 +4376,7 @@ def c_matmul_builds(symbol: str) -> bool:
 
 def gguf_matmul_builds() -> bool:
     """Whether kernels.gguf_matmul is built here (and the op gguf_linear's C++ kernel, where it builds)."""
-    return c_matmul_builds("gguf_matmul")
+    return gguf_source_builds("gguf_matmul")
 
 
 def gguf_paths(model_path: str) -> str:
@@ -4952,7 +4952,7 @@ def deterministic_model(model: nn.Module, args: ServerArgs) -> nn.Module:
     weights are bf16, float32 or GGUF blocks and float_matmul builds; else Part I's model (eager only)."""
     row_invariant_linears(model)
     layers = [m for m in model.modules() if isinstance(m, (RowBlockedLinear, QuantizedLinear))]
-    if args.dtype in ("float32", "bfloat16") and not layers and c_matmul_builds("float_matmul"):
+    if args.dtype in ("float32", "bfloat16") and not layers and gguf_source_builds("float_matmul"):
         return RowInvariantModel(model)
     return model
 
@@ -4964,7 +4964,7 @@ def row_invariant_linears(model: nn.Module):
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             floats = isinstance(child, (nn.Linear, PackedLinear)) and child.weight.dtype in PACKED_DTYPES
-            if floats and c_matmul_builds("float_matmul"):
+            if floats and gguf_source_builds("float_matmul"):
                 setattr(parent, name, RowInvariantLinear(child))
             elif isinstance(child, (nn.Linear, PackedLinear, QuantizedLinear)):
                 setattr(parent, name, RowBlockedLinear(child))
