@@ -1459,12 +1459,6 @@ void gguf_decode_step(const int64_t *token, const int64_t *position, const int64
    out (N, I) = silu(gate) * up of gate_up (N, 2I), float32 or bf16 (each product rounded to bf16 where
    overlap_engine's SwiGLU rounds), I a multiple of 8: every element by the same instructions, wherever
    its row is in the batch */
-INLINE __m256 load8(int bf16, const void *p, int64_t i) {
-    if (bf16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
-    return _mm256_loadu_ps((const float *)p + i);
-}
 
 /* 8 floats to bf16, rounded to nearest even (finite values), as floats again */
 INLINE __m256 round_bf16(__m256 v) {
@@ -1478,7 +1472,7 @@ void silu_mul(const void *gu, int64_t N, int64_t I, int bf16, void *out, int thr
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < N; t++)
         for (int64_t i = 0; i < I; i += 8) {
-            const __m256 gate = load8(bf16, gu, t * 2 * I + i), up = load8(bf16, gu, t * 2 * I + I + i);
+            const __m256 gate = fvec(bf16, gu, t * 2 * I + i), up = fvec(bf16, gu, t * 2 * I + I + i);
             const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gate));
             __m256 silu = _mm256_div_ps(gate, _mm256_add_ps(e, _mm256_set1_ps(1.0f)));
             if (bf16) {

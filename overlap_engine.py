@@ -33,8 +33,7 @@ on torch alone. Part II is the plumbing, plugged in from outside; Part I calls t
 the lesson: WaitingQueue (the queue's order), prompts_being_prefilled (lpm's wait) and meta_info.
 
     Part I
-    Requests and batches      Req (its lengths, one table), ScheduleBatch (a step's plan and its sampling
-                              inputs), PrefillAdder
+    Requests and batches      Req (its lengths), ScheduleBatch (a step's plan, sampling inputs), PrefillAdder
     KV memory, radix cache    ReqToTokenPool, TokenToKVPool, RadixCache
     FutureMap, device streams FutureMap, StepHandle, CpuDeviceStream, CudaDeviceStream, ModelWorker
     Scheduler, the two loops  the loops first, then one batch from its plan to its commit
@@ -3053,7 +3052,7 @@ def build_worker(args: ServerArgs, cfg: ModelConfig, model: nn.Module, make_stre
         draft_model = StandaloneDrafter(args, cfg, dtype, kv_pool, req_to_token_pool)
     compile_max_bs = args.torch_compile_max_bs if args.enable_torch_compile else 0
     if args.enable_deterministic_inference:
-        model = deterministic_model(model, args)
+        model = deterministic_model(model)
         if compile_max_bs and not isinstance(model, RowInvariantModel):
             LOG.warning("enable_deterministic_inference runs eager here (int8 or int4 layers, float64, or no "
                         "C kernel): enable_torch_compile is ignored")
@@ -4360,23 +4359,16 @@ def check_gguf_quantization(args: ServerArgs):
     args.dtype = "float32"
 
 
-C_LINEAR_OPS = {"gguf_matmul": "gguf_linear_in_cpp", "float_matmul": "float_linear_in_cpp"}
-
-
 @functools.cache
-def gguf_source_builds(symbol: str) -> bool:
-    """Whether kernels.<symbol> (gguf_matmul or float_matmul) is built here (a C compiler, AVX2, FMA and
-    F16C); then also its op's C++ kernel (gguf_linear, float_linear), where it builds."""
-    kernels = load_kernels()
-    if cpp_compiler() is None or kernels.gguf_kernel(symbol, cpp_compiler()) is None:
-        return False
-    getattr(kernels, C_LINEAR_OPS[symbol])(cpp_compiler())  # else the op's Python kernel serves
-    return True
-
-
 def gguf_matmul_builds() -> bool:
-    """Whether kernels.gguf_matmul is built here (and the op gguf_linear's C++ kernel, where it builds)."""
-    return gguf_source_builds("gguf_matmul")
+    """Whether kernels.GGUF_MATMUL_SRC is built here (gguf_matmul and float_matmul: a C compiler, AVX2, FMA
+    and F16C); then also the ops gguf_linear's and float_linear's C++ kernels, where they build."""
+    kernels = load_kernels()
+    if cpp_compiler() is None or kernels.gguf_kernel("gguf_matmul", cpp_compiler()) is None:
+        return False
+    kernels.gguf_linear_in_cpp(cpp_compiler())  # else the ops' Python kernels serve
+    kernels.float_linear_in_cpp(cpp_compiler())
+    return True
 
 
 def gguf_paths(model_path: str) -> str:
@@ -4947,14 +4939,12 @@ class RowBlockedLinear(nn.Module):
         return torch.cat([self.inner(x[i:i + R]) for i in range(0, len(x), R)])[:M]
 
 
-def deterministic_model(model: nn.Module, args: ServerArgs) -> nn.Module:
-    """The mode's model callable: its linear layers made row-invariant, in a RowInvariantModel where their
-    weights are bf16, float32 or GGUF blocks and float_matmul builds; else Part I's model (eager only)."""
+def deterministic_model(model: nn.Module) -> nn.Module:
+    """The mode's model callable: its linear layers made row-invariant, in a RowInvariantModel where none
+    had to be padded (bf16, float32 or GGUF weights, float_matmul built); else Part I's model (eager only)."""
     row_invariant_linears(model)
-    layers = [m for m in model.modules() if isinstance(m, (RowBlockedLinear, QuantizedLinear))]
-    if args.dtype in ("float32", "bfloat16") and not layers and gguf_source_builds("float_matmul"):
-        return RowInvariantModel(model)
-    return model
+    padded = any(isinstance(m, RowBlockedLinear) for m in model.modules())
+    return model if padded else RowInvariantModel(model)
 
 
 def row_invariant_linears(model: nn.Module):
@@ -4964,7 +4954,7 @@ def row_invariant_linears(model: nn.Module):
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             floats = isinstance(child, (nn.Linear, PackedLinear)) and child.weight.dtype in PACKED_DTYPES
-            if floats and gguf_source_builds("float_matmul"):
+            if floats and gguf_matmul_builds():
                 setattr(parent, name, RowInvariantLinear(child))
             elif isinstance(child, (nn.Linear, PackedLinear, QuantizedLinear)):
                 setattr(parent, name, RowBlockedLinear(child))

@@ -2108,7 +2108,7 @@ def test_kernel_float_matmul_gives_a_row_the_same_bits_in_any_batch(dtype):
     the float64 product, for 1 to 100 rows (blocks of 6, tasks of 48) and 40 outputs (two pairs of tiles
     and a padded one) over 300 inputs (two passes); every row has the same bits alone as in any batch, in
     any order. The op float_linear (bias added, bf16 rows rounded) serves through its C++ kernel."""
-    needs_built(lambda: oe.gguf_source_builds("float_matmul"), "avx2", "fma", "f16c")
+    needs_built(oe.gguf_matmul_builds, "avx2", "fma", "f16c")
     g = torch.Generator().manual_seed(11)
     N, K = 40, 300
     w = torch.randn(N, K, generator=g).to(dtype)
@@ -2140,7 +2140,7 @@ def test_kernel_row_ops_compute_each_row_alone_as_part_one_does(dtype):
     """The deterministic mode's row ops (norm, the residual add and norm, rotary, SwiGLU) through their C++
     kernels: Part I's arithmetic (bf16: its roundings, SwiGLU's within one; float32: within a few
     roundings of it), and a row alone gets the bits it gets among 37 others."""
-    needs_built(lambda: oe.gguf_source_builds("float_matmul"), "avx2", "fma", "f16c")
+    needs_built(oe.gguf_matmul_builds, "avx2", "fma", "f16c")
     ops, g = torch.ops.overlap_engine, torch.Generator().manual_seed(12)
     x, r = (torch.randn(37, 576, generator=g).to(dtype) for _ in "xr")
     w = (1 + torch.randn(576, generator=g) / 10).to(dtype)
