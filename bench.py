@@ -1051,7 +1051,8 @@ def prefix_run(path, args, vocab, kw) -> dict:
 PROFILE_CATEGORIES = {  # aten op -> what it is in a decode step
     "aten::mm": "matmul (weights)", "aten::addmm": "matmul (weights)",
     "mkldnn::_linear_pointwise": "matmul (weights)", "overlap_engine::packed_linear": "matmul (weights)",
-    "overlap_engine::q_linear": "matmul (weights)",
+    "overlap_engine::q_linear": "matmul (weights)", "overlap_engine::float_linear": "matmul (weights)",
+    "overlap_engine::gguf_linear": "matmul (weights)",
     "aten::_weight_int8pack_mm": "matmul (weights)", "aten::_weight_int4pack_mm_for_cpu": "matmul (weights)",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)", "aten::bmm": "attention (SDPA)",
     "aten::_softmax": "sampling", "aten::_log_softmax": "sampling",
@@ -1221,7 +1222,8 @@ def captured_steps(e, B: int, lengths: tuple, steps: int, seed: int, temperature
     return captured[0], captured[-1]
 
 
-DETERMINISTIC_SETUPS = {"eager": {}, "compiled": {"enable_torch_compile": True},
+DETERMINISTIC_SETUPS = {"eager": {"enable_deterministic_inference": False},
+                        "compiled": {"enable_deterministic_inference": False, "enable_torch_compile": True},
                         "deterministic": {"enable_deterministic_inference": True},
                         "deterministic compiled": {"enable_deterministic_inference": True,
                                                    "enable_torch_compile": True}}
@@ -1229,7 +1231,7 @@ DETERMINISTIC_SETUPS = {"eager": {}, "compiled": {"enable_torch_compile": True},
 
 def cmd_deterministic(args):
     """What enable_deterministic_inference costs: one decode step at each batch size, and the prefill of
-    those requests, replayed on their own, the mode against the default engine, each eager and compiled (a
+    those requests, replayed on their own, the mode against the engine without it, each eager and compiled (a
     compiled engine prefills eager). The four engines stand side by side and each step is timed in turns,
     the best of five rounds: this machine's speed drifts by a quarter within minutes."""
     path = bench_model(args)
@@ -1262,8 +1264,8 @@ def cmd_deterministic(args):
                 e.flush_cache()
     print(f"## deterministic: one step, {os.path.basename(path)}, {args.dtype}, input {lengths[0]}-"
           f"{lengths[1]} tokens, decode {steps} tokens in; ms, best of 5 rounds, the engines in turn")
-    print("| batch | decode: default eager | compiled | mode eager | mode compiled | mode / default, "
-          "compiled | prefill: default | mode | mode / default |")
+    print("| batch | decode: mode off, eager | compiled | mode eager | mode compiled | mode / off, "
+          "compiled | prefill: mode off | mode | mode / off |")
     print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for B in batches:

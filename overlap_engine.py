@@ -2356,10 +2356,11 @@ class ServerArgs:
                                      "host (planning, committing, serving) on the others; 0: the device and "
                                      "the host share every core")
     random_seed: int = arg(0, "seeds the requests that give no sampling_seed")
-    enable_deterministic_inference: bool = arg(
-        False, "a request's tokens depend on its prompt and sampling parameters alone, not on the batch, "
-               "the prefill chunk, cache hits or the loop (CPU, tp_size 1; compiles with bf16, float32 "
-               "or GGUF weights)")
+    enable_deterministic_inference: Optional[bool] = arg(
+        None, "a request's tokens depend on its prompt and sampling parameters alone, not on the batch, "
+              "the prefill chunk, cache hits or the loop (CPU, tp_size 1; compiles with bf16, float32 "
+              "or GGUF weights); unset: on where it costs no more than the default step, float32 and bf16 "
+              "weights on a CPU without bf16 arithmetic, one rank, no drafts, attention_backend auto")
     constrained_json_disable_any_whitespace: bool = arg(
         False, "a json_schema grammar allows no whitespace between tokens of JSON (by default any)")
     # speculative decoding
@@ -2917,6 +2918,16 @@ def check_deterministic(args: ServerArgs):
                          f"{args.speculative_algorithm!r}")
 
 
+def deterministic_by_default(args: ServerArgs) -> bool:
+    """Whether enable_deterministic_inference is on when not given: where bench.py deterministic measured
+    it at no more than the default step (1.1x at most, batches 1 to 64, decode and prefill): float32 and
+    bf16 weights on a CPU without bf16 arithmetic, whose oneDNN emulates bf16 (float_matmul reads each
+    weight once for the whole batch), on one rank without drafts, with the attention backend not chosen."""
+    return (args.device == "cpu" and args.tp_size == 1 and not args.speculative_algorithm
+            and args.dtype in ("float32", "bfloat16") and args.quantization is None
+            and args.attention_backend == "auto" and not cpu_has_native_bf16() and gguf_matmul_builds())
+
+
 def check_engine_args(kwargs: dict) -> ServerArgs:
     """ServerArgs from keyword arguments, with unknown names refused and `auto` values resolved, except
     attention_backend's (Engine._check_args). Nothing is built, fetched or written: the CLI refuses a bad
@@ -3230,8 +3241,11 @@ class Engine:
 
     @staticmethod
     def _check_args(kwargs: dict) -> ServerArgs:
-        """check_engine_args, then attention_backend `auto` resolved (which builds the C kernel once)."""
+        """check_engine_args, then enable_deterministic_inference unset and attention_backend `auto`
+        resolved (which builds the C kernels once)."""
         args = check_engine_args(kwargs)
+        if args.enable_deterministic_inference is None:
+            args.enable_deterministic_inference = deterministic_by_default(args)
         if args.attention_backend == "auto":
             c = c_attention_fits(args) and c_kernel_builds()
             args.attention_backend = "triton" if args.device == "cuda" else "c" if c else "torch"
@@ -7000,6 +7014,10 @@ def cli_parser() -> argparse.ArgumentParser:
             if f.type in ("bool", bool):
                 action = argparse.BooleanOptionalAction if f.name in ONE_REQUEST_ARGS else "store_true"
                 groups[group].add_argument(flag, action=action, default=False, help=help)
+                continue
+            if f.type == "Optional[bool]":  # unset, on or off: the engine decides where it is not given
+                groups[group].add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                           help=help)
                 continue
             kind = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), str)
             choices = [str(c).lower() if c is None else c for c in f.metadata["choices"]]  # None: "none"

@@ -2601,7 +2601,8 @@ def test_packed_linear_gives_f_linears_product_and_counts_its_bytes(ckpt, dtype)
     oneDNN does not pack dtype (bf16 without AVX512), the model keeps its nn.Linear layers."""
     name = str(dtype).removeprefix("torch.")
     if not oe.onednn_packs(dtype):
-        with Engine(cpu_device="thread", model_path=ckpt, dtype=name, max_total_tokens=256) as e:
+        with Engine(cpu_device="thread", model_path=ckpt, dtype=name, max_total_tokens=256,
+                    enable_deterministic_inference=False) as e:
             kinds = {type(m) for m in e.model.modules() if isinstance(m, (torch.nn.Linear, oe.PackedLinear))}
             assert kinds == {torch.nn.Linear}, kinds
         return
@@ -2629,7 +2630,8 @@ def test_packed_linear_gives_f_linears_product_and_counts_its_bytes(ckpt, dtype)
     gc.collect()
     assert handle not in oe.PACKED_WEIGHTS  # the packed copy goes with its module
     for dtype, kind in ((name, oe.PackedLinear), ("float64", torch.nn.Linear)):
-        with Engine(cpu_device="thread", model_path=ckpt, dtype=dtype, max_total_tokens=256) as e:
+        with Engine(cpu_device="thread", model_path=ckpt, dtype=dtype, max_total_tokens=256,
+                    enable_deterministic_inference=False) as e:  # the mode has layers of its own
             linears = [m for m in e.model.modules() if isinstance(m, (torch.nn.Linear, oe.PackedLinear))]
             assert linears and all(type(m) is kind for m in linears)
             weights = sum(p.numel() * p.element_size() for p in e.model.parameters() if p.dim() == 2)
@@ -2644,7 +2646,7 @@ packs = oe.onednn_packs(torch.bfloat16)
 outs, kinds = [], set()
 for overlap in (True, False):
     with oe.Engine(model_path=sys.argv[1], dtype="bfloat16", cpu_device="thread", max_total_tokens=256,
-                   disable_overlap_schedule=not overlap) as e:
+                   disable_overlap_schedule=not overlap, enable_deterministic_inference=False) as e:
         kinds |= {type(m).__name__ for m in e.model.modules()
                   if isinstance(m, (torch.nn.Linear, oe.PackedLinear))}
         outs.append(e.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 8, "temperature": 0,
@@ -2675,7 +2677,8 @@ def test_attention_backend_c_is_the_cpus_default_where_its_kernel_builds(ckpt, m
     for dtype, want in (("bfloat16", "c"), ("float32", "c"), ("float64", "torch")):
         if want == "c" and not oe.c_kernel_builds():
             want = "torch"
-        with Engine(cpu_device="thread", model_path=ckpt, dtype=dtype, max_total_tokens=256) as e:
+        with Engine(cpu_device="thread", model_path=ckpt, dtype=dtype, max_total_tokens=256,
+                    enable_deterministic_inference=False) as e:  # the mode has an attention of its own
             assert e.server_args.attention_backend == want
             assert isinstance(e.scheduler.worker.attn, oe.CDecodeBackend) == (want == "c")
     with pytest.raises(ValueError, match="attention_backend='c' needs device='cpu', a bf16 or float32"):
@@ -2977,15 +2980,45 @@ def prefill_of_what_was_decoded(engine, prompts, sps, alone) -> dict:
 
 
 def test_without_the_mode_a_request_gets_other_logprobs_beside_others(det_ckpt):
-    """The switch matters: by default, in bf16, some request's logprobs change with what runs beside it
+    """The switch matters: with it off, in bf16, some request's logprobs change with what runs beside it
     (the prefill's attention sums over the chunk it was cut into)."""
     prompts, sps, strangers = det_workload()
-    engine = make_engine(det_ckpt, "overlap", dtype="bfloat16", **DET_ENGINE)
+    engine = make_engine(det_ckpt, "overlap", dtype="bfloat16", enable_deterministic_inference=False,
+                         **DET_ENGINE)
     try:
         got = outputs_by_batching(engine, prompts, sps, strangers)
     finally:
         engine.shutdown()
     assert any(outs[i][1] != got["alone"][i][1] for outs in got.values() for i in outs)
+
+
+def test_the_mode_is_on_by_default_where_it_costs_no_more(ckpt, monkeypatch):
+    """Unset, enable_deterministic_inference is on for float32 and bf16 weights on a CPU without bf16
+    arithmetic (where bench.py deterministic measured it at no more than the default step) and off on a CPU
+    with it, for float64, quantized layers, two ranks, drafts or a chosen attention backend; given, it is
+    what was given, from the CLI too. On by default, it is the mode: its model and its attention."""
+    needs_built(oe.gguf_matmul_builds, "avx2", "fma", "f16c")
+    f32 = {"dtype": "float32"}
+    cases = [(f32, True), ({"dtype": "bfloat16"}, True), ({"dtype": "float64"}, False),
+             ({**f32, "quantization": "int8"}, False), ({**f32, "tp_size": 2}, False),
+             ({**f32, "attention_backend": "torch"}, False), ({**f32, "speculative_algorithm": "NGRAM"}, False)]
+    for native in (False, True):
+        monkeypatch.setattr(oe, "cpu_has_native_bf16", lambda: native)
+        for kw, on in cases:
+            args = Engine._check_args({"model_path": ckpt, "device": "cpu", **kw})
+            assert args.enable_deterministic_inference == (on and not native), (native, kw)
+        for given in (False, True):
+            args = Engine._check_args({"model_path": ckpt, "dtype": "float32",
+                                       "enable_deterministic_inference": given})
+            assert args.enable_deterministic_inference is given
+    parse = lambda *flags: oe.cli_parser().parse_args(list(flags)).enable_deterministic_inference  # noqa
+    assert (parse(), parse("--enable-deterministic-inference"), parse("--no-enable-deterministic-inference")
+            ) == (None, True, False)
+    monkeypatch.setattr(oe, "cpu_has_native_bf16", lambda: False)
+    with Engine(model_path=ckpt, dtype="bfloat16", cpu_device="thread", max_total_tokens=256) as e:
+        assert e.server_args.enable_deterministic_inference
+        assert isinstance(e.scheduler.worker.model, oe.RowInvariantModel)
+        assert isinstance(e.scheduler.worker.attn, oe.RowInvariantAttnBackend)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
