@@ -1568,7 +1568,7 @@ def weight_matmuls(engine) -> dict:
     step cannot be faster than this with these kernels."""
     model = engine.model or host_model(engine)  # the module (the worker may hold its compiled callable)
     dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype (the table stays float)
-    kinds = (torch.nn.Linear, oe.QuantizedLinear, oe.PackedLinear, oe.GGUFLinear)
+    kinds = (torch.nn.Linear, oe.QuantizedLinear, oe.PackedLinear, oe.GGUFLinear, oe.RowInvariantLinear)
     layers = [m for m in model.modules() if isinstance(m, kinds)]
     def read(m):  # a buffer set to None (a layer without tiles) is not among named_buffers
         return [m.tiles] if getattr(m, "tiles", None) is not None else [*m.parameters(), *m.buffers()]
