@@ -3007,7 +3007,8 @@ def test_the_mode_is_on_by_default_where_it_costs_no_more(ckpt, monkeypatch):
     f32 = {"dtype": "float32"}
     cases = [(f32, True), ({"dtype": "bfloat16"}, True), ({"dtype": "float64"}, False),
              ({**f32, "quantization": "int8"}, False), ({**f32, "tp_size": 2}, False),
-             ({**f32, "attention_backend": "torch"}, False), ({**f32, "speculative_algorithm": "NGRAM"}, False)]
+             ({**f32, "attention_backend": "torch"}, False),
+             ({**f32, "speculative_algorithm": "NGRAM"}, False)]
     for native in (False, True):
         monkeypatch.setattr(oe, "cpu_has_native_bf16", lambda: native)
         for kw, on in cases:
