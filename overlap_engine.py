@@ -7079,6 +7079,10 @@ def main(argv=None):
         engine = Engine(**engine_args)
         if line:  # once the engine stands: bad input ends in its one line alone
             print(line, file=sys.stderr, flush=True)
+        if args.enable_deterministic_inference is None and engine.server_args.enable_deterministic_inference:
+            print("overlap_engine: deterministic inference (on by default for float32 and bf16 on a CPU "
+                  "without bf16 arithmetic: a request's tokens do not depend on its batch; "
+                  "--no-enable-deterministic-inference turns it off)", file=sys.stderr, flush=True)
         if engine.server_args.quantization == "gguf":
             print(gguf_paths(engine.model_path), file=sys.stderr, flush=True)
     except (ValueError, DefaultModelUnavailable, DeviceProcessError) as e:

@@ -5656,6 +5656,23 @@ def test_cli_chat_refuses_a_message_too_long_and_goes_on(ckpt, monkeypatch, caps
     assert "[3 tokens in" in out  # only the second message was answered
 
 
+def test_cli_says_when_deterministic_inference_is_on_by_default(ckpt, monkeypatch, capsys):
+    """Several prompts in float32: where the engine turns the mode on by itself (a CPU without bf16
+    arithmetic, made so here), the CLI says so in a line with the flag that turns it off; given either
+    way, or where it stays off, no such line."""
+    needs_built(oe.gguf_matmul_builds, "avx2", "fma", "f16c")
+    argv = ["--model-path", ckpt, "--prompt", "a b", "--prompt", "c", "--max-new-tokens", "2", "--dtype",
+            "float32", "--no-enable-torch-compile"]
+    for native, flags, said in [(False, [], True), (True, [], False),
+                                (False, ["--no-enable-deterministic-inference"], False),
+                                (False, ["--enable-deterministic-inference"], False)]:
+        monkeypatch.setattr(oe, "cpu_has_native_bf16", lambda: native)
+        oe.main(argv + flags)
+        err = capsys.readouterr().err
+        assert ("deterministic inference (on by default" in err) == said, (native, flags, err)
+        assert said <= ("--no-enable-deterministic-inference turns it off" in err)
+
+
 class EngineArgs(Exception):
     """Raised by a stand-in Engine with the arguments the CLI built."""
 
