@@ -1521,23 +1521,31 @@ def gguf_matmul_ref(x, raw, type_: int):
 
 def pack_gguf_tiles(raw: torch.Tensor, type_: int) -> torch.Tensor:
     """A GGUF tensor's raw blocks (N, bytes a row) -> gguf_matmul's tiles (ceil(N / 8), K / 32, bytes a
-    tile's block) uint8 (the rows padded with zero blocks to a whole tile)."""
-    codes, d, m = gguf_blocks(raw, type_)
-    N, K = codes.shape
+    tile's block) uint8 (the rows padded with zero blocks to a whole tile). The bytes move as they are:
+    d and m stay the file's fp16, and a Q4 block's codes are regrouped nibble by nibble."""
+    size = {2: 18, 3: 20, 8: 34}[type_]
+    N, KB = raw.shape[0], raw.shape[1] // size
+    b = raw.view(N, KB, size)
+    d = b[..., :2]
+    if type_ == 8:
+        parts = [b[..., 2:], d]
+    else:  # file byte j: inputs j (low nibble) and j + 16 (high); tile byte j: inputs 2j (low), 2j + 1
+        lo, hi = b[..., size - 16::2], b[..., size - 15::2]
+        codes = torch.cat(((lo & 15) | (hi << 4), (lo >> 4) | (hi & 0xF0)), dim=-1)
+        m = b[..., 2:4] if type_ == 3 else (d.contiguous().view(torch.float16) * -8).view(torch.uint8)
+        parts = [codes, d, m]
     pad = -N % GGUF_ROWS
-    if pad:
-        codes, d, m = (torch.cat((t, t.new_zeros(pad, t.shape[1]))) for t in (codes, d, m))
-    T, KB = (N + pad) // GGUF_ROWS, K // 32
-    c = codes.view(T, GGUF_ROWS, KB, 4, 8)  # (tile, row, block, group g, input k of the group)
-    if type_ == 8:  # group i: the 8 rows' codes of input i
-        c = c.view(T, GGUF_ROWS, KB, 32).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
-    else:  # vector g, lane n: row n's codes of inputs 8g .. 8g + 7, input 8g + k in bits 4k .. 4k + 3: the
-        # lane's little-endian byte j holds inputs 2j (low nibble) and 2j + 1 (high)
-        c = (c[..., 0::2] | (c[..., 1::2] << 4)).permute(0, 2, 3, 1, 4).contiguous()  # (T, KB, g, n, 4)
-    def fp16(a):  # (N, KB) -> (T, KB, 8 rows) fp16, as bytes
-        return a.view(T, GGUF_ROWS, KB).transpose(1, 2).half().contiguous().view(torch.uint8)
-    parts = [c.view(T, KB, -1), fp16(d)] + ([] if type_ == 8 else [fp16(m)])
-    return torch.cat(parts, dim=-1).contiguous()
+    T = (N + pad) // GGUF_ROWS
+    tiles = []
+    for i, p in enumerate(parts):
+        p = torch.cat((p, p.new_zeros(pad, *p.shape[1:]))) if pad else p
+        p = p.reshape(T, GGUF_ROWS, KB, -1).transpose(1, 2)  # (tile, block, row, bytes)
+        if i == 0 and type_ == 8:  # group i: the 8 rows' codes of input i
+            p = p.transpose(2, 3)
+        elif i == 0:  # vector g, lane n: row n's codes of inputs 8g .. 8g + 7, input 8g + k in bits 4k ..
+            p = p.reshape(T, KB, GGUF_ROWS, 4, 4).transpose(2, 3)
+        tiles.append(p.reshape(T, KB, -1))
+    return torch.cat(tiles, dim=-1)
 
 
 def gguf_kernel(symbol: str, compiler: str):

@@ -3297,6 +3297,10 @@ def test_gguf_quantization_computes_the_files_blocks_and_one_requests_step_in_on
             assert e.server_args.dtype == "float32"
             linears = [m for m in e.model.modules() if isinstance(m, (torch.nn.Linear, oe.GGUFLinear))]
             assert len(linears) == 9 and all(type(m) is oe.GGUFLinear for m in linears)
+            tiles = [m.tiles for m in linears]  # one block of huge_page_bytes, in order, at cache lines
+            assert tiles[0].data_ptr() % (1 << 21) == 0
+            assert all(b.data_ptr() == a.data_ptr() + -(-a.numel() // 64) * 64
+                       for a, b in zip(tiles, tiles[1:]))
             decode = e.scheduler.worker.model
             assert isinstance(decode, oe.GGUFDecode) and decode.step is not None
             calls, step = [], decode.step
@@ -3311,6 +3315,21 @@ def test_gguf_quantization_computes_the_files_blocks_and_one_requests_step_in_on
     assert runs["fused"] == runs["module"] == runs["serial"]
     fused, module = runs["fused", "logits"], runs["module", "logits"]
     assert torch.allclose(fused, module, rtol=0, atol=1e-5 * float(module.abs().max()))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
+def test_huge_page_bytes_are_zeroed_aligned_and_advised_as_huge_pages():
+    """huge_page_bytes: zeroed memory from a 2 MB boundary that the kernel was asked to back with 2 MB pages
+    (its mapping's VmFlags in /proc/self/smaps say "hg"), whatever this machine's huge page setting."""
+    b = oe.huge_page_bytes((5 << 20) + 100)
+    assert b.numel() == (5 << 20) + 100 and b.data_ptr() % (1 << 21) == 0 and not b.any()
+    b.fill_(7)
+    flags = None
+    for entry in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", open("/proc/self/smaps").read()):
+        lo, hi = (int(a, 16) for a in entry.split(" ", 1)[0].split("-"))
+        if lo <= b.data_ptr() < hi:
+            flags = re.search(r"VmFlags:(.*)", entry).group(1).split()
+    assert flags is not None and "hg" in flags, flags
 
 
 @needs_gguf
