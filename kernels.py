@@ -1012,6 +1012,7 @@ def q_matmul_cpu(x, tiles, bits: int, compiler: str = "cc"):
 # codes of input i (vpmovsxbd widens them), then d.
 
 GGUF_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml's type numbers of the blocks gguf_matmul reads
+GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # a block of 32 weights in the file, by type number
 GGUF_ROWS = 8  # output rows a tile
 GGUF_TILE = {2: 160, 3: 160, 8: 272}  # bytes a tile's block takes: its codes, d (and m)
 GGUF_FLAGS = [f for f in CPU_KERNEL_FLAGS if f != "-ffast-math"]  # every sum in the order written
@@ -1492,7 +1493,7 @@ def gguf_blocks(raw: torch.Tensor, type_: int) -> tuple:
     (N, K / 32) float32): weight = d * codes + m. Q4_1 as written; Q4_0's d * (q - 8) as codes q with
     m = -8 d; Q8_0's signed codes with m = 0."""
     N = raw.shape[0]
-    size = {2: 18, 3: 20, 8: 34}[type_]
+    size = GGUF_BLOCK_BYTES[type_]
     b = raw.view(N, -1, size)
     d = b[..., :2].contiguous().view(torch.float16).float().view(N, -1)
     if type_ == 8:
@@ -1523,7 +1524,7 @@ def pack_gguf_tiles(raw: torch.Tensor, type_: int) -> torch.Tensor:
     """A GGUF tensor's raw blocks (N, bytes a row) -> gguf_matmul's tiles (ceil(N / 8), K / 32, bytes a
     tile's block) uint8 (the rows padded with zero blocks to a whole tile). The bytes move as they are:
     d and m stay the file's fp16, and a Q4 block's codes are regrouped nibble by nibble."""
-    size = {2: 18, 3: 20, 8: 34}[type_]
+    size = GGUF_BLOCK_BYTES[type_]
     N, KB = raw.shape[0], raw.shape[1] // size
     b = raw.view(N, KB, size)
     d = b[..., :2]
