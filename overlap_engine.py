@@ -2270,6 +2270,7 @@ import io
 import ipaddress
 import json
 import logging
+import multiprocessing
 import pickle
 import platform
 import shutil
@@ -3747,10 +3748,7 @@ class TPGroup:
             self.listener, addr = listen_at(addr)
         if rank == 0 and per_node > 1:
             ranks = list(range(1, per_node))  # node 0's other ranks; other nodes start their own
-            follower_args = dataclasses.replace(args, dist_init_addr=addr)
-            self.procs = torch.multiprocessing.start_processes(
-                tp_rank_main, (follower_args, ranks), nprocs=len(ranks), join=False, daemon=True,
-                start_method="spawn")
+            self.procs = start_tp_ranks(dataclasses.replace(args, dist_init_addr=addr), ranks)
         try:  # from here on, a failure must close the group and end the ranks already started
             self.meet(addr)
             self.check_same_setup(cfg)
@@ -3917,10 +3915,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def tp_rank_main(i: int, args: ServerArgs, ranks: list):
-    """The process of tensor-parallel rank ranks[i], spawned (torch.multiprocessing re-imports this
-    module, where nothing runs on import)."""
+def start_tp_ranks(args: ServerArgs, ranks: list):
+    """Starts a process for each of ranks (a torch ProcessContext). They fork from multiprocessing's fork
+    server, which imports torch and this module once per process: the ranks of a later engine start in a
+    fraction of a second, where spawned ones would import torch again (seconds). Without a fork server
+    (Windows) they are spawned."""
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    multiprocessing.set_forkserver_preload([__name__])  # read when the fork server starts
+    return torch.multiprocessing.start_processes(tp_rank_main, (args, ranks, dict(os.environ)),
+                                                 nprocs=len(ranks), join=False, daemon=True, start_method=method)
+
+
+def tp_rank_main(i: int, args: ServerArgs, ranks: list, environ: dict):
+    """The process of tensor-parallel rank ranks[i], in the environment of the process that started it
+    (the fork server's is that of its own start)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in rank 0's terminal is rank 0's to handle
+    os.environ.clear()
+    os.environ.update(environ)
     run_tp_rank(args, ranks[i])
 
 
@@ -3938,8 +3949,7 @@ def run_tp_node(args: ServerArgs):
     ranks = list(range(args.node_rank * per_node, (args.node_rank + 1) * per_node))
     if per_node == 1:
         return run_tp_rank(args, ranks[0])
-    procs = torch.multiprocessing.start_processes(tp_rank_main, (args, ranks[1:]), nprocs=per_node - 1,
-                                                  join=False, daemon=True, start_method="spawn")
+    procs = start_tp_ranks(args, ranks[1:])
     try:
         run_tp_rank(args, ranks[0])
     finally:  # rank 0's shutdown reaches all ranks at once: the others end soon after this one
@@ -4668,7 +4678,10 @@ class CompiledDecode:
                 return self.verify(input_ids, positions, attn, logit_rows)
         if not mode.is_decode() or B > self.max_bs:
             return self.eager(input_ids, positions, attn, logit_rows)
-        with torch._dynamo.config.patch(specialize_float=True):  # read when Dynamo traces the call
+        # specialize_float: read when Dynamo traces the call. The aliasing check runs a graph's first call
+        # under a dispatch mode, where the fused-gather op's own graph would be compiled for other tensors
+        with torch._dynamo.config.patch(specialize_float=True), \
+                torch._functorch.config.patch(check_custom_op_aliasing=False):
             graph = self.one if B == 1 else self.many
             return graph(input_ids, positions, attn, logit_rows)
 
