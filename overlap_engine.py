@@ -3230,12 +3230,14 @@ class Engine:
                 what += " (and its verify step)"
             print(f"overlap_engine: compiling the decode step for {what} ...", end="", file=sys.stderr,
                   flush=True)
-            self.generate(input_ids=[[1, 2, 3 + i] for i in range(n)], sampling_params=sp)
-            if n == 1 and self.server_args.speculative_algorithm:  # its plain steps (drafting paused) too
+            # speculating, its plain steps (drafting paused) first: traced after a verify step, the batch-1
+            # graph would take a symbolic size of the verify's for an input of its own
+            if n == 1 and self.server_args.speculative_algorithm:
                 rid = self.add_request(input_ids=[1, 2, 4], sampling_params=sp)
                 self.request(rid).spec_resume_at = math.inf  # drafts never: every decode step plain
                 while not any(o["meta_info"]["id"] == rid for o in self.step()):
                     pass
+            self.generate(input_ids=[[1, 2, 3 + i] for i in range(n)], sampling_params=sp)
             print(f" {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         self.flush_cache()
         self.scheduler.clear_records()  # the warm-up's steps are not the user's
