@@ -3008,8 +3008,16 @@ class RunKVPool(TokenToKVPool):
     request's last), or all of them when the list runs short."""
     RUN = 16
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, size: int, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: str):
+        super().__init__(size, 0, kv_heads, head_dim, dtype, device)  # the free list; the buffers below
+        # in memory the OS zeroes as it is first touched: a pool sized for long contexts costs nothing at
+        # start (a torch.zeros of the CPU's default pool writes 0.75 GB), and only the slots used stay
+        shape = (size + 1, kv_heads, head_dim)
+        n = math.prod(shape) * dtype.itemsize
+        block = huge_page_bytes(2 * num_layers * n).view(2 * num_layers, n).view(dtype)
+        self.k_buffer = [block[i].view(shape) for i in range(num_layers)]
+        self.v_buffer = [block[num_layers + i].view(shape) for i in range(num_layers)]
         self.waiting: dict[int, list[int]] = {}  # a request's last slot -> the free slots set aside after it
         self.n_waiting = 0
 
