@@ -1479,44 +1479,62 @@ def weight_only(setup: str):
 def cmd_single(args):
     """One request alone, the chat's case, for each setup: decode tok/s and TTFT, best of `repeat`, the
     format's fidelity (teacher-forced over oe.FIDELITY_TEXT against the float model, float64), and llama.cpp
-    on the same GGUF beside them, its fidelity measured the same way."""
+    on the same GGUF beside them, its fidelity measured the same way. Every setup and llama.cpp stand
+    loaded together and run in turns, one request each a round, so that a machine whose speed drifts moves
+    them alike: each setup's ratio to llama.cpp is the median of its rounds' ratios."""
     path = bench_model(args)
     n_out = 8 if args.quick else args.output
-    rows, fidelities = {}, {}
+    rows, fidelities, streams, kwargs = {}, {}, {}, {}
     text = 64 if args.quick else None  # tokens of the fidelity text
     float_model = None if args.no_fidelity else teacher_forced_float(path, text)
-    for setup in ("float32,int8,int4" if args.quick else args.setups).split(","):
-        t0 = time.perf_counter()
-        kw = single_setup(setup, path)
-        with weight_only(setup):
-            e = new_engine(model_path=path, device="cpu", max_total_tokens=4096, **kw)
-        with e:
-            start_s = time.perf_counter() - t0
+    with contextlib.ExitStack() as stack:
+        for setup in ("float32,int8,int4" if args.quick else args.setups).split(","):
+            t0 = time.perf_counter()
+            kw = single_setup(setup, path)
+            with weight_only(setup):
+                e = new_engine(model_path=path, device="cpu", max_total_tokens=4096, **kw)
+            stack.enter_context(e)
+            name = f"overlap_engine {setup}" + (f" ({format_name(kw)}" + (", serial)" if kw.get(
+                "disable_overlap_schedule") else ")") if setup == "defaults" else "")
+            rows[name], kwargs[name] = {"start_s": time.perf_counter() - t0, "engine": e}, kw
             tk = e.tokenizer
             ids = tk.encode(tk.apply_chat_template([{"role": "user", "content": args.prompt}])
                             if tk.chat_template else args.prompt)
-            stream = lambda n: e.generate(input_ids=ids, stream=True, sampling_params={  # noqa: E731
+            streams[name] = lambda n, e=e: e.generate(input_ids=ids, stream=True, sampling_params={
                 "max_new_tokens": n, "temperature": 0, "ignore_eos": True})
+        if path.endswith(".gguf") and not args.no_llama_cpp:
+            rows.update(llama_cpp_single(path, ids, n_out, streams))
+        runs = {name: [] for name in streams}
+        for stream in streams.values():
             single_run(stream, 4)  # warm-up
-            runs = [single_run(stream, n_out) for _ in range(args.repeat)]
-            best = max(runs, key=lambda r: r["decode_tok_s"])
-            name = f"overlap_engine {setup}" + (f" ({format_name(kw)}" + (", serial)" if kw.get(
-                "disable_overlap_schedule") else ")") if setup == "defaults" else "")
-            rows[name] = {**best, "start_s": start_s, **weight_matmuls(e), "answer": single_answer(e)}
+        for _ in _progress(range(args.repeat), "rounds"):
+            for name, stream in streams.items():
+                runs[name].append(single_run(stream, n_out))
+        llama = runs.get("llama.cpp (llama-cpp-python)")
+        for name, r in runs.items():
+            rows[name].update(max(r, key=lambda x: x["decode_tok_s"]))
+            if llama:
+                rows[name]["vs_llama_cpp"] = statistics.median(
+                    a["decode_tok_s"] / b["decode_tok_s"] for a, b in zip(r, llama))
+            e = rows[name].pop("engine", None)
+            if e is not None:
+                rows[name].update(**weight_matmuls(e), answer=single_answer(e))
+    for name, kw in kwargs.items():
         if float_model is not None:
             fmt = format_name(kw)
             if fmt not in fidelities:
                 with oe.format_engine(path, fmt) as fe:
                     fidelities[fmt] = oe.fidelity(oe.teacher_forced(fe, text), float_model)
             rows[name]["fidelity"] = fidelities[fmt]
-    if path.endswith(".gguf") and not args.no_llama_cpp:
-        rows.update(llama_cpp_single(path, ids, n_out, args.repeat, float_model))
+    if llama and float_model is not None:
+        rows["llama.cpp (llama-cpp-python)"]["fidelity"] = llama_cpp_fidelity(path, float_model)
     read_gbps = stream_read_gbps()
     print(f"## single: one request alone, {os.path.basename(path)}, {len(ids)} prompt tokens, {n_out} out, "
           f"greedy, CPU ({torch.get_num_threads()} threads, {read_gbps:.0f} GB/s streaming read)")
-    print("| engine | decode tok/s | TTFT s | start-up s | weight matmuls alone, ms/token | their GB/s | "
-          "rest of the step, ms | top-1 agreement | mean \\|Δ log p\\| |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| engine | decode tok/s (best) | x llama.cpp (median of rounds) | TTFT s | start-up s | weight "
+          "matmuls alone, ms/token | their GB/s | rest of the step, ms | top-1 agreement | "
+          "mean \\|Δ log p\\| |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         mm = "- | - | -"  # llama.cpp: its kernels are not timed apart
         if "matmul_ms" in r:
@@ -1524,7 +1542,9 @@ def cmd_single(args):
             mm = f"{r['matmul_ms']:.1f} | {r['matmul_gbps']:.0f} | {rest_ms:.1f}"
         f = r.get("fidelity")
         fid = f"{f['top1']:.1%} | {f['dlogp']:.4f}" if f else "- | -"
-        print(f"| {name} | {r['decode_tok_s']:.1f} | {r['ttft_s']:.3f} | {r['start_s']:.1f} | {mm} | {fid} |")
+        vs = f"{r['vs_llama_cpp']:.2f}x" if "vs_llama_cpp" in r else "-"
+        print(f"| {name} | {r['decode_tok_s']:.1f} | {vs} | {r['ttft_s']:.3f} | {r['start_s']:.1f} | {mm} | "
+              f"{fid} |")
     if float_model is not None:
         n = len(float_model["top"])
         print(f"\nFidelity: teacher-forced over oe.FIDELITY_TEXT ({n} positions) against "
@@ -1608,23 +1628,18 @@ def single_run(stream, n) -> dict:
     return {"ttft_s": stamps[0] - t0, "decode_tok_s": (n - 1) / max(stamps[-1] - stamps[0], 1e-9)}
 
 
-def llama_cpp_single(path, ids, n_out, repeat, float_model: dict | None = None) -> dict:
-    """The same prompt ids through llama-cpp-python on the same GGUF, if it is installed; with float_model,
-    also its fidelity over oe.FIDELITY_TEXT (llama_cpp_fidelity)."""
+def llama_cpp_single(path, ids, n_out, streams: dict) -> dict:
+    """llama-cpp-python on the same GGUF, if it is installed: its row (start-up), its stream of the same
+    prompt ids added to streams."""
     import importlib.util
     if importlib.util.find_spec("llama_cpp") is None:
         print("(llama-cpp-python is not installed: no llama.cpp row)")
         return {}
     t0 = time.perf_counter()
     llm = llama_cpp_load(path, n_ctx=len(ids) + n_out + 8)
-    start_s = time.perf_counter() - t0
-    stream = functools.partial(llama_cpp_stream, llm, ids)
-    single_run(stream, 4)
-    best = max((single_run(stream, n_out) for _ in range(repeat)), key=lambda r: r["decode_tok_s"])
-    row = {**best, "start_s": start_s}
-    if float_model is not None:
-        row["fidelity"] = llama_cpp_fidelity(path, float_model)
-    return {"llama.cpp (llama-cpp-python)": row}
+    name = "llama.cpp (llama-cpp-python)"
+    streams[name] = functools.partial(llama_cpp_stream, llm, ids)
+    return {name: {"start_s": time.perf_counter() - t0}}
 
 
 def llama_cpp_fidelity(path: str, float_model: dict) -> dict:
@@ -2357,7 +2372,7 @@ def add_model_commands(sub):
     si.add_argument("--no-fidelity", action="store_true", help="skip the teacher-forced fidelity column")
     si.add_argument("--prompt", default=SINGLE_PROMPT, help="a user message (chat template applied)")
     si.add_argument("--output", type=int, default=SINGLE_OUTPUT, help="tokens to generate")
-    si.add_argument("--repeat", type=int, default=2, help="runs of each; the best is reported")
+    si.add_argument("--repeat", type=int, default=3, help="rounds, each setup and llama.cpp in turns")
     si.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even if installed")
     si.add_argument("--quick", action="store_true", help="tiny model, 8 tokens, float32/int8/int4 only")
     m = command(sub, "mixed", cmd_mixed, "decode ITL while a long prompt prefills, mixed chunks off and on")
