@@ -3932,8 +3932,8 @@ def start_tp_ranks(args: ServerArgs, ranks: list):
     (Windows) they are spawned."""
     method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     multiprocessing.set_forkserver_preload([__name__])  # read when the fork server starts
-    return torch.multiprocessing.start_processes(tp_rank_main, (args, ranks, dict(os.environ)),
-                                                 nprocs=len(ranks), join=False, daemon=True, start_method=method)
+    return torch.multiprocessing.start_processes(tp_rank_main, (args, ranks, dict(os.environ)), len(ranks),
+                                                 join=False, daemon=True, start_method=method)
 
 
 def tp_rank_main(i: int, args: ServerArgs, ranks: list, environ: dict):
