@@ -5497,14 +5497,20 @@ def test_dummy_preset_matches_the_default_model(smollm):
     assert {k: smollm[1][k] for k in preset} == preset
 
 
-def test_cli_one_shot(smollm):
-    r = subprocess.run([sys.executable, "overlap_engine.py", "--model-path", smollm[0], "--prompt",
-                        "What is the capital of France?", "--max-new-tokens", "20", "--dtype", "float32",
-                        "--no-enable-torch-compile"],
-                       capture_output=True, text=True, timeout=300,
-                       cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert r.returncode == 0, r.stderr
-    assert "Paris" in r.stdout and "tok/s" in r.stdout
+def test_cli_one_shot(ckpt):
+    """--prompt: the reply streamed to stdout, then the summary line. A checkpoint without a chat template
+    takes the text as written: the reply is the reference's greedy continuation of its tokens (the default
+    model's answer through the chat: test_cli_interactive_chat)."""
+    prompt, n = "What is the capital of France?", 12
+    r = subprocess.run([sys.executable, "overlap_engine.py", "--model-path", ckpt, "--prompt", prompt,
+                        "--max-new-tokens", str(n), "--dtype", "float64"], capture_output=True, timeout=300,
+                       cwd=HERE)
+    assert r.returncode == 0, r.stderr.decode()
+    tok = oe.load_checkpoint(ckpt)[2]
+    ids = reference_greedy(ckpt, tok.encode(prompt, special=True), n, stop_ids=(257,))
+    reply, summary = r.stdout.decode().rsplit("\n", 2)[:2]
+    assert reply == tok.decode(ids)
+    assert summary.startswith(f"[{len(ids)} tokens in") and "tok/s" in summary, summary
 
 
 def test_cli_interactive_chat(smollm, tmp_path):
