@@ -3851,7 +3851,7 @@ def test_default_model_on_a_device_with_a_core_of_its_own_gives_the_thread_devic
     """cpu_device auto with a core for the device is the device in a worker process; in the overlap loop,
     on the chat prompts, it gives the thread device's tokens, with nothing left behind on either side of the
     boundary. Without cores of its own, auto is the thread device."""
-    sp = {"max_new_tokens": 12, "temperature": 0}
+    sp = {"max_new_tokens": 6, "temperature": 0}
     assert oe.check_engine_args({"device": "cpu"}).cpu_device == "thread"
     with Engine(model_path=smollm[0], dtype="float32", max_total_tokens=4096, cpu_device_threads=1) as e:
         assert e.server_args.cpu_device == "process" and e.model is None
