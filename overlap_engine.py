@@ -4670,6 +4670,10 @@ class CompiledDecode:
         self.many = self._compile(model)
         # speculating: one request's verify step (its last token and k drafts) has a graph of its own
         self.verify = self._compile(model, guard_filter_fn=skip) if verify else None
+        # the custom-op aliasing check (later torch versions) runs a graph's first call under a dispatch
+        # mode, where the fused-gather op's own graph would be compiled for other tensors, then again
+        config = torch._functorch.config
+        self.no_alias_check = {k: False for k in ["check_custom_op_aliasing"] if hasattr(config, k)}
 
     @staticmethod
     def _compile(model: nn.Module, **options):
@@ -4688,10 +4692,8 @@ class CompiledDecode:
                 return self.verify(input_ids, positions, attn, logit_rows)
         if not mode.is_decode() or B > self.max_bs:
             return self.eager(input_ids, positions, attn, logit_rows)
-        # specialize_float: read when Dynamo traces the call. The aliasing check runs a graph's first call
-        # under a dispatch mode, where the fused-gather op's own graph would be compiled for other tensors
-        with torch._dynamo.config.patch(specialize_float=True), \
-                torch._functorch.config.patch(check_custom_op_aliasing=False):
+        no_alias_check = torch._functorch.config.patch(**self.no_alias_check)
+        with torch._dynamo.config.patch(specialize_float=True), no_alias_check:  # the first: read in a trace
             graph = self.one if B == 1 else self.many
             return graph(input_ids, positions, attn, logit_rows)
 
