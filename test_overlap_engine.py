@@ -5438,6 +5438,11 @@ import overlap_engine as oe
 
 if __name__ == "__main__":
     ckpt, how, timeout = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    import multiprocessing  # the fork server up first (it imports torch and the engine): rank 1 starts fast
+    multiprocessing.set_forkserver_preload(["overlap_engine"])
+    warm = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(0,))
+    warm.start()
+    warm.join()
     e = oe.Engine(model_path=ckpt, dtype="float64", device="cpu", tp_size=2, dist_timeout=timeout,
                   max_total_tokens=512, debug_tp_plan=True)
     for _ in range(4):
@@ -5468,15 +5473,15 @@ TP_FAILURES = {  # how rank 1 fails: (rank 0's dist_timeout, what its error says
     # with room for a slow machine, each far from the other kind's: at once is well within 30 s)
     "SIGKILL": (30, "rank 1 died (signal SIGKILL)", 8),  # its sockets close: rank 0 knows at once
     "raise": (30, "rank 1 raised", 8),
-    "SIGSTOP": (10, "did not answer within dist_timeout=10 s", 10 + 2 + 6),  # only the timeout can tell (then
-}                                                                           # a 2 s wait for the rank's exit)
+    "SIGSTOP": (5, "did not answer within dist_timeout=5 s", 5 + 2 + 6),  # only the timeout can tell (then a
+}                                                                        # 2 s wait for the rank's exit)
 
 
 @pytest.mark.parametrize("how", list(TP_FAILURES), ids=["killed", "raised", "hung"])
 def test_tp_a_rank_that_dies_raises_or_hangs_makes_rank_0_raise_in_bounded_time(tmp_path, ckpt, how):
     """Rank 1 killed, raising or stopped in the middle of a run: rank 0 raises TPError naming what
     happened, within dist_timeout (at once for a closed connection), shuts down, and its process exits.
-    (dist_timeout also bounds start-up, when rank 1 has to import torch: 10 s leaves room for that.)"""
+    (dist_timeout also bounds start-up: the script starts the fork server, which imports torch, first.)"""
     timeout, named, within = TP_FAILURES[how]
     script = tmp_path / "fail.py"
     script.write_text(TP_FAILURE_SCRIPT)
