@@ -1500,7 +1500,7 @@ def cmd_single(args):
             tk = e.tokenizer
             ids = tk.encode(tk.apply_chat_template([{"role": "user", "content": args.prompt}])
                             if tk.chat_template else args.prompt)
-            streams[name] = lambda n, e=e: e.generate(input_ids=ids, stream=True, sampling_params={
+            streams[name] = lambda n, e=e, ids=ids: e.generate(input_ids=ids, stream=True, sampling_params={
                 "max_new_tokens": n, "temperature": 0, "ignore_eos": True})
         if path.endswith(".gguf") and not args.no_llama_cpp:
             rows.update(llama_cpp_single(path, ids, n_out, streams))
