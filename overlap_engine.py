@@ -4670,8 +4670,9 @@ class CompiledDecode:
         self.many = self._compile(model)
         # speculating: one request's verify step (its last token and k drafts) has a graph of its own
         self.verify = self._compile(model, guard_filter_fn=skip) if verify else None
-        # the custom-op aliasing check (later torch versions) runs a graph's first call under a dispatch
-        # mode, where the fused-gather op's own graph would be compiled for other tensors, then again
+        # the custom-op aliasing check (later torch versions) runs the first call made with it on under a
+        # dispatch mode, where the fused-gather op's own graph would be compiled for other tensors, then
+        # again: the batches' graph (the one with that op) runs with it off
         config = torch._functorch.config
         self.no_alias_check = {k: False for k in ["check_custom_op_aliasing"] if hasattr(config, k)}
 
@@ -4692,10 +4693,11 @@ class CompiledDecode:
                 return self.verify(input_ids, positions, attn, logit_rows)
         if not mode.is_decode() or B > self.max_bs:
             return self.eager(input_ids, positions, attn, logit_rows)
-        no_alias_check = torch._functorch.config.patch(**self.no_alias_check)
-        with torch._dynamo.config.patch(specialize_float=True), no_alias_check:  # the first: read in a trace
-            graph = self.one if B == 1 else self.many
-            return graph(input_ids, positions, attn, logit_rows)
+        with torch._dynamo.config.patch(specialize_float=True):  # read when Dynamo traces the call
+            if B == 1:
+                return self.one(input_ids, positions, attn, logit_rows)
+            with torch._functorch.config.patch(**self.no_alias_check):
+                return self.many(input_ids, positions, attn, logit_rows)
 
 
 DECODE_GATHER_BYTES = 4 << 20  # GroupedDecodeBackend reads the pool in groups of about this many bytes
