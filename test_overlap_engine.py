@@ -5945,15 +5945,20 @@ def chat_ckpt(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def served(chat_ckpt):
-    """A server on the tiny float64 model (ledger checked every iteration) and an offline engine."""
+def serve_tiny(chat_ckpt, **kw):
+    """A server on the tiny float64 model (ledger checked every iteration) and an offline engine, both
+    made with kw; stopped when the fixture that yields from it ends."""
     pytest.importorskip("fastapi")
-    server = oe.Server(make_engine(chat_ckpt, "overlap"), port=0).start()
-    offline = make_engine(chat_ckpt, "serial")
+    server = oe.Server(make_engine(chat_ckpt, "overlap", **kw), port=0).start()
+    offline = make_engine(chat_ckpt, "serial", **kw)
     yield server, offline
     server.stop()
     offline.shutdown()
+
+
+@pytest.fixture(scope="module")
+def served(chat_ckpt):
+    yield from serve_tiny(chat_ckpt)
 
 
 def http_call(server, method, path, body=None, timeout=60):
@@ -6545,12 +6550,7 @@ def fuzz_cases(fields: dict) -> list:
 def served_64(chat_ckpt):
     """served's server and offline engine on a context of 64 tokens: a request that runs to the context's end
     (a huge max_new_tokens, or none given) ends within 64 tokens, not the checkpoint's 512."""
-    pytest.importorskip("fastapi")
-    server = oe.Server(make_engine(chat_ckpt, "overlap", context_length=64), port=0).start()
-    offline = make_engine(chat_ckpt, "serial", context_length=64)
-    yield server, offline
-    server.stop()
-    offline.shutdown()
+    yield from serve_tiny(chat_ckpt, context_length=64)
 
 
 def test_server_wrong_shapes_are_4xx_never_500(served_64):
