@@ -22,6 +22,7 @@ kernel is decorated). Run the tests with `python -m pytest test_overlap_engine.p
 (CPU: fp32 and fp64 only, the interpreter has no 16-bit dot).
 """
 
+import contextlib
 import importlib.machinery
 import importlib.util
 import os
@@ -618,20 +619,41 @@ def build_c(stem: str, src: str, flags: list, compiler: str, symbol: str, argtyp
     try:
         if not os.path.exists(so):
             os.makedirs(os.path.dirname(so), exist_ok=True)
-            c_path = so[:-3] + f".{os.getpid()}.{lang}"
-            with open(c_path, "w") as f:
-                f.write(src)
-            try:
-                subprocess.run([compiler, *flags, "-x", lang, c_path, "-o", so + f".{os.getpid()}", *libs],
-                               check=True, capture_output=True)
-                os.replace(so + f".{os.getpid()}", so)  # atomic: another process sees all of it or none
-            finally:  # a CPU that cannot build it leaves nothing behind
-                os.remove(c_path)
+            with build_lock(so):
+                if not os.path.exists(so):  # another process may have built it while this one waited
+                    _compile(compiler, flags, lang, src, so, libs)
         fn = getattr(ctypes.CDLL(so), symbol)
     except (OSError, AttributeError, subprocess.CalledProcessError):
         return None
     fn.argtypes, fn.restype = argtypes, None
     return fn
+
+
+def _compile(compiler: str, flags: list, lang: str, src: str, so: str, libs: tuple):
+    import subprocess
+    c_path = so[:-3] + f".{os.getpid()}.{lang}"
+    with open(c_path, "w") as f:
+        f.write(src)
+    try:
+        subprocess.run([compiler, *flags, "-x", lang, c_path, "-o", so + f".{os.getpid()}", *libs],
+                       check=True, capture_output=True)
+        os.replace(so + f".{os.getpid()}", so)  # atomic: another process sees all of it or none
+    finally:  # a CPU that cannot build it leaves nothing behind
+        os.remove(c_path)
+
+
+@contextlib.contextmanager
+def build_lock(path: str):
+    """Held while this process builds `path`: processes starting together (a parallel test run, tensor-
+    parallel ranks) build it once, the others waiting, rather than each compiling the same source."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: they build it side by side, each ending in an atomic rename
+        yield
+        return
+    with open(path + ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when f closes
+        yield
 
 
 def cpu_kernel(dtype, D: int, Hkv: int, G: int, compiler: str, E: int = 1):

@@ -2026,6 +2026,31 @@ def cpp_kernel_serves(op: str) -> bool:
     return any(line.startswith("CPU:") and ".c++:" in line for line in dump.splitlines())
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="the build lock is flock's")
+def test_a_kernel_wanted_by_two_builders_at_once_is_compiled_once(tmp_path, monkeypatch):
+    """Two builders of one new kernel at the same moment (a parallel test run's workers, tensor-parallel
+    ranks): one compiles it, the other waits for it and loads the same file."""
+    import ctypes
+    if oe.cpp_compiler() is None:
+        pytest.skip("needs a C compiler")
+    monkeypatch.setenv("OVERLAP_ENGINE_CACHE", str(tmp_path))
+    log = tmp_path / "compiles"
+    compiler = tmp_path / "cc"  # the real compiler, slowed so that the builders overlap, and counted
+    compiler.write_text(f"#!/bin/sh\necho x >> {log}\nsleep 0.5\nexec {oe.cpp_compiler()} \"$@\"\n")
+    compiler.chmod(0o755)
+    src = "void answer(int *x) { *x = 42; }\n"
+    build = functools.partial(kernels.build_c, "answer", src, ["-O1", "-shared", "-fPIC"], str(compiler),
+                              "answer", [ctypes.POINTER(ctypes.c_int)])
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        fns = list(pool.map(lambda _: build(), range(2)))
+    assert log.read_text() == "x\n"
+    for fn in fns:
+        x = ctypes.c_int(0)
+        fn(ctypes.byref(x))
+        assert x.value == 42
+    assert [p.suffix for p in (tmp_path / "kernels").iterdir()].count(".so") == 1
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_kernel_q_matmul_cpu_matches_ref(bits):
     """Every output within one bf16 rounding of the float64 spec: 1 to 9 tokens (the kernel has a copy for
