@@ -67,8 +67,39 @@ kernels = oe.load_kernels()
 MODEL_CACHE = oe.cache_root()
 RECORDS = tempfile.mkdtemp(prefix="overlap-engine-tests-")
 os.environ["OVERLAP_ENGINE_CACHE"] = RECORDS
-os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(RECORDS, "inductor")  # read by the first compile
 atexit.register(shutil.rmtree, RECORDS, ignore_errors=True)
+
+
+def shared_builds() -> str:
+    """Where this run's Inductor and C kernel builds go: keyed by what they build, so the workers of one
+    parallel run (pytest -n) share them, a build made once; the last worker to leave removes them."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        return RECORDS
+    path = os.path.join(tempfile.gettempdir(), f"overlap-engine-tests-{run}")
+    os.makedirs(path, exist_ok=True)
+    users = os.path.join(path, "users")
+
+    def count(step: int) -> int:
+        with kernels.build_lock(users):
+            n = (int(open(users).read()) if os.path.exists(users) else 0) + step
+            with open(users, "w") as f:
+                f.write(str(n))
+        return n
+
+    def leave():
+        if count(-1) == 0:  # the workers start together: none leaves before the others came
+            shutil.rmtree(path, ignore_errors=True)
+    count(1)
+    atexit.register(leave)
+    return path
+
+
+BUILDS = shared_builds()
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(BUILDS, "inductor")  # read by the first compile
+if BUILDS != RECORDS:
+    os.makedirs(os.path.join(BUILDS, "kernels"), exist_ok=True)
+    os.symlink(os.path.join(BUILDS, "kernels"), kernels.cpu_kernel_cache())
 
 
 def default_model() -> str:
