@@ -81,10 +81,11 @@ def shared_builds() -> str:
     users = os.path.join(path, "users")
 
     def count(step: int) -> int:
-        with kernels.build_lock(users):
-            n = (int(open(users).read()) if os.path.exists(users) else 0) + step
-            with open(users, "w") as f:
-                f.write(str(n))
+        with kernels.build_lock(users), open(users, "a+") as f:
+            f.seek(0)
+            n = int(f.read() or 0) + step
+            f.truncate(0)
+            f.write(str(n))
         return n
 
     def leave():
