@@ -5579,15 +5579,19 @@ def test_cli_interactive_chat(smollm, tmp_path):
     """The chat as a newcomer starts it: the weight format picked for one request (the GGUF's own blocks,
     checked first and faithful), the serial loop, no compiling, the reply streamed. The fidelity checks'
     engines are stood in for here (the GGUF's blocks as faithful as the float model, every other format
-    less than llama.cpp); they run for real in the test of one_request_format. The C kernels come from the
+    less than llama.cpp); they run for real in the test of one_request_format. The matmuls are timed for real,
+    on small matrices (at SmolLM2's size the rounds took 6-8 s of the test's 12). The C kernels come from the
     suite's cache: building them again took most of a minute."""
     os.makedirs(kernels.cpu_kernel_cache(), exist_ok=True)
     (tmp_path / "kernels").symlink_to(kernels.cpu_kernel_cache())
-    driver = ("import contextlib, sys, overlap_engine as oe; oe.QUIET_PAUSE_S = 0; "  # noisy: measure at once
+    driver = ("import contextlib, functools, sys, overlap_engine as oe; "
+              "oe.QUIET_PAUSE_S = 0; "  # noisy: measure again at once
               "oe.format_engine = lambda path, name: contextlib.nullcontext(name); "
               "ref = {'top': [1, 2, 3, 4], 'logp': [-1.0] * 4}; "
               "oe.teacher_forced = lambda name: ref if name in ('float64', 'gguf') else "
-              "{'top': [0] * 4, 'logp': [-2.0] * 4}; oe.main(sys.argv[1:])")
+              "{'top': [0] * 4, 'logp': [-2.0] * 4}; "
+              "oe.one_token_matmul_ms = functools.partial(oe.one_token_matmul_ms, "
+              "shape=(128, 128), count=4); oe.main(sys.argv[1:])")
     env = {**os.environ, **oe.OPENMP_SPIN, "OVERLAP_ENGINE_CACHE": str(tmp_path)}  # the record goes there
     r = subprocess.run([sys.executable, "-c", driver, "--model-path", smollm[0], "--max-new-tokens", "20"],
                        input="What is the capital of France?\n/exit\n", capture_output=True, text=True,
