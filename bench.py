@@ -1484,7 +1484,7 @@ def cmd_single(args):
     them alike: each setup's ratio to llama.cpp is the median of its rounds' ratios."""
     path = bench_model(args)
     n_out = 8 if args.quick else args.output
-    rows, fidelities, streams, kwargs = {}, {}, {}, {}
+    rows, fidelities, streams, kwargs, engines = {}, {}, {}, {}, {}
     text = 64 if args.quick else None  # tokens of the fidelity text
     float_model = None if args.no_fidelity else teacher_forced_float(path, text)
     with contextlib.ExitStack() as stack:
@@ -1496,7 +1496,7 @@ def cmd_single(args):
             stack.enter_context(e)
             name = f"overlap_engine {setup}" + (f" ({format_name(kw)}" + (", serial)" if kw.get(
                 "disable_overlap_schedule") else ")") if setup == "defaults" else "")
-            rows[name], kwargs[name] = {"start_s": time.perf_counter() - t0, "engine": e}, kw
+            rows[name], kwargs[name], engines[name] = {"start_s": time.perf_counter() - t0}, kw, e
             tk = e.tokenizer
             ids = tk.encode(tk.apply_chat_template([{"role": "user", "content": args.prompt}])
                             if tk.chat_template else args.prompt)
@@ -1510,15 +1510,14 @@ def cmd_single(args):
         for _ in _progress(range(args.repeat), "rounds"):
             for name, stream in streams.items():
                 runs[name].append(single_run(stream, n_out))
-        llama = runs.get("llama.cpp (llama-cpp-python)")
+        llama = runs.get(LLAMA_CPP_ROW)
         for name, r in runs.items():
             rows[name].update(max(r, key=lambda x: x["decode_tok_s"]))
             if llama:
                 rows[name]["vs_llama_cpp"] = statistics.median(
                     a["decode_tok_s"] / b["decode_tok_s"] for a, b in zip(r, llama))
-            e = rows[name].pop("engine", None)
-            if e is not None:
-                rows[name].update(**weight_matmuls(e), answer=single_answer(e))
+            if name in engines:
+                rows[name].update(**weight_matmuls(engines[name]), answer=single_answer(engines[name]))
     for name, kw in kwargs.items():
         if float_model is not None:
             fmt = format_name(kw)
@@ -1527,7 +1526,7 @@ def cmd_single(args):
                     fidelities[fmt] = oe.fidelity(oe.teacher_forced(fe, text), float_model)
             rows[name]["fidelity"] = fidelities[fmt]
     if llama and float_model is not None:
-        rows["llama.cpp (llama-cpp-python)"]["fidelity"] = llama_cpp_fidelity(path, float_model)
+        rows[LLAMA_CPP_ROW]["fidelity"] = llama_cpp_fidelity(path, float_model)
     read_gbps = stream_read_gbps()
     print(f"## single: one request alone, {os.path.basename(path)}, {len(ids)} prompt tokens, {n_out} out, "
           f"greedy, CPU ({torch.get_num_threads()} threads, {read_gbps:.0f} GB/s streaming read)")
@@ -1628,6 +1627,9 @@ def single_run(stream, n) -> dict:
     return {"ttft_s": stamps[0] - t0, "decode_tok_s": (n - 1) / max(stamps[-1] - stamps[0], 1e-9)}
 
 
+LLAMA_CPP_ROW = "llama.cpp (llama-cpp-python)"
+
+
 def llama_cpp_single(path, ids, n_out, streams: dict) -> dict:
     """llama-cpp-python on the same GGUF, if it is installed: its row (start-up), its stream of the same
     prompt ids added to streams."""
@@ -1637,9 +1639,8 @@ def llama_cpp_single(path, ids, n_out, streams: dict) -> dict:
         return {}
     t0 = time.perf_counter()
     llm = llama_cpp_load(path, n_ctx=len(ids) + n_out + 8)
-    name = "llama.cpp (llama-cpp-python)"
-    streams[name] = functools.partial(llama_cpp_stream, llm, ids)
-    return {name: {"start_s": time.perf_counter() - t0}}
+    streams[LLAMA_CPP_ROW] = functools.partial(llama_cpp_stream, llm, ids)
+    return {LLAMA_CPP_ROW: {"start_s": time.perf_counter() - t0}}
 
 
 def llama_cpp_fidelity(path: str, float_model: dict) -> dict:

@@ -4673,8 +4673,8 @@ class CompiledDecode:
         # the custom-op aliasing check (later torch versions) runs the first call made with it on under a
         # dispatch mode, where the fused-gather op's own graph would be compiled for other tensors, then
         # again: the batches' graph (the one with that op) runs with it off
-        config = torch._functorch.config
-        self.no_alias_check = {k: False for k in ["check_custom_op_aliasing"] if hasattr(config, k)}
+        has_check = hasattr(torch._functorch.config, "check_custom_op_aliasing")
+        self.no_alias_check = {"check_custom_op_aliasing": False} if has_check else {}
 
     @staticmethod
     def _compile(model: nn.Module, **options):
