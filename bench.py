@@ -1584,7 +1584,8 @@ def weight_matmuls(engine) -> dict:
     """One token through every linear layer of the engine's model and nothing else: the best of 10
     passes, each reading every weight once (SmolLM2's weights do not fit in the cache), in ms, and the
     GB/s that is (of a layer with the C matmul's tiles, the tiles: one token reads those alone). A decode
-    step cannot be faster than this with these kernels."""
+    step cannot be faster than this with these kernels. A GGUF's one-request step: its matmuls as its one
+    C call runs them (one parallel region); other models: layer by layer."""
     model = engine.model or host_model(engine)  # the module (the worker may hold its compiled callable)
     dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype (the table stays float)
     kinds = (torch.nn.Linear, oe.QuantizedLinear, oe.PackedLinear, oe.GGUFLinear, oe.RowInvariantLinear)
@@ -1592,7 +1593,15 @@ def weight_matmuls(engine) -> dict:
     def read(m):  # a buffer set to None (a layer without tiles) is not among named_buffers
         return [m.tiles] if getattr(m, "tiles", None) is not None else [*m.parameters(), *m.buffers()]
     nbytes = sum(t.numel() * t.element_size() for m in layers for t in read(m))
-    ms = oe.one_token_ms(layers, dtype, passes=10)
+    decode = engine.scheduler.worker.model if engine.model is not None else None
+    if isinstance(decode, oe.GGUFDecode) and decode.step is not None:  # as its one C call runs them
+        head = decode.model.lm_head
+        mats = [(m.tiles, m.type, m.out_features) for ms in decode.linears for m in ms]
+        mats.append((head.tiles, head.type, head.out_features))
+        x = torch.randn(max(m.in_features for m in layers)) * 0.05
+        ms = oe.load_kernels().gguf_matmuls_cpu(mats, x, passes=10)[1]
+    else:
+        ms = oe.one_token_ms(layers, dtype, passes=10)
     return {"matmul_ms": ms, "matmul_gbps": nbytes / ms / 1e6}
 
 

@@ -25,8 +25,10 @@ kernel is decorated). Run the tests with `python -m pytest test_overlap_engine.p
 import contextlib
 import importlib.machinery
 import importlib.util
+import math
 import os
 import sys
+import time
 
 # overlap_engine loads this file under a private name (overlap_engine_kernels). Imported as plain `kernels`,
 # from a program that has this folder on sys.path, it is the Hugging Face Hub's package that is asked for
@@ -1325,8 +1327,10 @@ INLINE __m256 dots8(const float *q, const float *const k[8], int64_t D) {
 
 #define KEYS 32  /* keys a pass over the pool takes: their scores on the stack */
 
-/* acc (w vectors of 8 columns) += sum over keys j < nj of p[j] times key j's V row (at v + slots[j] * R): a chain a vector, keys in order, the vectors side by side */
-INLINE void add_pv(int w, const float *p, int nj, const float *v, const int32_t *slots, int64_t R, float *acc) {
+/* acc (w vectors of 8 columns) += the sum over keys j < nj of p[j] times key j's V row (at v + slots[j] *
+   R): a chain a vector, keys in order, the vectors side by side */
+INLINE void add_pv(int w, const float *p, int nj, const float *v, const int32_t *slots, int64_t R,
+                   float *acc) {
     __m256 o[8];
     for (int i = 0; i < w; i++) o[i] = _mm256_loadu_ps(acc + 8 * i);
     for (int j = 0; j < nj; j++) {
@@ -1487,6 +1491,26 @@ void gguf_decode_step(const int64_t *token, const int64_t *position, const int64
     free(qkv); free(y); free(gu); free(cs); free(parts); free(mine);
 }
 
+/* The step's matmuls and nothing else, as gguf_decode_step runs them (one parallel region, a barrier after
+   each): x times each of the n matrices (tiles[i] of shape[3 i ..]: N, K, bits), into out. What one token's
+   weights cost alone: bench.py single times it beside the step. */
+void gguf_matmuls(void *const *tiles, const int64_t *shape, int64_t n, const float *x, float *out,
+                  int threads) {
+    int64_t KMAX = 32;
+    for (int64_t i = 0; i < n; i++) KMAX = shape[3 * i + 1] > KMAX ? shape[3 * i + 1] : KMAX;
+    float *scratch = malloc((int64_t)threads * (KMAX + KMAX / 32) * sizeof(float));
+    #pragma omp parallel num_threads(threads)
+    {
+        float *xs = scratch + omp_get_thread_num() * (KMAX + KMAX / 32);
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t *sh = shape + 3 * i;
+            team_matvec((int)sh[2], x, tiles[i], sh[0], sh[1], xs, xs + KMAX, out);
+            #pragma omp barrier
+        }
+    }
+    free(scratch);
+}
+
 /* -- the deterministic mode's SwiGLU, vectorized: silu_mul --
    out (N, I) = silu(gate) * up of gate_up (N, 2I), float32 or bf16 (each product rounded to bf16 where
    overlap_engine's SwiGLU rounds), I a multiple of 8: every element by the same instructions, wherever
@@ -1581,7 +1605,7 @@ def pack_gguf_tiles(raw: torch.Tensor, type_: int) -> torch.Tensor:
 
 
 def gguf_kernel(symbol: str, compiler: str):
-    """GGUF_MATMUL_SRC's function `symbol` (gguf_matmul, float_matmul or gguf_decode_step), built once, or
+    """GGUF_MATMUL_SRC's function `symbol` (gguf_matmul, float_matmul, gguf_decode_step...), built once, or
     None where it cannot be built here (no AVX2, FMA or F16C)."""
     key = ("gguf", symbol)
     if key not in _cpu_kernels:
@@ -1590,6 +1614,7 @@ def gguf_kernel(symbol: str, compiler: str):
         argtypes = {"gguf_matmul": [p, p, i64, i64, i64, i32, p, i32],
                     "float_matmul": [p, p, i64, i64, i64, i32, p, i32],
                     "silu_mul": [p, i64, i64, i32, p, i32],
+                    "gguf_matmuls": [p, p, i64, p, p, i32],
                     "gguf_decode_step": [p, p, p, p, p, i64, p, p, p, p, p, i64, i64, i64, i64, i64, i64, f32,
                                          p, p, i32, i64, p, i32]}[symbol]
         _cpu_kernels[key] = build_c("gguf", GGUF_MATMUL_SRC, GGUF_FLAGS, compiler, symbol, argtypes)
@@ -1608,6 +1633,29 @@ def gguf_matmul_cpu(x, tiles, type_: int, N: int, compiler: str = "cc"):
     out = torch.empty(M, N, dtype=torch.float32)
     fn(x.data_ptr(), tiles.data_ptr(), M, N, K, gguf_bits(type_), out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def gguf_matmuls_cpu(mats: list, x: torch.Tensor, passes: int = 1, compiler: str = "cc"):
+    """One token x (float32, as long as the widest matrix's K; each reads its first K) through the matrices
+    `mats` ((tiles, type, N) each, pack_gguf_tiles' layout) as gguf_decode_step runs them, in one parallel
+    region, `passes` times: (the last matrix's outputs, the best pass in ms), or None where it cannot be
+    built here. bench.py single times a model's matmuls with it."""
+    import ctypes
+    fn = gguf_kernel("gguf_matmuls", compiler)
+    if fn is None:
+        return None
+    assert x.dtype == torch.float32 and x.is_contiguous()
+    assert len(x) >= max(t.shape[1] * 32 for t, _, _ in mats)
+    out = torch.empty(max(n for _, _, n in mats))
+    ptrs = (ctypes.c_void_p * len(mats))(*[t.data_ptr() for t, _, _ in mats])
+    shape = (ctypes.c_int64 * (3 * len(mats)))(*[v for t, type_, n in mats
+                                                 for v in (n, t.shape[1] * 32, gguf_bits(type_))])
+    best = math.inf
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        fn(ptrs, shape, len(mats), x.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        best = min(best, time.perf_counter() - t0)
+    return out[:mats[-1][2]], best * 1e3
 
 
 FLOAT_GROUP = 16  # outputs a float_matmul task takes: two tiles of GGUF_ROWS

@@ -2136,8 +2136,9 @@ def random_gguf_blocks(kind: str, N: int, K: int, seed: int) -> torch.Tensor:
 def test_kernel_gguf_matmul_computes_the_files_blocks(kind):
     """gguf_matmul multiplies a GGUF's own blocks (the weights gguf itself dequantizes them to, exactly) by
     float32 activations: every output within float32's rounding of the float64 product, for 1 to 40 rows
-    and 13 outputs (a tile of 8 and a padded one); a row has the same bits alone as in any batch; the op's
-    C++ kernel gives the same. On a CPU with AVX2, FMA and F16C (all three kinds this runs on) it builds."""
+    and 13 outputs (a tile of 8 and a padded one); a row has the same bits alone as in any batch, and in the
+    decode step's sequence of matmuls; the op's C++ kernel gives the same. On a CPU with AVX2, FMA and F16C
+    (all three kinds this runs on) it builds."""
     needs_built(oe.gguf_matmul_builds, "avx2", "fma", "f16c")
     N, K, type_ = 13, 96, kernels.GGUF_TYPES[kind]
     raw = random_gguf_blocks(kind, N, K, seed=4)
@@ -2157,6 +2158,12 @@ def test_kernel_gguf_matmul_computes_the_files_blocks(kind):
     by_op = torch.ops.overlap_engine.gguf_linear(x.view(8, 5, K), tiles, type_, N)
     assert torch.equal(by_op, out.view(8, 5, N))
     assert cpp_kernel_serves("gguf_linear")
+    # the decode step's matmuls in one parallel region (what bench.py single times): a row's bits, whichever
+    # matrix came before (a wider one here)
+    wide = kernels.pack_gguf_tiles(random_gguf_blocks(kind, 40, 2 * K, seed=6), type_)
+    x2 = torch.cat((x[7], torch.randn(K)))
+    last, ms = kernels.gguf_matmuls_cpu([(wide, type_, 40), (tiles, type_, N)], x2, passes=2)
+    assert torch.equal(last, out[7]) and ms > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
