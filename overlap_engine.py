@@ -2349,10 +2349,12 @@ class ServerArgs:
     schedule_conservativeness: float = arg(1.0, "scales the decode headroom kept when admitting; 0: none")
     mem_fraction_static: float = arg(0.8, "CUDA: share of free memory for weights and KV cache")
     cpu_device: str = arg("auto", "CPU: where the device runs: a thread of this process (the lesson's "
-                                  "simplest form; it shares the interpreter with the host) or a worker "
-                                  "process (no interpreter shared); auto: process where cpu_device_threads "
-                                  "gives the device cores of its own, else thread",
-                          ("auto", "thread", "process"))
+                                  "simplest form; it shares the interpreter with the host), a worker "
+                                  "process (no interpreter shared), or inline: the serial loop runs each "
+                                  "step on its own thread, as SGLang's scheduler does without overlap; "
+                                  "auto: process where cpu_device_threads gives the device cores of its "
+                                  "own, inline for the serial loop of one rank, else thread",
+                          ("auto", "thread", "process", "inline"))
     cpu_device_threads: int = arg(0, "CPU: the device's torch ops run on this many cores of their own, the "
                                      "host (planning, committing, serving) on the others; 0: the device and "
                                      "the host share every core")
@@ -2963,9 +2965,18 @@ def check_engine_args(kwargs: dict) -> ServerArgs:
                          "not dtype='float64'")
     if args.quantization == "gguf":
         check_gguf_quantization(args)
+    inline_fits = (args.device == "cpu" and args.disable_overlap_schedule and args.tp_size == 1
+                   and not args.cpu_device_threads)
     if args.cpu_device == "auto":  # sharing every core, a device process adds its messages and gains nothing
         own_cores = args.device == "cpu" and args.tp_size == 1 and args.cpu_device_threads > 0
-        args.cpu_device = "process" if own_cores else "thread"
+        inline = inline_fits and not args.worker_jitter_ms  # jitter shakes a device thread's timing
+        args.cpu_device = "process" if own_cores else "inline" if inline else "thread"
+    if args.cpu_device == "inline" and not inline_fits:
+        raise ValueError("cpu_device='inline' runs each step on the loop's own thread: it needs "
+                         "device='cpu', disable_overlap_schedule=True (the overlap loop needs a device "
+                         f"beside it), tp_size=1 and cpu_device_threads=0 (device={args.device!r}, "
+                         f"disable_overlap_schedule={args.disable_overlap_schedule}, tp_size={args.tp_size}, "
+                         f"cpu_device_threads={args.cpu_device_threads})")
     if args.cpu_device_threads and args.device != "cpu":
         raise ValueError(f"cpu_device_threads={args.cpu_device_threads} is for device='cpu' (a GPU is a "
                          "device of its own)")
@@ -3210,11 +3221,14 @@ class Engine:
             self._compile_decode(min(args.torch_compile_max_bs, args.max_running_requests))
 
     def _make_stream(self):
-        """The device stream: CUDA's, or on a CPU a thread (with cpu_device_threads, on cores of its own)."""
+        """The device stream: CUDA's, or on a CPU a thread (with cpu_device_threads, on cores of its own), or
+        the loop's own thread (cpu_device="inline")."""
         args = self.server_args
         if args.device == "cuda":
             return CudaDeviceStream()
         keep_freed_memory_in_process()  # before the device thread exists: it shares the host's arena
+        if args.cpu_device == "inline":
+            return InlineCpuDeviceStream()
         if not args.cpu_device_threads:
             return CpuDeviceStream(args.worker_jitter_ms, args.random_seed)
         device_cores, self.host_cores = split_cores(args.cpu_device_threads)
@@ -6005,6 +6019,38 @@ def set_all_threads_affinity(cores: set):
     for tid in map(int, os.listdir("/proc/self/task")):
         with contextlib.suppress(OSError):  # a thread that just ended
             os.sched_setaffinity(tid, cores)
+
+
+class InlineCpuDeviceStream(CpuDeviceStream):
+    """cpu_device="inline": a launch runs its work at once, on the launching thread, and returns a done
+    handle. The serial loop waits for each step as soon as it launches it, so a device thread only adds
+    two wake-ups a step (the device's, then the host's), which on a small VM cost a good part of one
+    request's step. Launches from several threads run one at a time, in the order they take the lock."""
+
+    def __init__(self):
+        self.error: Optional[BaseException] = None
+        self.lock = threading.Lock()
+
+    def launch(self, fn: Callable) -> StepHandle:
+        if self.error is not None:  # broken, as the device thread's stream: every later launch re-raises
+            raise self.error
+        h = StepHandle()
+        with self.lock:
+            h.t_start = time.perf_counter()
+            try:
+                h.value = fn()
+            except Exception as e:  # surfaces at wait(), as a device thread's does
+                h.error = self.error = e
+            h.t_end = time.perf_counter()
+        h.done.set()
+        return h
+
+    def synchronize(self):
+        with self.lock:  # another thread's launch finishes first
+            pass
+
+    def shutdown(self):
+        pass
 
 
 class PinnedCpuDeviceStream(CpuDeviceStream):

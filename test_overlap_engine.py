@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 
@@ -1831,6 +1832,35 @@ def test_failure_inside_a_step_surfaces_and_shutdown_joins(ckpt, monkeypatch):
         thread = e.scheduler.worker.stream.thread
         e.shutdown()
         assert not thread.is_alive()
+
+
+def test_inline_device_runs_the_serial_loops_steps_on_its_own_thread(ckpt, mixed_workload, monkeypatch):
+    """cpu_device="inline", what auto picks for the serial loop of one rank on a CPU: each step runs on the
+    thread that drives the loop and starts no device thread; the workload gives the reference's tokens,
+    nothing leaks; a failing step surfaces at the host's wait and breaks the stream for every later step.
+    The overlap loop keeps a device thread, and an inline device with it, or with cores of its own, is
+    refused by name."""
+    wl, expected = mixed_workload
+    real, on = oe.ModelWorker.forward_step, []
+    monkeypatch.setattr(oe.ModelWorker, "forward_step", lambda self, fb: on.append(threading.get_ident())
+                        or real(self, fb))
+    before = {t.ident for t in threading.enumerate()}
+    with make_engine(ckpt, "serial", cpu_device="auto") as e:
+        assert e.server_args.cpu_device == "inline"
+        assert [o["output_ids"] for o in run_workload(e, wl)] == expected
+        assert on and set(on) == {threading.get_ident()}
+        started = [t for t in threading.enumerate() if t.ident not in before]
+        assert "overlap-engine-device" not in [t.name for t in started]
+        e.check_invariants()
+        monkeypatch.setattr(oe.ModelWorker, "forward_step", lambda self, fb: 1 / 0)
+        for _ in range(2):
+            with pytest.raises(ZeroDivisionError):
+                e.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4})
+    with make_engine(ckpt, "overlap", cpu_device="auto") as e:
+        assert e.server_args.cpu_device == "thread"
+    for loop, kw in (("overlap", {}), ("serial", {"cpu_device_threads": 1})):
+        with pytest.raises(ValueError, match=r"cpu_device='inline'.*disable_overlap_schedule="):
+            make_engine(ckpt, loop, cpu_device="inline", **kw)
 
 
 @pytest.mark.parametrize("make_stream", [oe.CpuDeviceStream, pytest.param(oe.CudaDeviceStream, marks=cuda)],
