@@ -1599,7 +1599,7 @@ def weight_matmuls(engine) -> dict:
         mats = [(m.tiles, m.type, m.out_features) for ms in decode.linears for m in ms]
         mats.append((head.tiles, head.type, head.out_features))
         x = torch.randn(max(m.in_features for m in layers)) * 0.05
-        ms = oe.load_kernels().gguf_matmuls_cpu(mats, x, passes=10)[1]
+        ms = oe.load_kernels().gguf_matmuls_cpu(mats, x, passes=10, compiler=oe.cpp_compiler())[1]
     else:
         ms = oe.one_token_ms(layers, dtype, passes=10)
     return {"matmul_ms": ms, "matmul_gbps": nbytes / ms / 1e6}

@@ -2860,12 +2860,15 @@ class TimedScheduler(Scheduler):
 
     @contextlib.contextmanager
     def time_iteration(self):
-        """One iteration's span, and its host time: the span minus the time blocked on results."""
+        """One iteration's span, and its host time: the span minus the time blocked on results (an inline
+        device's: the steps it ran)."""
+        stream = getattr(self.worker, "stream", None)
+        ran = getattr(stream, "ran", 0.0)
         t0 = time.perf_counter()
         self.wait_time = 0.0
         yield
         t1 = time.perf_counter()
-        self.records["host_times"].append(t1 - t0 - self.wait_time)
+        self.records["host_times"].append(t1 - t0 - self.wait_time - (getattr(stream, "ran", 0.0) - ran))
         self.records["iterations"].append((t0, t1))
 
     def wait_for(self, batch: BatchSnapshot, result: StepHandle) -> StepOutput:
@@ -2966,17 +2969,17 @@ def check_engine_args(kwargs: dict) -> ServerArgs:
     if args.quantization == "gguf":
         check_gguf_quantization(args)
     inline_fits = (args.device == "cpu" and args.disable_overlap_schedule and args.tp_size == 1
-                   and not args.cpu_device_threads)
+                   and not args.cpu_device_threads and not args.worker_jitter_ms)  # jitter shakes a thread
     if args.cpu_device == "auto":  # sharing every core, a device process adds its messages and gains nothing
         own_cores = args.device == "cpu" and args.tp_size == 1 and args.cpu_device_threads > 0
-        inline = inline_fits and not args.worker_jitter_ms  # jitter shakes a device thread's timing
-        args.cpu_device = "process" if own_cores else "inline" if inline else "thread"
+        args.cpu_device = "process" if own_cores else "inline" if inline_fits else "thread"
     if args.cpu_device == "inline" and not inline_fits:
         raise ValueError("cpu_device='inline' runs each step on the loop's own thread: it needs "
                          "device='cpu', disable_overlap_schedule=True (the overlap loop needs a device "
-                         f"beside it), tp_size=1 and cpu_device_threads=0 (device={args.device!r}, "
-                         f"disable_overlap_schedule={args.disable_overlap_schedule}, tp_size={args.tp_size}, "
-                         f"cpu_device_threads={args.cpu_device_threads})")
+                         "beside it), tp_size=1, cpu_device_threads=0 and worker_jitter_ms=0 (device="
+                         f"{args.device!r}, disable_overlap_schedule={args.disable_overlap_schedule}, "
+                         f"tp_size={args.tp_size}, cpu_device_threads={args.cpu_device_threads}, "
+                         f"worker_jitter_ms={args.worker_jitter_ms})")
     if args.cpu_device_threads and args.device != "cpu":
         raise ValueError(f"cpu_device_threads={args.cpu_device_threads} is for device='cpu' (a GPU is a "
                          "device of its own)")
@@ -6030,6 +6033,7 @@ class InlineCpuDeviceStream(CpuDeviceStream):
     def __init__(self):
         self.error: Optional[BaseException] = None
         self.lock = threading.Lock()
+        self.ran = 0.0  # seconds its launches ran: the bench's host time leaves them out
 
     def launch(self, fn: Callable) -> StepHandle:
         if self.error is not None:  # broken, as the device thread's stream: every later launch re-raises
@@ -6039,15 +6043,17 @@ class InlineCpuDeviceStream(CpuDeviceStream):
             h.t_start = time.perf_counter()
             try:
                 h.value = fn()
-            except Exception as e:  # surfaces at wait(), as a device thread's does
+            except BaseException as e:  # surfaces at wait(), as a device thread's does
                 h.error = self.error = e
             h.t_end = time.perf_counter()
+            self.ran += h.t_end - h.t_start
         h.done.set()
         return h
 
     def synchronize(self):
         with self.lock:  # another thread's launch finishes first
-            pass
+            if self.error is not None:
+                raise self.error
 
     def shutdown(self):
         pass

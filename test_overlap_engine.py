@@ -1852,21 +1852,28 @@ def test_inline_device_runs_the_serial_loops_steps_on_its_own_thread(ckpt, mixed
         started = [t for t in threading.enumerate() if t.ident not in before]
         assert "overlap-engine-device" not in [t.name for t in started]
         e.check_invariants()
+        stream = e.scheduler.worker.stream
+        assert isinstance(stream, oe.InlineCpuDeviceStream) and stream.ran > 0
         monkeypatch.setattr(oe.ModelWorker, "forward_step", lambda self, fb: 1 / 0)
-        for _ in range(2):
-            with pytest.raises(ZeroDivisionError):
-                e.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4})
+        with pytest.raises(ZeroDivisionError):
+            e.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4})
+        assert isinstance(stream.error, ZeroDivisionError)
+        monkeypatch.setattr(oe.ModelWorker, "forward_step", real)  # a sound step: the stream stays broken
+        with pytest.raises(ZeroDivisionError):
+            e.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4})
     with make_engine(ckpt, "overlap", cpu_device="auto") as e:
         assert e.server_args.cpu_device == "thread"
-    for loop, kw in (("overlap", {}), ("serial", {"cpu_device_threads": 1})):
+    for loop, kw in (("overlap", {}), ("serial", {"cpu_device_threads": 1}),
+                     ("serial", {"worker_jitter_ms": 1})):
         with pytest.raises(ValueError, match=r"cpu_device='inline'.*disable_overlap_schedule="):
             make_engine(ckpt, loop, cpu_device="inline", **kw)
 
 
-@pytest.mark.parametrize("make_stream", [oe.CpuDeviceStream, pytest.param(oe.CudaDeviceStream, marks=cuda)],
-                         ids=["cpu", "cuda"])
+@pytest.mark.parametrize("make_stream", [oe.CpuDeviceStream, oe.InlineCpuDeviceStream,
+                                         pytest.param(oe.CudaDeviceStream, marks=cuda)],
+                         ids=["cpu", "inline", "cuda"])
 def test_a_failed_launch_raises_at_wait_and_breaks_the_stream(make_stream):
-    """Both device streams keep a step's error for the host's wait(), then refuse every later launch."""
+    """The device streams keep a step's error for the host's wait(), then refuse every later launch."""
     stream = make_stream()
 
     def boom():
@@ -3411,8 +3418,9 @@ def test_gguf_quantization_computes_the_files_blocks_and_one_requests_step_in_on
         assert len(calls) == (0 if name == "module" else 2 * 9), name  # each decode step, one call
     assert runs["fused"] == runs["module"] == runs["serial"]
     fused, module = runs["fused", "logits"], runs["module", "logits"]
-    # a few roundings apart, grown over ten steps: the second prompt's early steps move by 1e-5 of the
-    # largest logit when the matmul only sums in another order
+    # the C step's norms, rotary, attention and SwiGLU against the module's torch ops: a few roundings
+    # apart, grown over ten steps (the second prompt's early steps move by 1e-5 of the largest logit in
+    # either path when only the matmul's summation order changes)
     assert torch.allclose(fused, module, rtol=0, atol=3e-5 * float(module.abs().max()))
 
 
