@@ -1093,12 +1093,11 @@ INLINE __m256 code(int bits, const uint8_t *t, int i) {
    are converted from t as they are used */
 INLINE void block_dot(int bits, const uint8_t *t, const __m256 *c, const float *x, __m256 *s) {
 #define C(i) (c ? c[i] : code(bits, t, i))
-#define X(i) _mm256_broadcast_ss(x + (i))
-    for (int g = 0; g < 4; g++) s[g] = _mm256_mul_ps(C(8 * g), X(8 * g));
+    for (int g = 0; g < 4; g++) s[g] = _mm256_mul_ps(C(8 * g), _mm256_broadcast_ss(x + 8 * g));
     for (int k = 1; k < 8; k++)
-        for (int g = 0; g < 4; g++) s[g] = _mm256_fmadd_ps(C(8 * g + k), X(8 * g + k), s[g]);
+        for (int g = 0; g < 4; g++)
+            s[g] = _mm256_fmadd_ps(C(8 * g + k), _mm256_broadcast_ss(x + 8 * g + k), s[g]);
 #undef C
-#undef X
 }
 
 /* a row's running sums (acc: a group's, across blocks, each times its block's d; macc: m times the block's

@@ -6031,29 +6031,18 @@ class InlineCpuDeviceStream(CpuDeviceStream):
     request's step. Launches from several threads run one at a time, in the order they take the lock."""
 
     def __init__(self):
-        self.error: Optional[BaseException] = None
+        self.queue: queue.Queue = queue.Queue()
+        self.jitter, self.error = 0.0, None
         self.lock = threading.Lock()
         self.ran = 0.0  # seconds its launches ran: the bench's host time leaves them out
 
     def launch(self, fn: Callable) -> StepHandle:
-        if self.error is not None:  # broken, as the device thread's stream: every later launch re-raises
-            raise self.error
-        h = StepHandle()
         with self.lock:
-            h.t_start = time.perf_counter()
-            try:
-                h.value = fn()
-            except BaseException as e:  # surfaces at wait(), as a device thread's does
-                h.error = self.error = e
-            h.t_end = time.perf_counter()
+            h = super().launch(fn)  # a broken stream re-raises; else fn is queued
+            self.queue.put(None)
+            self._run()  # the device thread's loop, here: runs fn, then returns at the None
             self.ran += h.t_end - h.t_start
-        h.done.set()
         return h
-
-    def synchronize(self):
-        with self.lock:  # another thread's launch finishes first
-            if self.error is not None:
-                raise self.error
 
     def shutdown(self):
         pass
