@@ -6969,8 +6969,8 @@ def one_request_format(model_path: str, steps: tuple = (1,)) -> dict:
     decode's 1 token; speculating, also a verify's 1 + k) at least as faithful as llama.cpp, teacher-forced
     against the float model. The GGUF's own blocks (gguf_candidate) are checked first, float32 is faithful
     by definition; a format replaces the pick only if CLEARLY_FASTER. Returns the record: pick, matmul_ms,
-    and for each format checked its fidelity and whether it qualified; timings that stayed noisy make a
-    pick for this run alone, not recorded (its `noisy` says why)."""
+    and for each format checked its fidelity and whether it qualified; timings that stayed noisy keep the
+    most faithful (the GGUF's blocks, else float32) for this run alone, not recorded (`noisy` says why)."""
     st = os.stat(model_path)
     key = (f"{os.path.basename(os.path.normpath(model_path))} {st.st_size} {st.st_mtime:.0f} | "
            f"{cpu_name()} | {torch.get_num_threads()} threads | torch {torch.__version__} | "
@@ -7000,7 +7000,9 @@ def one_request_format(model_path: str, steps: tuple = (1,)) -> dict:
         checked[name] = {**f, "eligible": as_faithful_as_llama_cpp(f)}
         return checked[name]["eligible"]
     pick = "gguf" if kind and faithful("gguf") else "float32"
-    for name in sorted(ms, key=ms.get):  # the fastest first, down to the pick's own speed
+    # noisy timings cannot tell a faster format: the most faithful stays (this run only, not recorded)
+    order = [] if noisy else sorted(ms, key=ms.get)
+    for name in order:  # the fastest first, down to the pick's own speed
         if name == "gguf" and not kind:
             continue
         if ms[name] * CLEARLY_FASTER > ms[pick]:
@@ -7040,8 +7042,8 @@ def one_request_defaults(given: dict, chat: bool = True, steps: tuple = (1,),
         timings = ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(ms.items(), key=lambda kv: kv[1]))
         what = "one-token matmul" if steps == (1,) else f"matmuls of a decode and a {steps[1]}-token verify"
         fid = record["checked"].get(best)
-        how = (f"timed while {record['noisy']}: for this run only, not recorded" if record.get("noisy")
-               else "decided once and recorded")
+        how = (f"timed while {record['noisy']}, which cannot tell a faster format: the most faithful, for "
+               "this run only, not recorded" if record.get("noisy") else "decided once and recorded")
         form = {"gguf": f"the file's own {record.get('gguf_kind')} blocks, float32 activations",
                 "int8": "bf16 activations", "int4": "bf16 activations"}.get(best)
         faithful = (f"top-1 {fid['top1']:.1%} and mean |Δ log p| {fid['dlogp']} against the float model, "
