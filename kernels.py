@@ -1539,6 +1539,44 @@ void silu_mul(const void *gu, int64_t N, int64_t I, int bf16, void *out, int thr
                 _mm256_storeu_ps((float *)out + t * I + i, _mm256_mul_ps(silu, up));
         }
 }
+
+/* pack_gguf_tiles, straight from the file's bytes: a GGUF tensor's N rows of KB blocks (`raw`, as the file
+   holds them) written into `tiles` (that layout, its other bytes left as they are) as its rows row0 ..
+   row0 + N - 1: a fused layer's parts go in one after the other. A task is a tile: no two write one. */
+void pack_tiles(const uint8_t *raw, int64_t N, int64_t KB, int type, uint8_t *tiles, int64_t row0,
+                int threads) {
+    const int64_t size = type == 8 ? 34 : type == 3 ? 20 : 18, tb = type == 8 ? 272 : 160;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t tile = row0 / ROWS; tile <= (row0 + N - 1) / ROWS; tile++)
+        for (int64_t r = tile * ROWS > row0 ? tile * ROWS : row0; r < (tile + 1) * ROWS && r < row0 + N; r++)
+            for (int64_t kb = 0; kb < KB; kb++) {
+                const uint8_t *b = raw + ((r - row0) * KB + kb) * size;  /* d, (m,) the codes */
+                uint8_t *t = tiles + (tile * KB + kb) * tb;
+                const int lane = r % ROWS;
+                if (type == 8) {  /* group i: the 8 rows' codes of input i */
+                    for (int i = 0; i < 32; i++) t[8 * i + lane] = b[2 + i];
+                    memcpy(t + 256 + 2 * lane, b, 2);
+                    continue;
+                }
+                /* the file's byte j: inputs j (low nibble) and j + 16; the row's byte j: inputs 2j and
+                   2j + 1, its bytes 4g .. 4g + 3 in lane `lane` of vector g */
+                const uint8_t *q = b + size - 16;
+                for (int j = 0; j < 16; j++) {
+                    const uint8_t lo = q[2 * j % 16], hi = q[(2 * j + 1) % 16];
+                    t[32 * (j / 4) + 4 * lane + j % 4] = j < 8 ? (lo & 15) | (hi << 4)
+                                                               : (lo >> 4) | (hi & 0xF0);
+                }
+                memcpy(t + 128 + 2 * lane, b, 2);
+                if (type == 3)
+                    memcpy(t + 144 + 2 * lane, b + 2, 2);
+                else {  /* Q4_0: m = -8 d, exact in fp16 */
+                    uint16_t d, m;
+                    memcpy(&d, b, 2);
+                    m = _cvtss_sh(_cvtsh_ss(d) * -8.0f, 0);
+                    memcpy(t + 144 + 2 * lane, &m, 2);
+                }
+            }
+}
 """
 
 
@@ -1614,10 +1652,28 @@ def gguf_kernel(symbol: str, compiler: str):
                     "float_matmul": [p, p, i64, i64, i64, i32, p, i32],
                     "silu_mul": [p, i64, i64, i32, p, i32],
                     "gguf_matmuls": [p, p, i64, p, p, i32],
+                    "pack_tiles": [p, i64, i64, i32, p, i64, i32],
                     "gguf_decode_step": [p, p, p, p, p, i64, p, p, p, p, p, i64, i64, i64, i64, i64, i64, f32,
                                          p, p, i32, i64, p, i32]}[symbol]
         _cpu_kernels[key] = build_c("gguf", GGUF_MATMUL_SRC, GGUF_FLAGS, compiler, symbol, argtypes)
     return _cpu_kernels[key]
+
+
+def pack_gguf_tiles_cpu(raw: torch.Tensor, type_: int, tiles: torch.Tensor, row0: int = 0,
+                        compiler: str = "cc"):
+    """pack_gguf_tiles in C, from the file's bytes: raw's rows (N, bytes a row) written into `tiles` ((T, K /
+    32, bytes a tile's block) uint8, zeroed where no row goes) as its rows row0 .. row0 + N - 1. Returns
+    tiles, or None where the kernel cannot be built here."""
+    fn = gguf_kernel("pack_tiles", compiler)
+    if fn is None:
+        return None
+    N, KB = raw.shape[0], raw.shape[1] // GGUF_BLOCK_BYTES[type_]
+    assert raw.dtype == tiles.dtype == torch.uint8 and tiles.is_contiguous(), (raw.dtype, tiles.dtype)
+    assert tiles.shape[1:] == (KB, GGUF_TILE[type_]) and tiles.shape[0] * GGUF_ROWS >= row0 + N, tiles.shape
+    raw = raw.contiguous()
+    if N:
+        fn(raw.data_ptr(), N, KB, type_, tiles.data_ptr(), row0, torch.get_num_threads())
+    return tiles
 
 
 def gguf_matmul_cpu(x, tiles, type_: int, N: int, compiler: str = "cc"):

@@ -4441,19 +4441,41 @@ def gguf_paths(model_path: str) -> str:
 
 class GGUFLinear(nn.Module):
     """Swapped in for a model's nn.Linear by gguf_linears: its weights as the GGUF's blocks of one type
-    (a fused q/k/v or gate/up: its parts' rows one after the other), in kernels.pack_gguf_tiles' tiles,
-    multiplied by float32 activations in kernels.gguf_matmul (the op gguf_linear)."""
+    (a fused q/k/v or gate/up: its parts' rows one after the other), in kernels.pack_gguf_tiles' tiles
+    (gguf_tiles), multiplied by float32 activations in kernels.gguf_matmul (the op gguf_linear)."""
 
-    def __init__(self, kind: str, raw: torch.Tensor, in_features: int, bias: Optional[torch.Tensor] = None):
+    def __init__(self, kind: str, tiles: torch.Tensor, out_features: int, in_features: int,
+                 bias: Optional[torch.Tensor] = None):
         super().__init__()
-        kernels = load_kernels()
-        self.kind, self.type = kind, kernels.GGUF_TYPES[kind]
-        self.in_features, self.out_features, self.bias = in_features, raw.shape[0], bias
-        self.register_buffer("tiles", kernels.pack_gguf_tiles(raw, self.type), persistent=False)
+        self.kind, self.type = kind, load_kernels().GGUF_TYPES[kind]
+        self.in_features, self.out_features, self.bias = in_features, out_features, bias
+        self.register_buffer("tiles", tiles, persistent=False)
 
     def forward(self, x):
         y = torch.ops.overlap_engine.gguf_linear(x, self.tiles, self.type, self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+def gguf_tiles_shape(kind: str, rows: int, row_bytes: int) -> tuple:
+    """The shape of kernels.pack_gguf_tiles' tiles for `rows` rows of a GGUF's blocks of `kind`."""
+    kernels = load_kernels()
+    type_ = kernels.GGUF_TYPES[kind]
+    blocks = row_bytes // kernels.GGUF_BLOCK_BYTES[type_]
+    return -(-rows // kernels.GGUF_ROWS), blocks, kernels.GGUF_TILE[type_]
+
+
+def gguf_tiles(kind: str, parts: list, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A GGUF tensor's blocks (a fused layer's parts, their rows one after the other) as
+    kernels.pack_gguf_tiles' tiles, packed in C straight from the file's bytes into `out` (zeroed uint8, as
+    many bytes as the tiles take) or new memory."""
+    kernels = load_kernels()
+    shape = gguf_tiles_shape(kind, sum(p.shape[0] for p in parts), parts[0].shape[1])
+    tiles = torch.zeros(shape, dtype=torch.uint8) if out is None else out.view(shape)
+    row = 0
+    for p in parts:
+        kernels.pack_gguf_tiles_cpu(p, kernels.GGUF_TYPES[kind], tiles, row, cpp_compiler())
+        row += p.shape[0]
+    return tiles
 
 
 @cpu_op("gguf_linear(Tensor x, Tensor tiles, int type, int N) -> Tensor",
@@ -4478,11 +4500,11 @@ def gguf_linears(model: nn.Module, source: dict):
     """Swaps each nn.Linear whose weights `source` holds as GGUF blocks of a type gguf_matmul reads (a
     fused q/k/v or gate/up: all its parts of one type) for a GGUFLinear; a tied LM head reads the
     embedding's blocks and lets go of its float table, which the embedding keeps. The others stay float32
-    (gguf_paths says which)."""
+    (gguf_paths says which). The tiles go in one block of huge_page_bytes, in order, each at a cache line."""
+    swaps = []  # (name, layer, kind, parts)
     for name, layer in list(model.named_modules()):
         if not isinstance(layer, nn.Linear):
             continue
-        parent, _, attr = name.rpartition(".")
         blocks = [source.get(k + GGUF_BLOCKS) for k in checkpoint_weights(name, model.cfg)]
         kinds = {b.kind for b in blocks if b is not None}
         if None in blocks or len(kinds) != 1 or not gguf_matmul_builds():
@@ -4491,10 +4513,17 @@ def gguf_linears(model: nn.Module, source: dict):
                 w = torch.cat([kernels.gguf_weights_ref(b.raw, kernels.GGUF_TYPES[b.kind]) for b in blocks])
                 layer.weight = nn.Parameter(w, requires_grad=False)
             continue
-        raw = torch.cat([b.raw for b in blocks]) if len(blocks) > 1 else blocks[0].raw
+        swaps.append((name, layer, kinds.pop(), [b.raw for b in blocks]))
+    shapes = [gguf_tiles_shape(kind, sum(p.shape[0] for p in parts), parts[0].shape[1])
+              for _, _, kind, parts in swaps]
+    starts = list(itertools.accumulate((-(-math.prod(s) // 64) * 64 for s in shapes), initial=0))
+    block = huge_page_bytes(starts[-1]) if swaps else None
+    for (name, layer, kind, parts), shape, at in zip(swaps, shapes, starts):
+        tiles = gguf_tiles(kind, parts, block[at:at + math.prod(shape)])
+        parent, _, attr = name.rpartition(".")
         bias = None if layer.bias is None else layer.bias.detach()
-        setattr(model.get_submodule(parent), attr, GGUFLinear(kinds.pop(), raw, layer.in_features, bias))
-    tiles_on_huge_pages([m for m in model.modules() if isinstance(m, GGUFLinear)])
+        linear = GGUFLinear(kind, tiles, sum(p.shape[0] for p in parts), layer.in_features, bias)
+        setattr(model.get_submodule(parent), attr, linear)
 
 
 def huge_page_bytes(nbytes: int) -> torch.Tensor:
@@ -4513,17 +4542,6 @@ def huge_page_bytes(nbytes: int) -> torch.Tensor:
     if hasattr(buf, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
         buf.madvise(mmap.MADV_HUGEPAGE, start, nbytes - nbytes % mmap.PAGESIZE)
     return whole[start:start + nbytes]
-
-
-def tiles_on_huge_pages(layers: list):
-    """Moves the GGUFLinears' tiles into one block of huge_page_bytes, each at a cache line, in order."""
-    if not layers:
-        return
-    sizes = [-(-m.tiles.numel() // 64) * 64 for m in layers]
-    block, at = huge_page_bytes(sum(sizes)), 0
-    for m, size in zip(layers, sizes):
-        m.tiles = block[at:at + m.tiles.numel()].view(m.tiles.shape).copy_(m.tiles)
-        at += size
 
 
 class GGUFDecode:
@@ -6846,7 +6864,8 @@ def one_token_matmul_ms(shape: tuple = (1536, 576), count: int = 24, passes: int
             if gguf_kind is None:
                 continue
             raw = torch.from_numpy(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[gguf_kind]))
-            layers = [GGUFLinear(gguf_kind, raw, shape[1]) for _ in range(count)]
+            layers = [GGUFLinear(gguf_kind, gguf_tiles(gguf_kind, [raw]), shape[0], shape[1])
+                      for _ in range(count)]
         elif quant:
             layers = [QuantizedLinear(quant, w, dt) for _ in range(count)]
         else:
