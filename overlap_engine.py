@@ -3026,10 +3026,11 @@ class RunKVPool(TokenToKVPool):
                  device: str):
         super().__init__(size, 0, kv_heads, head_dim, dtype, device)  # the free list; the buffers below
         # in memory the OS zeroes as it is first touched: a pool sized for long contexts costs nothing at
-        # start (a torch.zeros of the CPU's default pool writes 0.75 GB), and only the slots used stay
+        # start (a torch.zeros of the CPU's default pool writes 0.75 GB), and only the slots used stay.
+        # Not huge pages: a first prefill would fault in a 2 MB page for each layer's K and V
         shape = (size + 1, kv_heads, head_dim)
         n = math.prod(shape) * dtype.itemsize
-        block = huge_page_bytes(2 * num_layers * n).view(2 * num_layers, n).view(dtype)
+        block = zero_on_touch_bytes(2 * num_layers * n).view(2 * num_layers, n).view(dtype)
         self.k_buffer = [block[i].view(shape) for i in range(num_layers)]
         self.v_buffer = [block[num_layers + i].view(shape) for i in range(num_layers)]
         self.waiting: dict[int, list[int]] = {}  # a request's last slot -> the free slots set aside after it
@@ -4524,6 +4525,15 @@ def gguf_linears(model: nn.Module, source: dict):
         bias = None if layer.bias is None else layer.bias.detach()
         linear = GGUFLinear(kind, tiles, sum(p.shape[0] for p in parts), layer.in_features, bias)
         setattr(model.get_submodule(parent), attr, linear)
+
+
+def zero_on_touch_bytes(nbytes: int) -> torch.Tensor:
+    """nbytes of zeroed uint8 memory that costs nothing until it is used: a private anonymous map, which
+    the OS zeroes a page at a time as it is first touched."""
+    import mmap
+    if not hasattr(mmap, "MAP_PRIVATE"):  # Windows
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
 
 
 def huge_page_bytes(nbytes: int) -> torch.Tensor:
