@@ -9062,4 +9062,5 @@ def serve(engine: Engine, host: str, port: int, read_timeout: float = READ_TIMEO
 
 
 if __name__ == "__main__":
+    gc.freeze()  # what the imports made lives as long as the process: no collection walks it while it loads
     main()
