@@ -1587,7 +1587,7 @@ def weight_matmuls(engine) -> dict:
     step cannot be faster than this with these kernels. A GGUF's one-request step: its matmuls as its one
     C call runs them (one parallel region); other models: layer by layer."""
     model = engine.model or host_model(engine)  # the module (the worker may hold its compiled callable)
-    dtype = model.model.embed_tokens.weight.dtype  # the activations' dtype (the table stays float)
+    dtype = model.model.norm.weight.dtype  # the activations' dtype
     kinds = (torch.nn.Linear, oe.QuantizedLinear, oe.PackedLinear, oe.GGUFLinear, oe.RowInvariantLinear)
     layers = [m for m in model.modules() if isinstance(m, kinds)]
     def read(m):  # a buffer set to None (a layer without tiles) is not among named_buffers

@@ -1421,14 +1421,37 @@ static void rope(float *v, int64_t n, int64_t D, const float *cs) {
         }
 }
 
+/* rows ids[0 .. n - 1] of a GGUF tensor's blocks (raw: K / 32 blocks of `type` a row, as the file holds
+   them) in float32 (out: n rows of K), the values gguf dequantizes them to: d q (Q8_0), d (q - 8) (Q4_0),
+   d q + m (Q4_1). d q is exact in float32 (an fp16 times a code of at most 8 bits): only the sum rounds */
+void gguf_rows(const uint8_t *raw, int type, const int64_t *ids, int64_t n, int64_t K, float *out) {
+    const int64_t size = type == 8 ? 34 : type == 3 ? 20 : 18;
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *b = raw + ids[r] * (K / 32) * size;
+        for (float *y = out + r * K; y < out + (r + 1) * K; y += 32, b += size) {
+            uint16_t h[2];
+            memcpy(h, b, 4);
+            const float d = _cvtsh_ss(h[0]), m = type == 3 ? _cvtsh_ss(h[1]) : 0.0f;
+            for (int i = 0; i < 32 && type == 8; i++) y[i] = d * (float)(int8_t)b[2 + i];
+            for (int j = 0; j < 16 && type != 8; j++) {  /* byte j: input j (low nibble), j + 16 (high) */
+                const uint8_t q = b[size - 16 + j];
+                y[j] = type == 2 ? d * (float)((q & 15) - 8) : d * (float)(q & 15) + m;
+                y[j + 16] = type == 2 ? d * (float)((q >> 4) - 8) : d * (float)(q >> 4) + m;
+            }
+        }
+    }
+}
+
 /* One token of one request through the model: the token's embedding row, then each of the L layers
    (layers[8 l ..]: its two norms' weights, its qkv, o, gate_up and down tiles of bits[4 l ..]-bit codes,
    its K and V pools), the final norm and the head's tiles: logits (V). The token's position, the slot it
    writes and the request's length come as the step holds them, through pointers; its row of req_to_token
-   (ctx slots a row) gives the slots of its keys. Rotary: HF's halves, angle position * inv_freq. */
+   (ctx slots a row) gives the slots of its keys. The embedding: a float32 table (embed_type 0) or the
+   file's blocks of that type. Rotary: HF's halves, angle position * inv_freq. */
 void gguf_decode_step(const int64_t *token, const int64_t *position, const int64_t *slot,
                       const int32_t *req_to_token, const int64_t *row, int64_t ctx, const int64_t *length,
-                      const float *embed, const float *inv_freq, void *const *layers, const int32_t *bits,
+                      const void *embed, int embed_type, const float *inv_freq, void *const *layers,
+                      const int32_t *bits,
                       int64_t L, int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t I, float eps,
                       const float *final_norm, const uint8_t *head, int head_bits, int64_t V, float *logits,
                       int threads) {
@@ -1450,7 +1473,10 @@ void gguf_decode_step(const int64_t *token, const int64_t *position, const int64
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         float *x = mine + t * own, *h = x + E, *q = h + KMAX, *xs = q + H * D, *sx = xs + KMAX;
-        memcpy(x, embed + *token * E, E * sizeof(float));
+        if (embed_type)
+            gguf_rows(embed, embed_type, token, 1, E, x);
+        else
+            memcpy(x, (const float *)embed + *token * E, E * sizeof(float));
         for (int64_t li = 0; li < L; li++) {
             void *const *p = layers + 8 * li;
             const int32_t *b = bits + 4 * li;
@@ -1653,8 +1679,9 @@ def gguf_kernel(symbol: str, compiler: str):
                     "silu_mul": [p, i64, i64, i32, p, i32],
                     "gguf_matmuls": [p, p, i64, p, p, i32],
                     "pack_tiles": [p, i64, i64, i32, p, i64, i32],
-                    "gguf_decode_step": [p, p, p, p, p, i64, p, p, p, p, p, i64, i64, i64, i64, i64, i64, f32,
-                                         p, p, i32, i64, p, i32]}[symbol]
+                    "gguf_decode_step": [p, p, p, p, p, i64, p, p, i32, p, p, p, i64, i64, i64, i64, i64, i64,
+                                         f32, p, p, i32, i64, p, i32],
+                    "gguf_rows": [p, i32, p, i64, i64, p]}[symbol]
         _cpu_kernels[key] = build_c("gguf", GGUF_MATMUL_SRC, GGUF_FLAGS, compiler, symbol, argtypes)
     return _cpu_kernels[key]
 
@@ -1674,6 +1701,21 @@ def pack_gguf_tiles_cpu(raw: torch.Tensor, type_: int, tiles: torch.Tensor, row0
     if N:
         fn(raw.data_ptr(), N, KB, type_, tiles.data_ptr(), row0, torch.get_num_threads())
     return tiles
+
+
+def gguf_rows_cpu(raw: torch.Tensor, type_: int, ids: torch.Tensor, compiler: str = "cc"):
+    """Rows `ids` of a GGUF tensor's blocks (raw (N, bytes a row)) in float32, (len(ids), K):
+    gguf_weights_ref's values, computed in C as gguf_decode_step looks up its token; None where it cannot
+    be built here."""
+    fn = gguf_kernel("gguf_rows", compiler)
+    if fn is None:
+        return None
+    ids, raw = ids.to(torch.int64).contiguous(), raw.contiguous()
+    assert raw.dtype == torch.uint8 and ids.dim() == 1, (raw.dtype, ids.shape)
+    assert len(ids) == 0 or 0 <= ids.min() <= ids.max() < len(raw), "a row outside the table"
+    out = torch.empty(len(ids), raw.shape[1] // GGUF_BLOCK_BYTES[type_] * 32)
+    fn(raw.data_ptr(), type_, ids.data_ptr(), len(ids), out.shape[1], out.data_ptr())
+    return out
 
 
 def gguf_matmul_cpu(x, tiles, type_: int, N: int, compiler: str = "cc"):

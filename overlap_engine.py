@@ -4436,7 +4436,8 @@ def gguf_paths(model_path: str) -> str:
     parts = [f"{', '.join(own)} linear weights as the file's blocks (float32 activations)"] if own else []
     parts += [f"{', '.join(other)} linear weights dequantized to float32"] if other else []
     head = " (and the LM head, tied, as its blocks)" if tied and embed in GGUF_KERNEL_TYPES and builds else ""
-    parts.append(f"the {embed} embedding looked up in a float32 copy{head}")
+    table = "its blocks" if embed in GGUF_KERNEL_TYPES else "a float32 copy"
+    parts.append(f"the {embed} embedding looked up in {table}{head}")
     return "overlap_engine: gguf: " + "; ".join(parts) + "; the norms in float32"
 
 
@@ -4455,6 +4456,27 @@ class GGUFLinear(nn.Module):
     def forward(self, x):
         y = torch.ops.overlap_engine.gguf_linear(x, self.tiles, self.type, self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+class GGUFEmbedding(nn.Module):
+    """quantization="gguf"'s token embedding, swapped in by gguf_linears: looked up in the file's blocks
+    (kernels.gguf_rows_cpu, the values gguf dequantizes them to), not in a float32 copy of the table (113
+    MB for SmolLM2's, and a sixth of a second to make)."""
+
+    def __init__(self, blocks: GGUFBlocks):
+        super().__init__()
+        kernels = load_kernels()
+        self.type = kernels.GGUF_TYPES[blocks.kind]
+        self.num_embeddings = blocks.raw.shape[0]
+        self.embedding_dim = blocks.raw.shape[1] // kernels.GGUF_BLOCK_BYTES[self.type] * 32
+        self.register_buffer("raw", blocks.raw, persistent=False)
+
+    def forward(self, ids):
+        kernels, flat = load_kernels(), ids.reshape(-1)
+        rows = kernels.gguf_rows_cpu(self.raw, self.type, flat, cpp_compiler()) if cpp_compiler() else None
+        if rows is None:  # no C kernel here: the same values in torch
+            rows = kernels.gguf_weights_ref(self.raw[flat], self.type)
+        return rows.view(*ids.shape, self.embedding_dim)
 
 
 def gguf_tiles_shape(kind: str, rows: int, row_bytes: int) -> tuple:
@@ -4499,9 +4521,12 @@ def checkpoint_weights(name: str, cfg: ModelConfig) -> list:
 
 def gguf_linears(model: nn.Module, source: dict):
     """Swaps each nn.Linear whose weights `source` holds as GGUF blocks of a type gguf_matmul reads (a
-    fused q/k/v or gate/up: all its parts of one type) for a GGUFLinear; a tied LM head reads the
-    embedding's blocks and lets go of its float table, which the embedding keeps. The others stay float32
-    (gguf_paths says which). The tiles go in one block of huge_page_bytes, in order, each at a cache line."""
+    fused q/k/v or gate/up: all its parts of one type) for a GGUFLinear, a tied LM head too, from the
+    embedding's blocks. The others stay float32 (gguf_paths says which). The tiles go in one block of
+    huge_page_bytes, in order, each at a cache line. An embedding held as blocks becomes a GGUFEmbedding."""
+    embed = source.get("model.embed_tokens.weight" + GGUF_BLOCKS)
+    if embed is not None:
+        model.model.embed_tokens = GGUFEmbedding(embed)
     swaps = []  # (name, layer, kind, parts)
     for name, layer in list(model.named_modules()):
         if not isinstance(layer, nn.Linear):
@@ -4585,6 +4610,13 @@ class GGUFDecode:
         return ((ctypes.c_void_p * len(ptrs))(*[t.data_ptr() for t in ptrs]),
                 (ctypes.c_int32 * len(bits))(*bits))
 
+    def embedding(self) -> tuple:
+        """gguf_decode_step's embedding: the file's blocks and their type, or a float32 table and 0."""
+        embed = self.model.model.embed_tokens
+        if isinstance(embed, GGUFEmbedding):
+            return embed.raw.data_ptr(), embed.type
+        return embed.weight.data_ptr(), 0
+
     def __call__(self, input_ids, positions, attn, logit_rows) -> torch.Tensor:
         m, cfg = self.model, self.model.cfg
         if self.step is None or len(input_ids) != 1 or not getattr(attn, "in_c", False):
@@ -4598,7 +4630,7 @@ class GGUFDecode:
         self.step(input_ids.data_ptr(), positions.data_ptr(), attn.loc.data_ptr(),
                   attn.req_to_token.data_ptr(), attn.rows.data_ptr(), attn.req_to_token.shape[1],
                   attn.lens.data_ptr(),
-                  m.model.embed_tokens.weight.data_ptr(), m.inv_freq.data_ptr(), *self.table,
+                  *self.embedding(), m.inv_freq.data_ptr(), *self.table,
                   cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                   cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps, m.model.norm.weight.data_ptr(),
                   head.tiles.data_ptr(), load_kernels().gguf_bits(head.type), cfg.vocab_size,
@@ -5678,7 +5710,7 @@ def load_gguf(path, tp: Optional[TPShard] = None, blocks: bool = False):
             continue  # already folded into cfg["rope_scaling"]
         name = _hf_name(t.name)
         raw = t.data if blocks and t.tensor_type.name in GGUF_KERNEL_TYPES and t.data.ndim == 2 else None
-        if raw is not None and name != "model.embed_tokens.weight":  # gguf_linears reads the blocks
+        if raw is not None:  # gguf_linears reads the blocks
             w = np.empty(0)
         elif t.tensor_type.name in GGUF_KERNEL_TYPES:  # gguf's arithmetic in torch: the same values, sooner
             data = torch.from_numpy(np.array(t.data))

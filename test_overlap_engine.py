@@ -2182,6 +2182,8 @@ def test_kernel_gguf_matmul_computes_the_files_blocks(kind):
     w = kernels.gguf_weights_ref(raw, type_)
     gguf_own = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[kind])
     assert torch.equal(w, torch.from_numpy(gguf_own))
+    ids = torch.tensor([12, 0, 5, 12])  # an embedding looked up in its blocks: rows in any order, repeated
+    assert torch.equal(kernels.gguf_rows_cpu(raw, type_, ids, oe.cpp_compiler()), w[ids])
     tiles = kernels.pack_gguf_tiles(raw, type_)
     assert tiles.shape == (2, K // 32, kernels.GGUF_TILE[type_])
     # the engine packs in C from the file's bytes: the same tiles, also from a fused layer's parts cut mid-tile
@@ -3405,6 +3407,9 @@ def test_gguf_quantization_computes_the_files_blocks_and_one_requests_step_in_on
             assert e.server_args.dtype == "float32"
             linears = [m for m in e.model.modules() if isinstance(m, (torch.nn.Linear, oe.GGUFLinear))]
             assert len(linears) == 9 and all(type(m) is oe.GGUFLinear for m in linears)
+            embed = e.model.model.embed_tokens  # looked up in the file's blocks: no float table is made
+            assert type(embed) is oe.GGUFEmbedding and embed.raw.dtype == torch.uint8
+            assert not any(p.numel() >= embed.num_embeddings for p in e.model.parameters() if p.dim() == 2)
             tiles = [m.tiles for m in linears]  # one block of huge_page_bytes, in order, at cache lines
             assert tiles[0].data_ptr() % (1 << 21) == 0
             assert all(b.data_ptr() == a.data_ptr() + -(-a.numel() // 64) * 64
