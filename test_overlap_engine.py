@@ -2186,7 +2186,8 @@ def test_kernel_gguf_matmul_computes_the_files_blocks(kind):
     assert torch.equal(kernels.gguf_rows_cpu(raw, type_, ids, oe.cpp_compiler()), w[ids])
     tiles = kernels.pack_gguf_tiles(raw, type_)
     assert tiles.shape == (2, K // 32, kernels.GGUF_TILE[type_])
-    # the engine packs in C from the file's bytes: the same tiles, also from a fused layer's parts cut mid-tile
+    # the engine packs in C from the file's bytes: the same tiles, also from a fused layer's parts, cut
+    # mid-tile
     assert torch.equal(kernels.pack_gguf_tiles_cpu(raw, type_, torch.zeros_like(tiles), 0, oe.cpp_compiler()),
                        tiles)
     assert torch.equal(oe.gguf_tiles(kind, [raw[:5], raw[5:11], raw[11:]]), tiles)
