@@ -595,6 +595,10 @@ def cpu_kernel_cache() -> str:
     return os.path.join(root, "kernels")
 
 _cpu_kernels: dict = {}
+# each library loaded once a process, whatever cpu_kernel_cache() says later: a second copy of the ops
+# library (built in another cache folder) would register its kernels with torch over the first's, and its
+# function pointers were never handed over
+_libraries: dict = {}
 
 
 def _cpu_flags() -> str:
@@ -617,14 +621,17 @@ def build_c(stem: str, src: str, flags: list, compiler: str, symbol: str, argtyp
     import hashlib
     import subprocess
     tag = hashlib.sha256((src + " ".join(flags) + compiler + _cpu_flags()).encode()).hexdigest()[:16]
-    so = os.path.join(cpu_kernel_cache(), f"{stem}_{tag}.so")
+    name = f"{stem}_{tag}.so"
+    so = os.path.join(cpu_kernel_cache(), name)
     try:
-        if not os.path.exists(so):
-            os.makedirs(os.path.dirname(so), exist_ok=True)
-            with build_lock(so):
-                if not os.path.exists(so):  # another process may have built it while this one waited
-                    _compile(compiler, flags, lang, src, so, libs)
-        fn = getattr(ctypes.CDLL(so), symbol)
+        if name not in _libraries:
+            if not os.path.exists(so):
+                os.makedirs(os.path.dirname(so), exist_ok=True)
+                with build_lock(so):
+                    if not os.path.exists(so):  # another process may have built it while this one waited
+                        _compile(compiler, flags, lang, src, so, libs)
+            _libraries[name] = ctypes.CDLL(so)
+        fn = getattr(_libraries[name], symbol)
     except (OSError, AttributeError, subprocess.CalledProcessError):
         return None
     fn.argtypes, fn.restype = argtypes, None
