@@ -3128,7 +3128,8 @@ def memory_usage(model: nn.Module, kv_pool: TokenToKVPool) -> dict:
     params = list(model.parameters())
     held = [t for m in model.modules() if isinstance(m, QuantizedLinear) for t in m.buffers()]
     held += [PACKED_WEIGHTS[m.key] for m in model.modules() if isinstance(m, PackedLinear)]
-    held += [m.tiles for m in model.modules() if isinstance(m, RowInvariantLinear)]
+    held += [m.tiles for m in model.modules() if isinstance(m, (RowInvariantLinear, GGUFLinear))]
+    held += [m.raw for m in model.modules() if isinstance(m, GGUFEmbedding)]
     size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     return {"kv_cache": size(kv_pool.k_buffer + kv_pool.v_buffer),
             "sharded_weights": size(p for p in params if p.dim() == 2) + size(held),
@@ -4472,11 +4473,19 @@ class GGUFEmbedding(nn.Module):
         self.register_buffer("raw", blocks.raw, persistent=False)
 
     def forward(self, ids):
-        kernels, flat = load_kernels(), ids.reshape(-1)
-        rows = kernels.gguf_rows_cpu(self.raw, self.type, flat, cpp_compiler()) if cpp_compiler() else None
-        if rows is None:  # no C kernel here: the same values in torch
-            rows = kernels.gguf_weights_ref(self.raw[flat], self.type)
-        return rows.view(*ids.shape, self.embedding_dim)
+        return torch.ops.overlap_engine.gguf_embedding(self.raw, ids, self.type, self.embedding_dim)
+
+
+@cpu_op("gguf_embedding(Tensor raw, Tensor ids, int type, int K) -> Tensor",
+        fake=lambda raw, ids, type, K: raw.new_empty(*ids.shape, K, dtype=torch.float32))
+def gguf_embedding(raw, ids, type, K):
+    """Rows `ids` of a GGUF table's blocks `raw` in float32 (..., K), as one op: a compiled graph calls it
+    as it is. kernels.gguf_rows_cpu, or where that cannot be built here the same values in torch."""
+    kernels, flat = load_kernels(), ids.reshape(-1)
+    rows = kernels.gguf_rows_cpu(raw, type, flat, cpp_compiler()) if cpp_compiler() else None
+    if rows is None:
+        rows = kernels.gguf_weights_ref(raw[flat], type)
+    return rows.view(*ids.shape, K)
 
 
 def gguf_tiles_shape(kind: str, rows: int, row_bytes: int) -> tuple:
@@ -4494,9 +4503,10 @@ def gguf_tiles(kind: str, parts: list, out: Optional[torch.Tensor] = None) -> to
     kernels = load_kernels()
     shape = gguf_tiles_shape(kind, sum(p.shape[0] for p in parts), parts[0].shape[1])
     tiles = torch.zeros(shape, dtype=torch.uint8) if out is None else out.view(shape)
-    row = 0
+    row, type_, cc = 0, kernels.GGUF_TYPES[kind], cpp_compiler()
     for p in parts:
-        kernels.pack_gguf_tiles_cpu(p, kernels.GGUF_TYPES[kind], tiles, row, cpp_compiler())
+        if cc is None or kernels.pack_gguf_tiles_cpu(p, type_, tiles, row, cc) is None:  # no C kernel here
+            return tiles.copy_(kernels.pack_gguf_tiles(torch.cat(parts), type_))
         row += p.shape[0]
     return tiles
 
@@ -4554,11 +4564,14 @@ def gguf_linears(model: nn.Module, source: dict):
 
 def zero_on_touch_bytes(nbytes: int) -> torch.Tensor:
     """nbytes of zeroed uint8 memory that costs nothing until it is used: a private anonymous map, which
-    the OS zeroes a page at a time as it is first touched."""
+    the OS zeroes a 4 KB page at a time as it is first touched."""
     import mmap
     if not hasattr(mmap, "MAP_PRIVATE"):  # Windows
         return torch.zeros(nbytes, dtype=torch.uint8)
-    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    if hasattr(buf, "madvise") and hasattr(mmap, "MADV_NOHUGEPAGE"):  # 4 KB pages where Linux would pick 2 MB
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(buf, dtype=torch.uint8)
 
 
 def huge_page_bytes(nbytes: int) -> torch.Tensor:

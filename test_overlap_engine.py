@@ -3411,6 +3411,10 @@ def test_gguf_quantization_computes_the_files_blocks_and_one_requests_step_in_on
             embed = e.model.model.embed_tokens  # looked up in the file's blocks: no float table is made
             assert type(embed) is oe.GGUFEmbedding and embed.raw.dtype == torch.uint8
             assert not any(p.numel() >= embed.num_embeddings for p in e.model.parameters() if p.dim() == 2)
+            ids = torch.tensor([[3, 0], [3, 7]])  # one op to a compiled graph (compiled decode, --serve)
+            assert torch.equal(torch.compile(embed, backend="eager", fullgraph=True)(ids), embed(ids))
+            held = sum(m.tiles.numel() for m in linears) + embed.raw.numel()  # bytes: uint8
+            assert e.memory_usage()[0]["sharded_weights"] >= held
             tiles = [m.tiles for m in linears]  # one block of huge_page_bytes, in order, at cache lines
             assert tiles[0].data_ptr() % (1 << 21) == 0
             assert all(b.data_ptr() == a.data_ptr() + -(-a.numel() // 64) * 64
