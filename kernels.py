@@ -1096,15 +1096,12 @@ INLINE __m256 code(int bits, const uint8_t *t, int i) {
 
 /* s[g], the sum over group g of block t's 32 inputs (inputs 8g .. 8g + 7) of code * x for the 8 rows: one
    chain a group, in input order, the four groups side by side (four chains in flight: the loop runs at
-   the rate it issues instructions, not at the latency of one). The codes come converted in c, or (c NULL)
-   are converted from t as they are used */
-INLINE void block_dot(int bits, const uint8_t *t, const __m256 *c, const float *x, __m256 *s) {
-#define C(i) (c ? c[i] : code(bits, t, i))
-    for (int g = 0; g < 4; g++) s[g] = _mm256_mul_ps(C(8 * g), _mm256_broadcast_ss(x + 8 * g));
+   the rate it issues instructions, not at the latency of one), each code converted as it is used */
+INLINE void block_dot(int bits, const uint8_t *t, const float *x, __m256 *s) {
+    for (int g = 0; g < 4; g++) s[g] = _mm256_mul_ps(code(bits, t, 8 * g), _mm256_broadcast_ss(x + 8 * g));
     for (int k = 1; k < 8; k++)
         for (int g = 0; g < 4; g++)
-            s[g] = _mm256_fmadd_ps(C(8 * g + k), _mm256_broadcast_ss(x + 8 * g + k), s[g]);
-#undef C
+            s[g] = _mm256_fmadd_ps(code(bits, t, 8 * g + k), _mm256_broadcast_ss(x + 8 * g + k), s[g]);
 }
 
 /* a row's running sums (acc: a group's, across blocks, each times its block's d; macc: m times the block's
@@ -1119,7 +1116,7 @@ INLINE void one_row(int bits, const float *xs, const float *sx, const uint8_t *t
     for (int g = 0; g < 4; g++) acc[g] = _mm256_setzero_ps();
     for (int64_t b = 0; b < KB; b++, t += tile_bytes(bits)) {
         for (int l = 0; l < tile_bytes(bits); l += 64) _mm_prefetch((const char *)t + AHEAD + l, _MM_HINT_T0);
-        block_dot(bits, t, NULL, xs + 32 * b, s);
+        block_dot(bits, t, xs + 32 * b, s);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 32 * bits)));
         for (int g = 0; g < 4; g++) acc[g] = _mm256_fmadd_ps(s[g], d, acc[g]);
         if (bits == 4)
@@ -1129,25 +1126,32 @@ INLINE void one_row(int bits, const float *xs, const float *sx, const uint8_t *t
     _mm256_storeu_ps(y, row_sum(acc, macc));
 }
 
-/* rows 0 .. mn - 1 of x through one tile, its blocks' codes converted once for them all: for each row the
-   operations of one_row, in its order */
+/* rows 0 .. mn - 1 of x through one tile, each group's 8 codes converted once for them all and held in
+   registers while the rows pass: for each row the operations of one_row, in its order */
 INLINE void many_rows(int bits, const float *xs, const float *sx, const uint8_t *t, int64_t K, int mn,
                       float *y) {
     const int64_t KB = K / 32;
-    __m256 acc[CHUNK][4], macc[CHUNK], c[32], s[4];
+    __m256 acc[CHUNK][4], macc[CHUNK];
     for (int m = 0; m < mn; m++) {
         macc[m] = _mm256_setzero_ps();
         for (int g = 0; g < 4; g++) acc[m][g] = _mm256_setzero_ps();
     }
     for (int64_t b = 0; b < KB; b++, t += tile_bytes(bits)) {
-        for (int i = 0; i < 32; i++) c[i] = code(bits, t, i);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 32 * bits)));
-        for (int m = 0; m < mn; m++) {
-            block_dot(bits, t, c, xs + m * K + 32 * b, s);
-            for (int g = 0; g < 4; g++) acc[m][g] = _mm256_fmadd_ps(s[g], d, acc[m][g]);
-            if (bits == 4)
-                macc[m] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 144))),
-                                          _mm256_broadcast_ss(sx + m * KB + b), macc[m]);
+        for (int g = 0; g < 4; g++) {
+            __m256 c[8];
+            for (int k = 0; k < 8; k++) c[k] = code(bits, t, 8 * g + k);
+            for (int m = 0; m < mn; m++) {  /* block_dot's chain of group g */
+                const float *x = xs + m * K + 32 * b + 8 * g;
+                __m256 s = _mm256_mul_ps(c[0], _mm256_broadcast_ss(x));
+                for (int k = 1; k < 8; k++) s = _mm256_fmadd_ps(c[k], _mm256_broadcast_ss(x + k), s);
+                acc[m][g] = _mm256_fmadd_ps(s, d, acc[m][g]);
+            }
+        }
+        if (bits == 4) {
+            const __m256 mb = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 144)));
+            for (int m = 0; m < mn; m++)
+                macc[m] = _mm256_fmadd_ps(mb, _mm256_broadcast_ss(sx + m * KB + b), macc[m]);
         }
     }
     for (int m = 0; m < mn; m++) _mm256_storeu_ps(y + ROWS * m, row_sum(acc[m], macc[m]));
