@@ -4461,8 +4461,8 @@ class GGUFLinear(nn.Module):
 
 class GGUFEmbedding(nn.Module):
     """quantization="gguf"'s token embedding, swapped in by gguf_linears: looked up in the file's blocks
-    (kernels.gguf_rows_cpu, the values gguf dequantizes them to), not in a float32 copy of the table (113
-    MB for SmolLM2's, and a sixth of a second to make)."""
+    (kernels.gguf_rows_cpu, the values gguf dequantizes them to), not in a float32 copy of the table, which
+    would take four bytes a weight and time to make at every start."""
 
     def __init__(self, blocks: GGUFBlocks):
         super().__init__()
