@@ -9083,13 +9083,15 @@ class Server:
     def run(self):
         """Serves in the foreground until SIGINT or SIGTERM, then stops gracefully (uvicorn's own signal
         handling would re-raise the signal at the end and exit with its status instead of 0)."""
-        stop = threading.Event()
+        # the handler takes no lock: a second signal runs its handler inside the first's, and an Event's
+        # set() there would wait forever for the lock the first holds (`timeout` sends SIGTERM twice)
+        stopping = []
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda signum, frame: stop.set())
+            signal.signal(sig, lambda signum, frame: stopping.append(signum))
         self.start()
         print(f"overlap_engine: serving {served_model_name(self.scheduler.engine)} on {self.url}", flush=True)
-        while not stop.wait(0.2) and self.thread.is_alive():
-            pass
+        while not stopping and self.thread.is_alive():
+            time.sleep(0.2)
         self.stop()
 
 

@@ -7460,8 +7460,8 @@ def http_call_text(server, path: str, timeout=30) -> tuple:
 def test_server_cli_sigterm_stops_cleanly(tmp_path):
     """`python overlap_engine.py --serve --port 0` prints its URL once ready, serves, and on SIGTERM
     stops accepting, aborts what runs, joins the scheduler and exits 0, at once even with a connection
-    that is half-way through a body, and without a traceback; --log-level debug adds uvicorn's lines and
-    each abort (SGLang's tests read them)."""
+    that is half-way through a body, a second signal close behind, and without a traceback; --log-level
+    debug adds uvicorn's lines and each abort (SGLang's tests read them)."""
     import signal
     import threading
     pytest.importorskip("fastapi")
@@ -7493,6 +7493,7 @@ def test_server_cli_sigterm_stops_cleanly(tmp_path):
         time.sleep(0.5)
         t0 = time.monotonic()
         p.send_signal(signal.SIGTERM)
+        p.send_signal(signal.SIGINT)  # a second signal while it stops (a Ctrl-C, `timeout`'s own SIGTERM)
         code, exit_s, err = p.wait(timeout=60), time.monotonic() - t0, p.stderr.read()
         assert code == 0 and "Traceback" not in err and "Error" not in err, err
         assert "Uvicorn running on" in err and "Abort request rid=" in err, err  # --log-level debug's lines
