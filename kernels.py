@@ -1066,6 +1066,7 @@ GGUF_MATMUL_SRC = r"""
 /* Each function that takes `bits` (4 or 8) is inlined where it is called with a constant: one copy a
    width, no branch on it in a loop. */
 INLINE int64_t tile_bytes(int bits) { return bits == 4 ? 160 : 272; }  /* a tile's block: codes, d (, m) */
+INLINE int64_t file_block_bytes(int type) { return type == 8 ? 34 : type == 3 ? 20 : 18; }  /* in the file */
 
 /* x (M, K) -> xs: each row's copy, for 4-bit codes scaled (input 8g + k times 16^-k, k < 7), and sx
    (M, K / 32), the sum of each block of 32 inputs, in a fixed order */
@@ -1436,7 +1437,7 @@ static void rope(float *v, int64_t n, int64_t D, const float *cs) {
    them) in float32 (out: n rows of K), the values gguf dequantizes them to: d q (Q8_0), d (q - 8) (Q4_0),
    d q + m (Q4_1). d q is exact in float32 (an fp16 times a code of at most 8 bits): only the sum rounds */
 void gguf_rows(const uint8_t *raw, int type, const int64_t *ids, int64_t n, int64_t K, float *out) {
-    const int64_t size = type == 8 ? 34 : type == 3 ? 20 : 18;
+    const int64_t size = file_block_bytes(type);
     for (int64_t r = 0; r < n; r++) {
         const uint8_t *b = raw + ids[r] * (K / 32) * size;
         for (float *y = out + r * K; y < out + (r + 1) * K; y += 32, b += size) {
@@ -1582,7 +1583,7 @@ void silu_mul(const void *gu, int64_t N, int64_t I, int bf16, void *out, int thr
    row0 + N - 1: a fused layer's parts go in one after the other. A task is a tile: no two write one. */
 void pack_tiles(const uint8_t *raw, int64_t N, int64_t KB, int type, uint8_t *tiles, int64_t row0,
                 int threads) {
-    const int64_t size = type == 8 ? 34 : type == 3 ? 20 : 18, tb = type == 8 ? 272 : 160;
+    const int64_t size = file_block_bytes(type), tb = tile_bytes(type == 8 ? 8 : 4);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t tile = row0 / ROWS; tile <= (row0 + N - 1) / ROWS; tile++)
         for (int64_t r = tile * ROWS > row0 ? tile * ROWS : row0; r < (tile + 1) * ROWS && r < row0 + N; r++)

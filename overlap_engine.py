@@ -4537,7 +4537,7 @@ def gguf_linears(model: nn.Module, source: dict):
     embed = source.get("model.embed_tokens.weight" + GGUF_BLOCKS)
     if embed is not None:
         model.model.embed_tokens = GGUFEmbedding(embed)
-    swaps = []  # (name, layer, kind, parts)
+    swaps = []  # (name, layer, kind, parts, rows)
     for name, layer in list(model.named_modules()):
         if not isinstance(layer, nn.Linear):
             continue
@@ -4549,17 +4549,17 @@ def gguf_linears(model: nn.Module, source: dict):
                 w = torch.cat([kernels.gguf_weights_ref(b.raw, kernels.GGUF_TYPES[b.kind]) for b in blocks])
                 layer.weight = nn.Parameter(w, requires_grad=False)
             continue
-        swaps.append((name, layer, kinds.pop(), [b.raw for b in blocks]))
-    shapes = [gguf_tiles_shape(kind, sum(p.shape[0] for p in parts), parts[0].shape[1])
-              for _, _, kind, parts in swaps]
-    starts = list(itertools.accumulate((-(-math.prod(s) // 64) * 64 for s in shapes), initial=0))
-    block = huge_page_bytes(starts[-1]) if swaps else None
-    for (name, layer, kind, parts), shape, at in zip(swaps, shapes, starts):
-        tiles = gguf_tiles(kind, parts, block[at:at + math.prod(shape)])
+        parts = [b.raw for b in blocks]
+        swaps.append((name, layer, kinds.pop(), parts, sum(p.shape[0] for p in parts)))
+    sizes = [math.prod(gguf_tiles_shape(kind, rows, parts[0].shape[1])) for _, _, kind, parts, rows in swaps]
+    spans = [-(-size // 64) * 64 for size in sizes]  # each layer's tiles at a cache line
+    block = huge_page_bytes(sum(spans)) if swaps else None
+    starts = itertools.accumulate(spans, initial=0)
+    for (name, layer, kind, parts, rows), size, at in zip(swaps, sizes, starts):
+        tiles = gguf_tiles(kind, parts, block[at:at + size])
         parent, _, attr = name.rpartition(".")
         bias = None if layer.bias is None else layer.bias.detach()
-        linear = GGUFLinear(kind, tiles, sum(p.shape[0] for p in parts), layer.in_features, bias)
-        setattr(model.get_submodule(parent), attr, linear)
+        setattr(model.get_submodule(parent), attr, GGUFLinear(kind, tiles, rows, layer.in_features, bias))
 
 
 def zero_on_touch_bytes(nbytes: int) -> torch.Tensor:
@@ -4601,7 +4601,7 @@ class GGUFDecode:
     steps (prefill, batches, a verify) run the model as it is."""
 
     def __init__(self, model: nn.Module):
-        self.model, self.table = model, None
+        self.model, self.table, self.embed = model, None, None
         linears = [[layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                     layer.mlp.down_proj] for layer in model.model.layers]
         fits = (all(isinstance(m, GGUFLinear) and m.bias is None for ms in linears for m in ms)
@@ -4635,7 +4635,7 @@ class GGUFDecode:
         if self.step is None or len(input_ids) != 1 or not getattr(attn, "in_c", False):
             return m(input_ids, positions, attn, logit_rows)
         if self.table is None:
-            self.table = self.layer_table(attn.kv)
+            self.table, self.embed = self.layer_table(attn.kv), self.embedding()
         inputs = (input_ids, positions, attn.loc, attn.rows, attn.lens)
         assert all(t.dtype == torch.int64 and t.is_contiguous() for t in inputs), [t.dtype for t in inputs]
         logits = torch.empty(1, cfg.vocab_size)
@@ -4643,7 +4643,7 @@ class GGUFDecode:
         self.step(input_ids.data_ptr(), positions.data_ptr(), attn.loc.data_ptr(),
                   attn.req_to_token.data_ptr(), attn.rows.data_ptr(), attn.req_to_token.shape[1],
                   attn.lens.data_ptr(),
-                  *self.embedding(), m.inv_freq.data_ptr(), *self.table,
+                  *self.embed, m.inv_freq.data_ptr(), *self.table,
                   cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                   cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps, m.model.norm.weight.data_ptr(),
                   head.tiles.data_ptr(), load_kernels().gguf_bits(head.type), cfg.vocab_size,
