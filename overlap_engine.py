@@ -4984,13 +4984,17 @@ DETERMINISTIC_ROWS = 16  # rows a RowBlockedLinear multiplies at a time
 class RowInvariantLinear(nn.Module):
     """A bf16 or float32 linear layer (nn.Linear or PackedLinear) of the deterministic mode: its weights in
     kernels.pack_float_tiles' tiles, multiplied by the op float_linear (kernels.float_matmul), whose rows
-    have the same bits in any batch. The weight stays (a tied LM head shares it with the embedding)."""
+    have the same bits in any batch; bf16 weights in pair tiles where the CPU multiplies bf16 pairs. The
+    weight stays (a tied LM head shares it with the embedding)."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
         self.weight, self.bias = layer.weight, layer.bias
         self.in_features, self.out_features = layer.in_features, layer.out_features
-        tiles = load_kernels().pack_float_tiles(layer.weight.detach())
+        kernels, w = load_kernels(), layer.weight.detach()
+        pairs = (w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0
+                 and kernels.float_pairs_build(cpp_compiler()))
+        tiles = kernels.pack_float_tiles(w, pairs)
         self.register_buffer("tiles", tiles, persistent=False)
 
     def forward(self, x):

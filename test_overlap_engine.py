@@ -2210,23 +2210,29 @@ def test_kernel_gguf_matmul_computes_the_files_blocks(kind):
     assert torch.equal(last, out[7]) and ms > 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_float_matmul_gives_a_row_the_same_bits_in_any_batch(dtype):
+@pytest.mark.parametrize("dtype,pairs", [(torch.float32, False), (torch.bfloat16, False),
+                                         (torch.bfloat16, True)])
+def test_kernel_float_matmul_gives_a_row_the_same_bits_in_any_batch(dtype, pairs):
     """float_matmul: float32 or bf16 weights times float32 rows, each output within float32's rounding of
-    the float64 product, for 1 to 100 rows (blocks of 6, tasks of 48) and 40 outputs (two pairs of tiles
-    and a padded one) over 300 inputs (two passes); every row has the same bits alone as in any batch, in
-    any order. The op float_linear (bias added, bf16 rows rounded) serves through its C++ kernel."""
+    the float64 product, for 1 to 100 rows (blocks of 6, or 12 on pair tiles) and 40 outputs (padded
+    tiles at the end) over 300 inputs (two passes); every row has the same bits alone as in any batch, in
+    any order. bf16 pair tiles (AVX512-BF16) round the rows to bf16 first: bf16 rows here, held to the
+    float64 product of their own values. The op float_linear (bias added, bf16 rows rounded) serves
+    through its C++ kernel, on pair tiles where the CPU has them."""
     needs_built(oe.gguf_matmul_builds, "avx2", "fma", "f16c")
+    if pairs:
+        needs_built(lambda: kernels.float_pairs_build(oe.cpp_compiler()), "avx512f", "avx512_bf16")
     g = torch.Generator().manual_seed(11)
     N, K = 40, 300
     w = torch.randn(N, K, generator=g).to(dtype)
-    tiles = kernels.pack_float_tiles(w)
-    assert tiles.shape == (6, K, 8) and tiles.dtype == dtype
+    tiles = kernels.pack_float_tiles(w, pairs)
+    assert tiles.shape == ((4, K // 2, 16, 2) if pairs else (6, K, 8)) and tiles.dtype == dtype
     x = torch.randn(100, K, generator=g)
+    x = x.bfloat16().float() if pairs else x
     out = kernels.float_matmul_cpu(x, tiles, N, oe.cpp_compiler())
     bound = x.double().abs() @ w.double().abs().T  # what float32 sums can be off by, times 2^-14
     assert ((out.double() - kernels.float_matmul_ref(x, w)).abs() <= bound * 2**-14).all()
-    for lo, hi in ((0, 1), (5, 6), (5, 7), (3, 10), (40, 53), (0, 49), (1, 100)):
+    for lo, hi in ((0, 1), (5, 6), (5, 7), (3, 10), (11, 24), (40, 53), (0, 49), (1, 100)):
         assert torch.equal(kernels.float_matmul_cpu(x[lo:hi].contiguous(), tiles, N, oe.cpp_compiler()),
                            out[lo:hi]), (lo, hi)
     perm = torch.randperm(100, generator=g)
@@ -2234,11 +2240,13 @@ def test_kernel_float_matmul_gives_a_row_the_same_bits_in_any_batch(dtype):
     layer = torch.nn.Linear(K, N).to(dtype)
     layer.weight.data = w
     inv = oe.RowInvariantLinear(layer)
+    assert inv.tiles.dim() == (4 if kernels.float_pairs_build(oe.cpp_compiler()) and dtype == torch.bfloat16
+                               else 3)
     xd = x.to(dtype)
     by_op = inv(xd.view(20, 5, K))
     assert by_op.dtype == dtype
-    assert torch.equal(by_op.view(100, N), (kernels.float_matmul_cpu(xd.float(), tiles, N, oe.cpp_compiler())
-                                            .to(dtype) + layer.bias))
+    by_kernel = kernels.float_matmul_cpu(xd.float(), inv.tiles, N, oe.cpp_compiler())
+    assert torch.equal(by_op.view(100, N), by_kernel.to(dtype) + layer.bias)
     assert torch.equal(inv(xd[7:8]), by_op.view(100, N)[7:8])
     assert cpp_kernel_serves("float_linear")
 
