@@ -1263,34 +1263,45 @@ static void float_task(int bf16, const float *x, const void *w, int64_t M, int64
     for (int64_t m = 0; m < mn; m++) memcpy(out + (m0 + m) * N + n0, acc + m * FG, nn * sizeof(float));
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-/* -- bf16 weights where the CPU multiplies bf16 pairs (AVX512-BF16): float_matmul's pair tiles --
-   The weights in tiles of 16 outputs, pair-major (a tile: K / 2 vectors of 16 outputs' two inputs), two
-   tiles a task; x rounded to bf16 (exact where it is bf16 already). Every output is one chain of
-   dot-product-accumulates (vdpbf16ps: the pair's two products added to the sum in float32) over its
-   input pairs in ascending order, begun at zero, whatever the number of rows. Up to twelve rows share
-   each vector of weights read (24 sums in registers); passes and tasks as float_matmul's. */
+#if defined(__AVX512F__)
+/* -- AVX512: float_matmul's wide tiles, float32 or bf16 pairs --
+   The weights in tiles of 16 outputs, two tiles a task, each tile K units of 4 bytes a vector of 16: an
+   input's float32 weights (wide tiles), or with AVX512-BF16 an input pair's two bf16 weights (pair tiles,
+   K even; x rounded to bf16, exact where it is bf16 already). Every output is one chain over its units in
+   ascending order, begun at zero, whatever the number of rows: a fused multiply-add an input (float32: the
+   8-wide tiles' chain, the same bits), or a dot-product-accumulate a pair (vdpbf16ps: the pair's two
+   products added to the sum in float32). Up to twelve rows share each vector of weights read (24 sums in
+   registers); passes and tasks as float_matmul's. */
 #define PMR 12         /* rows of x a register block holds */
 #define PG 32          /* outputs a task takes: two tiles of 16 */
-#define PKC (FKC / 2)  /* input pairs a pass takes */
+#define PKC (FKC / 2)  /* units a pass takes */
+#ifdef __AVX512BF16__
+#define DPBF16(a, b, w) _mm512_dpbf16_ps(a, (__m512bh)(b), (__m512bh)(w))
+#else
+#define DPBF16(a, b, w) (a)  /* not reached: float_pairs() is 0 */
+#endif
 
-/* R rows (1 to 12, a constant where inlined) of pairs at x, KP apart, times the two tiles at w, pairs p0 ..
-   p1 - 1: each row's 32 sums (acc) continued, or begun at zero where p0 is 0 */
-INLINE void pair_block(int R, const uint32_t *x, int64_t KP, const uint16_t *w, int64_t p0, int64_t p1,
-                       float *acc) {
+/* R rows (1 to 12, a constant where inlined) of units at x, KU apart, times the two tiles at w, units u0 ..
+   u1 - 1: each row's 32 sums (acc) continued, or begun at zero where u0 is 0 */
+INLINE void wide_block(int pairs, int R, const uint32_t *x, int64_t KU, const uint32_t *w, int64_t u0,
+                       int64_t u1, float *acc) {
     __m512 a[PMR][2];
     #pragma GCC unroll 12
     for (int r = 0; r < R; r++)
         for (int t = 0; t < 2; t++)
-            a[r][t] = p0 ? _mm512_loadu_ps(acc + PG * r + 16 * t) : _mm512_setzero_ps();
-    for (int64_t p = p0; p < p1; p++) {
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + 32 * p);
-        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 32 * (KP + p));
+            a[r][t] = u0 ? _mm512_loadu_ps(acc + PG * r + 16 * t) : _mm512_setzero_ps();
+    for (int64_t u = u0; u < u1; u++) {
+        const __m512i w0 = _mm512_loadu_si512(w + 16 * u), w1 = _mm512_loadu_si512(w + 16 * (KU + u));
         #pragma GCC unroll 12
         for (int r = 0; r < R; r++) {
-            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)x[r * KP + p]);
-            a[r][0] = _mm512_dpbf16_ps(a[r][0], b, w0);
-            a[r][1] = _mm512_dpbf16_ps(a[r][1], b, w1);
+            const __m512i b = _mm512_set1_epi32((int)x[r * KU + u]);
+            if (pairs) {
+                a[r][0] = DPBF16(a[r][0], b, w0);
+                a[r][1] = DPBF16(a[r][1], b, w1);
+            } else {
+                a[r][0] = _mm512_fmadd_ps(_mm512_castsi512_ps(b), _mm512_castsi512_ps(w0), a[r][0]);
+                a[r][1] = _mm512_fmadd_ps(_mm512_castsi512_ps(b), _mm512_castsi512_ps(w1), a[r][1]);
+            }
         }
     }
     #pragma GCC unroll 12
@@ -1298,25 +1309,27 @@ INLINE void pair_block(int R, const uint32_t *x, int64_t KP, const uint16_t *w, 
         for (int t = 0; t < 2; t++) _mm512_storeu_ps(acc + PG * r + 16 * t, a[r][t]);
 }
 
-static void pair_any(int R, const uint32_t *x, int64_t KP, const uint16_t *w, int64_t p0, int64_t p1,
-                     float *acc) {
-#define CASE(r) case r: pair_block(r, x, KP, w, p0, p1, acc); break;
+static void wide_any(int pairs, int R, const uint32_t *x, int64_t KU, const uint32_t *w, int64_t u0,
+                     int64_t u1, float *acc) {
+#define CASE(r) case r: if (pairs) wide_block(1, r, x, KU, w, u0, u1, acc); \
+                        else wide_block(0, r, x, KU, w, u0, u1, acc); break;
     switch (R) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11)
                  default: CASE(12) }
 #undef CASE
 }
 
-/* task (mb, g): rows mb * FMC .. of xb through pair tiles 2g and 2g + 1, into out's columns 32g .. (float32,
-   or bf16 rounded to nearest even where out_bf16) */
-static void pair_task(const uint32_t *xb, const uint16_t *w, int64_t M, int64_t N, int64_t K, int64_t mb,
-                      int64_t g, void *out, int out_bf16) {
+/* task (mb, g): rows mb * FMC .. of x (KU units a row) through tiles 2g and 2g + 1, into out's columns
+   32g .. (float32, or bf16 rounded to nearest even where out_bf16) */
+static void wide_task(int pairs, const uint32_t *x, const uint32_t *w, int64_t M, int64_t N, int64_t KU,
+                      int64_t mb, int64_t g, void *out, int out_bf16) {
     float acc[FMC * PG];
-    const int64_t KP = K / 2, m0 = mb * FMC, mn = M - m0 < FMC ? M - m0 : FMC;
-    const uint16_t *wg = w + g * 2 * KP * 32;
-    for (int64_t p0 = 0; p0 < KP; p0 += PKC) {
-        const int64_t p1 = KP - p0 < PKC ? KP : p0 + PKC;
+    const int64_t m0 = mb * FMC, mn = M - m0 < FMC ? M - m0 : FMC;
+    const uint32_t *wg = w + g * 2 * KU * 16;
+    for (int64_t u0 = 0; u0 < KU; u0 += PKC) {
+        const int64_t u1 = KU - u0 < PKC ? KU : u0 + PKC;
         for (int64_t m = 0; m < mn; m += PMR)
-            pair_any(mn - m < PMR ? (int)(mn - m) : PMR, xb + (m0 + m) * KP, KP, wg, p0, p1, acc + m * PG);
+            wide_any(pairs, mn - m < PMR ? (int)(mn - m) : PMR, x + (m0 + m) * KU, KU, wg, u0, u1,
+                     acc + m * PG);
     }
     const int64_t n0 = g * PG, nn = N - n0 < PG ? N - n0 : PG;
     if (!out_bf16) {
@@ -1324,6 +1337,7 @@ static void pair_task(const uint32_t *xb, const uint16_t *w, int64_t M, int64_t 
             memcpy((float *)out + (m0 + m) * N + n0, acc + m * PG, nn * sizeof(float));
         return;
     }
+#ifdef __AVX512BF16__
     const __mmask16 lo = nn < 16 ? (__mmask16)((1u << nn) - 1) : 0xFFFF;
     const __mmask16 hi = nn <= 16 ? 0 : nn < 32 ? (__mmask16)((1u << (nn - 16)) - 1) : 0xFFFF;
     for (int64_t m = 0; m < mn; m++) {
@@ -1331,29 +1345,32 @@ static void pair_task(const uint32_t *xb, const uint16_t *w, int64_t M, int64_t 
         _mm256_mask_storeu_epi16(y, lo, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + m * PG)));
         _mm256_mask_storeu_epi16(y + 16, hi, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + m * PG + 16)));
     }
+#endif
 }
 
-/* out (M, N) = x (M, K) times pair tiles (K even): x float32 rounded to bf16 and out float32, or (bf16)
-   both bf16 */
-static void pair_matmul(const void *x, const uint16_t *w, int64_t M, int64_t N, int64_t K, int bf16,
-                        void *out, int threads) {
-    uint16_t *xb = bf16 ? NULL : malloc(M * K * sizeof(uint16_t));
-    for (int64_t i = 0; !bf16 && i < M * K; i += 16) {  /* to bf16, rounded to nearest even */
+/* out (M, N) = x (M, K) times wide tiles (mode 4: float32 x and out) or pair tiles (K even; mode 2: x
+   float32, rounded to bf16, out float32; mode 3: x and out bf16) */
+static void wide_matmul(const void *x, const void *w, int64_t M, int64_t N, int64_t K, int mode, void *out,
+                        int threads) {
+    uint16_t *xb = mode == 2 ? malloc(M * K * sizeof(uint16_t)) : NULL;
+#ifdef __AVX512BF16__
+    for (int64_t i = 0; mode == 2 && i < M * K; i += 16) {  /* to bf16, rounded to nearest even */
         const __mmask16 live = M * K - i < 16 ? (__mmask16)((1u << (M * K - i)) - 1) : (__mmask16)0xFFFF;
         const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, (const float *)x + i));
         _mm256_mask_storeu_epi16(xb + i, live, h);
     }
-    const uint32_t *pairs = bf16 ? (const uint32_t *)x : (const uint32_t *)xb;
-    const int64_t G = (N + PG - 1) / PG, MB = (M + FMC - 1) / FMC;
+#endif
+    const uint32_t *units = mode == 2 ? (const uint32_t *)xb : (const uint32_t *)x;
+    const int64_t G = (N + PG - 1) / PG, MB = (M + FMC - 1) / FMC, KU = mode == 4 ? K : K / 2;
     #pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
     for (int64_t mb = 0; mb < MB; mb++)
         for (int64_t g = 0; g < G; g++)
-            pair_task(pairs, w, M, N, K, mb, g, out, bf16);
+            wide_task(mode != 4, units, w, M, N, KU, mb, g, out, mode == 3);
     free(xb);
 }
 #endif
 
-/* Whether float_matmul takes pair tiles here (bf16 == 2) */
+/* Whether float_matmul takes pair tiles here (modes 2 and 3) */
 int float_pairs(void) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     return 1;
@@ -1362,13 +1379,22 @@ int float_pairs(void) {
 #endif
 }
 
+/* Whether float_matmul takes wide float32 tiles here (mode 4) */
+int float_wide(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* out (M, N) float32 = x (M, K) float32 times w, kernels.pack_float_tiles' tiles of float32 (bf16 0), bf16
-   (1) or bf16 pairs (where float_pairs(): 2, or 3 with x and out in bf16) */
+   (1), bf16 pairs (where float_pairs(): 2, or 3 with x and out in bf16) or wide float32 (4, float_wide()) */
 void float_matmul(const float *x, const void *w, int64_t M, int64_t N, int64_t K, int bf16, float *out,
                   int threads) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
     if (bf16 >= 2) {
-        pair_matmul(x, w, M, N, K, bf16 == 3, out, threads);
+        wide_matmul(x, w, M, N, K, bf16, out, threads);
         return;
     }
 #endif
@@ -1795,6 +1821,7 @@ def gguf_kernel(symbol: str, compiler: str):
         argtypes = {"gguf_matmul": [p, p, i64, i64, i64, i32, p, i32],
                     "float_matmul": [p, p, i64, i64, i64, i32, p, i32],
                     "float_pairs": [],
+                    "float_wide": [],
                     "silu_mul": [p, i64, i64, i32, p, i32],
                     "gguf_matmuls": [p, p, i64, p, p, i32],
                     "pack_tiles": [p, i64, i64, i32, p, i64, i32],
@@ -1878,28 +1905,39 @@ FLOAT_GROUP = 16  # outputs a float_matmul task takes: two tiles of GGUF_ROWS
 PAIR_GROUP = 32  # outputs a task takes on pair tiles: two tiles of 16
 
 
-def pack_float_tiles(w: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+def pack_float_tiles(w: torch.Tensor, pairs: bool = False, wide: bool = False) -> torch.Tensor:
     """Float32 or bf16 weights (N, K) -> float_matmul's tiles (ceil(N / 16) * 2, K, 8) of the same dtype:
     tile t holds outputs 8t .. 8t + 7, input by input (the rows padded with zeros to whole pairs). With
-    `pairs` (bf16, K even, where float_pairs_build): tiles (ceil(N / 32) * 2, K / 2, 16, 2), tile t holding
-    outputs 16t .. 16t + 15, input pair by input pair."""
+    `wide` (float32, where float_wide_build): tiles (ceil(N / 32) * 2, K, 16) of outputs 16t .. 16t + 15;
+    with `pairs` (bf16, K even, where float_pairs_build): (ceil(N / 32) * 2, K / 2, 16, 2), input pair by
+    input pair."""
     N, K = w.shape
-    group, rows = (PAIR_GROUP, 16) if pairs else (FLOAT_GROUP, GGUF_ROWS)
+    group, rows = (PAIR_GROUP, 16) if pairs or wide else (FLOAT_GROUP, GGUF_ROWS)
     assert not pairs or (w.dtype == torch.bfloat16 and K % 2 == 0), (w.dtype, K)
+    assert not wide or w.dtype == torch.float32, w.dtype
     w = torch.cat((w, w.new_zeros(-N % group, K))) if N % group else w
     if pairs:
         return w.view(-1, rows, K // 2, 2).transpose(1, 2).contiguous()
     return w.view(-1, rows, K).transpose(1, 2).contiguous()
 
 
-def float_pairs_build(compiler: str = "cc") -> bool:
-    """Whether float_matmul multiplies bf16 pair tiles here (a CPU with AVX512-BF16)."""
+def _float_query(symbol: str, compiler: str) -> bool:
     import ctypes
-    fn = gguf_kernel("float_pairs", compiler)
+    fn = gguf_kernel(symbol, compiler)
     if fn is None:
         return False
     fn.restype = ctypes.c_int
     return fn() == 1
+
+
+def float_pairs_build(compiler: str = "cc") -> bool:
+    """Whether float_matmul multiplies bf16 pair tiles here (a CPU with AVX512-BF16)."""
+    return _float_query("float_pairs", compiler)
+
+
+def float_wide_build(compiler: str = "cc") -> bool:
+    """Whether float_matmul multiplies wide float32 tiles here (a CPU with AVX512)."""
+    return _float_query("float_wide", compiler)
 
 
 def float_matmul_ref(x, w):
@@ -1916,11 +1954,12 @@ def float_matmul_cpu(x, tiles, N: int, compiler: str = "cc"):
         return None
     M, K = x.shape
     pairs = tiles.dim() == 4  # pack_float_tiles(pairs=True)'s: x rounded to bf16
+    wide = tiles.dim() == 3 and tiles.shape[2] == 16
     assert x.dtype == torch.float32 and x.is_contiguous() and tiles.shape[1] * (2 if pairs else 1) == K
     assert tiles.dtype in (torch.float32, torch.bfloat16) and tiles.shape[0] * tiles.shape[2] >= N, N
     out = torch.empty(M, N, dtype=torch.float32)
-    fn(x.data_ptr(), tiles.data_ptr(), M, N, K, 2 if pairs else int(tiles.dtype == torch.bfloat16),
-       out.data_ptr(), torch.get_num_threads())
+    mode = 2 if pairs else 4 if wide else int(tiles.dtype == torch.bfloat16)
+    fn(x.data_ptr(), tiles.data_ptr(), M, N, K, mode, out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -2008,9 +2047,10 @@ static at::Tensor gguf_linear(const at::Tensor &x, const at::Tensor &tiles, int6
 static at::Tensor float_linear(const at::Tensor &x, const at::Tensor &tiles, int64_t N) {
     TORCH_CHECK(float_matmul, "float_linear: no kernel");
     const bool pairs = tiles.dim() == 4;  /* pack_float_tiles(pairs=True)'s: bf16, (T, K / 2, 16, 2) */
+    const bool wide = tiles.dim() == 3 && tiles.size(2) == 16 && tiles.scalar_type() == at::kFloat;
     TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16)
                 && (pairs ? tiles.scalar_type() == at::kBFloat16 && tiles.size(2) == 16 && tiles.size(3) == 2
-                          : tiles.dim() == 3 && tiles.size(2) == 8
+                          : tiles.dim() == 3 && (tiles.size(2) == 8 || wide)
                             && (tiles.scalar_type() == at::kFloat || tiles.scalar_type() == at::kBFloat16))
                 && tiles.is_contiguous() && tiles.size(0) %% 2 == 0
                 && tiles.size(0) * tiles.size(2) >= N,
@@ -2025,8 +2065,8 @@ static at::Tensor float_linear(const at::Tensor &x, const at::Tensor &tiles, int
     at::Tensor out = at::empty(shape, xc.options());
     if (M > 0)
         float_matmul(xc.data_ptr(), tiles.data_ptr(), M, N, K,
-                     in_bf16 ? 3 : pairs ? 2 : tiles.scalar_type() == at::kBFloat16, out.data_ptr(),
-                     at::get_num_threads());
+                     in_bf16 ? 3 : pairs ? 2 : wide ? 4 : tiles.scalar_type() == at::kBFloat16,
+                     out.data_ptr(), at::get_num_threads());
     return x.scalar_type() == out.scalar_type() ? out : out.to(x.scalar_type());
 }
 

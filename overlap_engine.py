@@ -4984,8 +4984,9 @@ DETERMINISTIC_ROWS = 16  # rows a RowBlockedLinear multiplies at a time
 class RowInvariantLinear(nn.Module):
     """A bf16 or float32 linear layer (nn.Linear or PackedLinear) of the deterministic mode: its weights in
     kernels.pack_float_tiles' tiles, multiplied by the op float_linear (kernels.float_matmul), whose rows
-    have the same bits in any batch; bf16 weights in pair tiles where the CPU multiplies bf16 pairs. The
-    weight stays (a tied LM head shares it with the embedding)."""
+    have the same bits in any batch; bf16 weights in pair tiles where the CPU multiplies bf16 pairs,
+    float32 ones in wide tiles where it has AVX512. The weight stays (a tied LM head shares it with the
+    embedding)."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
@@ -4994,7 +4995,8 @@ class RowInvariantLinear(nn.Module):
         kernels, w = load_kernels(), layer.weight.detach()
         pairs = (w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0
                  and kernels.float_pairs_build(cpp_compiler()))
-        tiles = kernels.pack_float_tiles(w, pairs)
+        wide = w.dtype == torch.float32 and kernels.float_wide_build(cpp_compiler())
+        tiles = kernels.pack_float_tiles(w, pairs, wide)
         self.register_buffer("tiles", tiles, persistent=False)
 
     def forward(self, x):

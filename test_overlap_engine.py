@@ -2210,26 +2210,34 @@ def test_kernel_gguf_matmul_computes_the_files_blocks(kind):
     assert torch.equal(last, out[7]) and ms > 0
 
 
-@pytest.mark.parametrize("dtype,pairs", [(torch.float32, False), (torch.bfloat16, False),
-                                         (torch.bfloat16, True)])
-def test_kernel_float_matmul_gives_a_row_the_same_bits_in_any_batch(dtype, pairs):
+@pytest.mark.parametrize("dtype,layout", [(torch.float32, "8"), (torch.bfloat16, "8"),
+                                          (torch.bfloat16, "pairs"), (torch.float32, "wide")])
+def test_kernel_float_matmul_gives_a_row_the_same_bits_in_any_batch(dtype, layout):
     """float_matmul: float32 or bf16 weights times float32 rows, each output within float32's rounding of
     the float64 product, for 1 to 100 rows (blocks of 6, or 12 on pair tiles) and 40 outputs (padded
     tiles at the end) over 300 inputs (two passes); every row has the same bits alone as in any batch, in
     any order. bf16 pair tiles (AVX512-BF16) round the rows to bf16 first: bf16 rows here, held to the
-    float64 product of their own values. The op float_linear (bias added, bf16 rows rounded) serves
-    through its C++ kernel, on pair tiles where the CPU has them."""
+    float64 product of their own values. Wide float32 tiles (AVX512, 16 outputs a vector) give the 8-wide
+    tiles' bits. The op float_linear (bias added, bf16 rows rounded) serves through its C++ kernel, on
+    the tiles this CPU has."""
     needs_built(oe.gguf_matmul_builds, "avx2", "fma", "f16c")
+    pairs, wide = layout == "pairs", layout == "wide"
     if pairs:
         needs_built(lambda: kernels.float_pairs_build(oe.cpp_compiler()), "avx512f", "avx512_bf16")
+    if wide:
+        needs_built(lambda: kernels.float_wide_build(oe.cpp_compiler()), "avx512f")
     g = torch.Generator().manual_seed(11)
     N, K = 40, 300
     w = torch.randn(N, K, generator=g).to(dtype)
-    tiles = kernels.pack_float_tiles(w, pairs)
-    assert tiles.shape == ((4, K // 2, 16, 2) if pairs else (6, K, 8)) and tiles.dtype == dtype
+    tiles = kernels.pack_float_tiles(w, pairs, wide)
+    shape = (4, K // 2, 16, 2) if pairs else (4, K, 16) if wide else (6, K, 8)
+    assert tiles.shape == shape and tiles.dtype == dtype
     x = torch.randn(100, K, generator=g)
     x = x.bfloat16().float() if pairs else x
     out = kernels.float_matmul_cpu(x, tiles, N, oe.cpp_compiler())
+    if wide:
+        narrow = kernels.pack_float_tiles(w)
+        assert torch.equal(out, kernels.float_matmul_cpu(x, narrow, N, oe.cpp_compiler()))
     bound = x.double().abs() @ w.double().abs().T  # what float32 sums can be off by, times 2^-14
     assert ((out.double() - kernels.float_matmul_ref(x, w)).abs() <= bound * 2**-14).all()
     for lo, hi in ((0, 1), (5, 6), (5, 7), (3, 10), (11, 24), (40, 53), (0, 49), (1, 100)):
@@ -2240,8 +2248,9 @@ def test_kernel_float_matmul_gives_a_row_the_same_bits_in_any_batch(dtype, pairs
     layer = torch.nn.Linear(K, N).to(dtype)
     layer.weight.data = w
     inv = oe.RowInvariantLinear(layer)
-    assert inv.tiles.dim() == (4 if kernels.float_pairs_build(oe.cpp_compiler()) and dtype == torch.bfloat16
-                               else 3)
+    pairs_here = kernels.float_pairs_build(oe.cpp_compiler()) and dtype == torch.bfloat16
+    wide_here = kernels.float_wide_build(oe.cpp_compiler()) and dtype == torch.float32
+    assert inv.tiles.shape[1:] == ((K // 2, 16, 2) if pairs_here else (K, 16) if wide_here else (K, 8))
     xd = x.to(dtype)
     by_op = inv(xd.view(20, 5, K))
     assert by_op.dtype == dtype
