@@ -2575,16 +2575,17 @@ def test_quantized_weights_take_their_formats_bytes(ckpt):
     """Per weight: int8 one byte plus a float scale per row; int4 half a byte plus a float scale and zero
     per 32; the LM head int8 in both; the embedding stays float32. Unquantized, oneDNN's packed copy of each
     weight (where it packs float32) is counted beside it, or in the deterministic mode float_matmul's tiles
-    (the outputs padded to whole pairs of tiles)."""
+    (the outputs padded to whole pairs of tiles, of 8 outputs or 16 with AVX512)."""
     with open(os.path.join(ckpt, "config.json")) as f:
         cfg = json.load(f)
     E, inter, V, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     kv = E // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
-    layer = [(E, E), (kv, E), (kv, E), (E, E), (inter, E), (inter, E), (E, inter)]  # (out, in) each
+    layer = [(E + 2 * kv, E), (E, E), (2 * inter, E), (E, inter)]  # (out, in): qkv, o, gate_up, down
     int8 = lambda n, k: n * k + 4 * n  # noqa: E731
     int4 = lambda n, k: n * k // 2 + 2 * 4 * n * k // 32  # noqa: E731
     copies = 2 if oe.onednn_packs(torch.float32) else 1
-    tiles = lambda n, k: n * k + -(-n // kernels.FLOAT_GROUP) * kernels.FLOAT_GROUP * k  # noqa: E731
+    group = kernels.PAIR_GROUP if kernels.float_wide_build(oe.cpp_compiler()) else kernels.FLOAT_GROUP
+    tiles = lambda n, k: n * k + -(-n // group) * group * k  # noqa: E731
     want = {None: 4 * (L * sum(n * k for n, k in layer) + V * E) * copies,
             "int8": L * sum(int8(n, k) for n, k in layer) + int8(V, E),
             "int4": L * sum(int4(n, k) for n, k in layer) + int8(V, E),
