@@ -1111,6 +1111,52 @@ INLINE __m256 row_sum(const __m256 *acc, __m256 macc) {
     return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])), macc);
 }
 
+#ifdef __AVX512F__
+/* codes k of groups h and h + 1 of block t as 16 floats (lanes 0-7 group h's 8 rows, 8-15 group h + 1's):
+   code(bits, t, 8h + k) beside code(bits, t, 8h + 8 + k); v: the two groups' 4-bit codes */
+INLINE __m512 code2(int bits, const uint8_t *t, __m512i v, int h, int k) {
+    if (bits == 8) {
+        const uint8_t *c = t + 8 * (8 * h + k);
+        const __m128i two = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)c),
+                                               _mm_loadl_epi64((const __m128i *)(c + 64)));
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(two));
+    }
+    return _mm512_cvtepi32_ps(k < 7 ? _mm512_and_si512(v, _mm512_set1_epi32(15 << (4 * k)))
+                                    : _mm512_srli_epi32(v, 28));
+}
+
+/* one_row with two groups a vector: each lane's operations are one_row's, in its order (the same bits) */
+INLINE void one_row(int bits, const float *xs, const float *sx, const uint8_t *t, int64_t KB, float *y) {
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m256 macc = _mm256_setzero_ps();
+    __m512i lane[8];  /* input k of each half's group, for each of its 8 lanes */
+    for (int k = 0; k < 8; k++)
+        lane[k] = _mm512_add_epi32(_mm512_set1_epi32(k),
+                                   _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8));
+    for (int64_t b = 0; b < KB; b++, t += tile_bytes(bits)) {
+        for (int l = 0; l < tile_bytes(bits); l += 64) _mm_prefetch((const char *)t + AHEAD + l, _MM_HINT_T0);
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 32 * bits)));
+        const __m512 d = _mm512_shuffle_f32x4(_mm512_castps256_ps512(d8), _mm512_castps256_ps512(d8),
+                                              0x44);  /* the 8 rows' d in both halves */
+        for (int h = 0; h < 2; h++) {  /* groups 2h and 2h + 1 */
+            const __m512 x = _mm512_loadu_ps(xs + 32 * b + 16 * h);
+            const __m512i v = bits == 4 ? _mm512_loadu_si512(t + 64 * h) : _mm512_setzero_si512();
+            __m512 s = _mm512_mul_ps(code2(bits, t, v, 2 * h, 0), _mm512_permutexvar_ps(lane[0], x));
+            for (int k = 1; k < 8; k++)
+                s = _mm512_fmadd_ps(code2(bits, t, v, 2 * h, k), _mm512_permutexvar_ps(lane[k], x), s);
+            acc[h] = _mm512_fmadd_ps(s, d, acc[h]);
+        }
+        if (bits == 4)
+            macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 144))),
+                                   _mm256_broadcast_ss(sx + b), macc);
+    }
+    __m256 a[2];  /* acc0 + acc1 and acc2 + acc3 of one_row */
+    for (int h = 0; h < 2; h++)
+        a[h] = _mm256_add_ps(_mm512_castps512_ps256(acc[h]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[h]), 1)));
+    _mm256_storeu_ps(y, _mm256_add_ps(_mm256_add_ps(a[0], a[1]), macc));
+}
+#else
 /* one row of x through one tile: its 8 outputs into y, the sums held in registers */
 INLINE void one_row(int bits, const float *xs, const float *sx, const uint8_t *t, int64_t KB, float *y) {
     __m256 acc[4], macc = _mm256_setzero_ps(), s[4];
@@ -1126,6 +1172,7 @@ INLINE void one_row(int bits, const float *xs, const float *sx, const uint8_t *t
     }
     _mm256_storeu_ps(y, row_sum(acc, macc));
 }
+#endif
 
 /* rows 0 .. mn - 1 of x through one tile, each group's 8 codes converted once for them all and held in
    registers while the rows pass: for each row the operations of one_row, in its order */
