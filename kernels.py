@@ -2024,6 +2024,7 @@ def gguf_bits(type_: int) -> int:
 CPU_OPS_SRC = r"""
 /* built against torch %(TORCH)s */
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <tuple>
 #include <torch/library.h>
@@ -2124,6 +2125,15 @@ static at::Tensor float_linear(const at::Tensor &x, const at::Tensor &tiles, int
    that is handed over). */
 template <typename T> static inline float f32(T v) { return static_cast<float>(v); }
 
+/* f rounded to T: bf16 to nearest even as c10's conversion rounds it, without its branch for NaN (which
+   keeps the loops vectorizable; a NaN stays a NaN, its payload aside) */
+template <typename T> static inline T rnd(float f) { return f; }
+template <> inline at::BFloat16 rnd<at::BFloat16>(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return at::BFloat16((uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16), at::BFloat16::from_bits());
+}
+
 /* rows of x (plus r's, into sum, where r is given) times w (n): w * (s / sqrt(mean(s^2) + eps)), the
    squares summed in 8 running sums */
 template <typename T> static void rms_norm_rows(const T *x, const T *r, const T *w, int64_t rows, int64_t n,
@@ -2132,7 +2142,7 @@ template <typename T> static void rms_norm_rows(const T *x, const T *r, const T 
         for (int64_t row = r0; row < r1; row++) {
             const T *xr = x + row * n;
             if (r) {
-                for (int64_t i = 0; i < n; i++) sum[row * n + i] = T(f32(xr[i]) + f32(r[row * n + i]));
+                for (int64_t i = 0; i < n; i++) sum[row * n + i] = rnd<T>(f32(xr[i]) + f32(r[row * n + i]));
                 xr = sum + row * n;
             }
             float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -2142,7 +2152,7 @@ template <typename T> static void rms_norm_rows(const T *x, const T *r, const T 
             for (; i < n; i++) s[0] += f32(xr[i]) * f32(xr[i]);
             const float ss = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
             const float inv = 1.0f / std::sqrt(ss / (float)n + eps);
-            for (i = 0; i < n; i++) out[row * n + i] = T(f32(w[i]) * f32(T(f32(xr[i]) * inv)));
+            for (i = 0; i < n; i++) out[row * n + i] = rnd<T>(f32(w[i]) * f32(rnd<T>(f32(xr[i]) * inv)));
         }
     });
 }
@@ -2187,12 +2197,13 @@ template <typename T> static void rope_rows(const T *x, const T *cos, const T *s
     at::parallel_for(0, N, 16, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; t++)
             for (int64_t h = 0; h < H; h++) {
-                const T *xr = x + (t * H + h) * D;
-                for (int64_t d = 0; d < D; d++) {
-                    const float rot = d < D / 2 ? -f32(xr[d + D / 2]) : f32(xr[d - D / 2]);
-                    const float xc = f32(xr[d]) * f32(cos[t * D + d]);
-                    out[(t * H + h) * D + d] = T(f32(T(rot * f32(sin[t * D + d]))) + xc);
-                }
+                const T *xr = x + (t * H + h) * D, *c = cos + t * D, *s = sin + t * D;
+                T *y = out + (t * H + h) * D;
+                const int64_t half = D / 2;  /* rotate_half: (-x2, x1) */
+                for (int64_t d = 0; d < half; d++)
+                    y[d] = rnd<T>(f32(rnd<T>(-f32(xr[d + half]) * f32(s[d]))) + f32(xr[d]) * f32(c[d]));
+                for (int64_t d = half; d < D; d++)
+                    y[d] = rnd<T>(f32(rnd<T>(f32(xr[d - half]) * f32(s[d]))) + f32(xr[d]) * f32(c[d]));
             }
     });
 }
@@ -2220,7 +2231,7 @@ template <typename T> static void silu_mul_rows(const T *gu, int64_t N, int64_t 
         for (int64_t t = t0; t < t1; t++)
             for (int64_t i = 0; i < I; i++) {
                 const float g = f32(gu[t * 2 * I + i]);
-                out[t * I + i] = T(f32(T(g / (1.0f + std::exp(-g)))) * f32(gu[t * 2 * I + I + i]));
+                out[t * I + i] = rnd<T>(f32(rnd<T>(g / (1.0f + std::exp(-g)))) * f32(gu[t * 2 * I + I + i]));
             }
     });
 }
@@ -2285,7 +2296,8 @@ def cpu_ops_function(symbol: str, argtypes: list, compiler: str):
     if key not in _cpu_kernels:
         torch_dir = os.path.dirname(torch.__file__)
         inc, lib = os.path.join(torch_dir, "include"), os.path.join(torch_dir, "lib")
-        flags = ["-O2", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC", f"-I{inc}"]  # sums as written
+        flags = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC",
+                 f"-I{inc}"]  # sums as written
         _cpu_kernels[key] = build_c("ops", CPU_OPS_SRC % {"TORCH": torch.__version__}, flags, compiler,
                                     symbol, argtypes, lang="c++", libs=(f"-L{lib}", "-lc10", "-ltorch_cpu",
                                                                 f"-Wl,-rpath,{lib}"))
