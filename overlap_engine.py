@@ -2363,7 +2363,7 @@ class ServerArgs:
         None, "a request's tokens depend on its prompt and sampling parameters alone, not on the batch, "
               "the prefill chunk, cache hits or the loop (CPU, tp_size 1; compiles with bf16, float32 "
               "or GGUF weights); unset: on where it costs no more than the default step, float32 and bf16 "
-              "weights on a CPU without bf16 arithmetic, one rank, no drafts, attention_backend auto")
+              "weights on a CPU without AMX, one rank, no drafts, attention_backend auto")
     constrained_json_disable_any_whitespace: bool = arg(
         False, "a json_schema grammar allows no whitespace between tokens of JSON (by default any)")
     # speculative decoding
@@ -2927,11 +2927,12 @@ def check_deterministic(args: ServerArgs):
 def deterministic_by_default(args: ServerArgs) -> bool:
     """Whether enable_deterministic_inference is on when not given: where bench.py deterministic measured
     it at no more than the default step (1.1x at most, batches 1 to 64, decode and prefill): float32 and
-    bf16 weights on a CPU without bf16 arithmetic, whose oneDNN emulates bf16 (float_matmul reads each
-    weight once for the whole batch), on one rank without drafts, with the attention backend not chosen."""
+    bf16 weights on a CPU without AMX (AVX2 only, where oneDNN emulates bf16; AVX512-BF16, where
+    float_matmul's pair tiles multiply bf16 as oneDNN's kernels do), on one rank without drafts, with the
+    attention backend not chosen. With AMX it is off: not measured there, against oneDNN's tile kernels."""
     return (args.device == "cpu" and args.tp_size == 1 and not args.speculative_algorithm
             and args.dtype in ("float32", "bfloat16") and args.quantization is None
-            and args.attention_backend == "auto" and not cpu_has_native_bf16() and gguf_matmul_builds())
+            and args.attention_backend == "auto" and not cpu_has_amx() and gguf_matmul_builds())
 
 
 def check_engine_args(kwargs: dict) -> ServerArgs:
@@ -6777,12 +6778,22 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     if sys.platform == "darwin":
         out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16"], capture_output=True, text=True)
         return out.stdout.strip() == "1"
+    return bool(cpu_flags(cpuinfo) & {"amx_bf16", "avx512_bf16", "bf16"})
+
+
+@functools.cache
+def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has x86 AMX (tile matmuls, oneDNN's fastest bf16 kernels), from the OS's flags."""
+    return "amx_bf16" in cpu_flags(cpuinfo)
+
+
+def cpu_flags(cpuinfo: str) -> set:
+    """The feature flags Linux reports for this CPU (empty where it cannot be read)."""
     try:
         with open(cpuinfo) as f:
-            flags = {w for line in f if line.startswith(("flags", "Features")) for w in line.split()}
+            return {w for line in f if line.startswith(("flags", "Features")) for w in line.split()}
     except OSError:
-        return False
-    return bool(flags & {"amx_bf16", "avx512_bf16", "bf16"})
+        return set()
 
 
 @functools.cache
@@ -7273,7 +7284,7 @@ def main(argv=None):
             print(line, file=sys.stderr, flush=True)
         if args.enable_deterministic_inference is None and engine.server_args.enable_deterministic_inference:
             print("overlap_engine: deterministic inference (on by default for float32 and bf16 on a CPU "
-                  "without bf16 arithmetic: a request's tokens do not depend on its batch; "
+                  "without AMX: a request's tokens do not depend on its batch; "
                   "--no-enable-deterministic-inference turns it off)", file=sys.stderr, flush=True)
         if engine.server_args.quantization == "gguf":
             print(gguf_paths(engine.model_path), file=sys.stderr, flush=True)

@@ -2424,6 +2424,8 @@ def test_native_bf16_is_read_from_the_cpu_flags(tmp_path, flags, native):
     path.write_text(f"processor\t: 0\n{flags}\n\nprocessor\t: 1\n{flags}\n")
     assert oe.cpu_has_native_bf16(str(path)) is native
     assert oe.cpu_has_native_bf16(str(tmp_path / "missing")) is False
+    assert oe.cpu_has_amx(str(path)) is ("amx_bf16" in flags)
+    assert oe.cpu_has_amx(str(tmp_path / "missing")) is False
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -3128,9 +3130,9 @@ def test_without_the_mode_a_request_gets_other_logprobs_beside_others(det_ckpt):
 
 
 def test_the_mode_is_on_by_default_where_it_costs_no_more(ckpt, monkeypatch):
-    """Unset, enable_deterministic_inference is on for float32 and bf16 weights on a CPU without bf16
-    arithmetic (where bench.py deterministic measured it at no more than the default step) and off on a CPU
-    with it, for float64, quantized layers, two ranks, drafts or a chosen attention backend; given, it is
+    """Unset, enable_deterministic_inference is on for float32 and bf16 weights on a CPU without AMX
+    (where bench.py deterministic measured it at no more than the default step) and off on a CPU with
+    it, for float64, quantized layers, two ranks, drafts or a chosen attention backend; given, it is
     what was given, from the CLI too. On by default, it is the mode: its model and its attention."""
     needs_built(oe.gguf_matmul_builds, "avx2", "fma", "f16c")
     f32 = {"dtype": "float32"}
@@ -3138,11 +3140,11 @@ def test_the_mode_is_on_by_default_where_it_costs_no_more(ckpt, monkeypatch):
              ({**f32, "quantization": "int8"}, False), ({**f32, "tp_size": 2}, False),
              ({**f32, "attention_backend": "torch"}, False),
              ({**f32, "speculative_algorithm": "NGRAM"}, False)]
-    for native in (False, True):
-        monkeypatch.setattr(oe, "cpu_has_native_bf16", lambda: native)
+    for amx in (False, True):
+        monkeypatch.setattr(oe, "cpu_has_amx", lambda: amx)
         for kw, on in cases:
             args = Engine._check_args({"model_path": ckpt, "device": "cpu", **kw})
-            assert args.enable_deterministic_inference == (on and not native), (native, kw)
+            assert args.enable_deterministic_inference == (on and not amx), (amx, kw)
         for given in (False, True):
             args = Engine._check_args({"model_path": ckpt, "dtype": "float32",
                                        "enable_deterministic_inference": given})
@@ -3150,7 +3152,7 @@ def test_the_mode_is_on_by_default_where_it_costs_no_more(ckpt, monkeypatch):
     parse = lambda *flags: oe.cli_parser().parse_args(list(flags)).enable_deterministic_inference  # noqa
     assert (parse(), parse("--enable-deterministic-inference"), parse("--no-enable-deterministic-inference")
             ) == (None, True, False)
-    monkeypatch.setattr(oe, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(oe, "cpu_has_amx", lambda: False)
     with Engine(model_path=ckpt, dtype="bfloat16", cpu_device="thread", max_total_tokens=256) as e:
         assert e.server_args.enable_deterministic_inference
         assert isinstance(e.scheduler.worker.model, oe.RowInvariantModel)
@@ -5847,19 +5849,19 @@ def test_cli_chat_refuses_a_message_too_long_and_goes_on(ckpt, monkeypatch, caps
 
 
 def test_cli_says_when_deterministic_inference_is_on_by_default(ckpt, monkeypatch, capsys):
-    """Several prompts in float32: where the engine turns the mode on by itself (a CPU without bf16
-    arithmetic, made so here), the CLI says so in a line with the flag that turns it off; given either
+    """Several prompts in float32: where the engine turns the mode on by itself (a CPU without AMX, made
+    so here), the CLI says so in a line with the flag that turns it off; given either
     way, or where it stays off, no such line."""
     needs_built(oe.gguf_matmul_builds, "avx2", "fma", "f16c")
     argv = ["--model-path", ckpt, "--prompt", "a b", "--prompt", "c", "--max-new-tokens", "2", "--dtype",
             "float32", "--no-enable-torch-compile"]
-    for native, flags, said in [(False, [], True), (True, [], False),
-                                (False, ["--no-enable-deterministic-inference"], False),
-                                (False, ["--enable-deterministic-inference"], False)]:
-        monkeypatch.setattr(oe, "cpu_has_native_bf16", lambda: native)
+    for amx, flags, said in [(False, [], True), (True, [], False),
+                             (False, ["--no-enable-deterministic-inference"], False),
+                             (False, ["--enable-deterministic-inference"], False)]:
+        monkeypatch.setattr(oe, "cpu_has_amx", lambda: amx)
         oe.main(argv + flags)
         err = capsys.readouterr().err
-        assert ("deterministic inference (on by default" in err) == said, (native, flags, err)
+        assert ("deterministic inference (on by default" in err) == said, (amx, flags, err)
         assert said <= ("--no-enable-deterministic-inference turns it off" in err)
 
 
