@@ -1314,7 +1314,8 @@ static void float_task(int bf16, const float *x, const void *w, int64_t M, int64
 /* -- AVX512: float_matmul's wide tiles, float32 or bf16 pairs --
    The weights in tiles of 16 outputs, two tiles a task, each tile K units of 4 bytes a vector of 16: an
    input's float32 weights (wide tiles), or with AVX512-BF16 an input pair's two bf16 weights (pair tiles,
-   K even; x rounded to bf16, exact where it is bf16 already). Every output is one chain over its units in
+   K even; x rounded to bf16, exact where it is bf16 already, subnormals flushed to zero as vdpbf16ps
+   does). Every output is one chain over its units in
    ascending order, begun at zero, whatever the number of rows: a fused multiply-add an input (float32: the
    8-wide tiles' chain, the same bits), or a dot-product-accumulate a pair (vdpbf16ps: the pair's two
    products added to the sum in float32). Up to twelve rows share each vector of weights read (24 sums in
@@ -1322,7 +1323,10 @@ static void float_task(int bf16, const float *x, const void *w, int64_t M, int64
 #define PMR 12         /* rows of x a register block holds */
 #define PG 32          /* outputs a task takes: two tiles of 16 */
 #define PKC (FKC / 2)  /* units a pass takes */
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PAIRS 1        /* vdpbf16ps, and bf16 stored 16 bits at a time */
+#endif
+#ifdef PAIRS
 #define DPBF16(a, b, w) _mm512_dpbf16_ps(a, (__m512bh)(b), (__m512bh)(w))
 #else
 #define DPBF16(a, b, w) (a)  /* not reached: float_pairs() is 0 */
@@ -1384,7 +1388,7 @@ static void wide_task(int pairs, const uint32_t *x, const uint32_t *w, int64_t M
             memcpy((float *)out + (m0 + m) * N + n0, acc + m * PG, nn * sizeof(float));
         return;
     }
-#ifdef __AVX512BF16__
+#ifdef PAIRS
     const __mmask16 lo = nn < 16 ? (__mmask16)((1u << nn) - 1) : 0xFFFF;
     const __mmask16 hi = nn <= 16 ? 0 : nn < 32 ? (__mmask16)((1u << (nn - 16)) - 1) : 0xFFFF;
     for (int64_t m = 0; m < mn; m++) {
@@ -1400,7 +1404,7 @@ static void wide_task(int pairs, const uint32_t *x, const uint32_t *w, int64_t M
 static void wide_matmul(const void *x, const void *w, int64_t M, int64_t N, int64_t K, int mode, void *out,
                         int threads) {
     uint16_t *xb = mode == 2 ? malloc(M * K * sizeof(uint16_t)) : NULL;
-#ifdef __AVX512BF16__
+#ifdef PAIRS
     for (int64_t i = 0; mode == 2 && i < M * K; i += 16) {  /* to bf16, rounded to nearest even */
         const __mmask16 live = M * K - i < 16 ? (__mmask16)((1u << (M * K - i)) - 1) : (__mmask16)0xFFFF;
         const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, (const float *)x + i));
@@ -1419,7 +1423,7 @@ static void wide_matmul(const void *x, const void *w, int64_t M, int64_t N, int6
 
 /* Whether float_matmul takes pair tiles here (modes 2 and 3) */
 int float_pairs(void) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#ifdef PAIRS
     return 1;
 #else
     return 0;
@@ -1439,12 +1443,16 @@ int float_wide(void) {
    (1), bf16 pairs (where float_pairs(): 2, or 3 with x and out in bf16) or wide float32 (4, float_wide()) */
 void float_matmul(const float *x, const void *w, int64_t M, int64_t N, int64_t K, int bf16, float *out,
                   int threads) {
-#if defined(__AVX512F__)
     if (bf16 >= 2) {
-        wide_matmul(x, w, M, N, K, bf16, out, threads);
-        return;
-    }
+#if defined(__AVX512F__)
+        if (bf16 == 4 || float_pairs()) {
+            wide_matmul(x, w, M, N, K, bf16, out, threads);
+            return;
+        }
 #endif
+        for (int64_t i = 0; i < M * N; i++) out[i] = NAN;  /* tiles this build cannot read (kernels.py */
+        return;                                              /* packs them only where it can) */
+    }
     const int64_t G = (N + FG - 1) / FG, MB = (M + FMC - 1) / FMC;
     #pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
     for (int64_t mb = 0; mb < MB; mb++)
@@ -2125,13 +2133,15 @@ static at::Tensor float_linear(const at::Tensor &x, const at::Tensor &tiles, int
    that is handed over). */
 template <typename T> static inline float f32(T v) { return static_cast<float>(v); }
 
-/* f rounded to T: bf16 to nearest even as c10's conversion rounds it, without its branch for NaN (which
-   keeps the loops vectorizable; a NaN stays a NaN, its payload aside) */
+/* f rounded to T: bf16 to nearest even, NaN to 0x7FC0, as c10's conversion does, with a select for
+   NaN where c10 branches (the loops vectorize) */
 template <typename T> static inline T rnd(float f) { return f; }
 template <> inline at::BFloat16 rnd<at::BFloat16>(float f) {
     uint32_t u;
     std::memcpy(&u, &f, 4);
-    return at::BFloat16((uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16), at::BFloat16::from_bits());
+    const uint16_t rounded = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+    const uint16_t bits = (u & 0x7FFFFFFF) > 0x7F800000 ? 0x7FC0 : rounded;
+    return at::BFloat16(bits, at::BFloat16::from_bits());
 }
 
 /* rows of x (plus r's, into sum, where r is given) times w (n): w * (s / sqrt(mean(s^2) + eps)), the
