@@ -1125,6 +1125,15 @@ INLINE __m512 code2(int bits, const uint8_t *t, __m512i v, int h, int k) {
                                     : _mm512_srli_epi32(v, 28));
 }
 
+/* row_sum of sums held two groups a vector: (acc0 + acc1) + (acc2 + acc3), then + macc */
+INLINE __m256 pair_sum(const __m512 *acc, __m256 macc) {
+    __m256 a[2];
+    for (int h = 0; h < 2; h++)
+        a[h] = _mm256_add_ps(_mm512_castps512_ps256(acc[h]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[h]), 1)));
+    return _mm256_add_ps(_mm256_add_ps(a[0], a[1]), macc);
+}
+
 /* one_row with two groups a vector: each lane's operations are one_row's, in its order (the same bits) */
 INLINE void one_row(int bits, const float *xs, const float *sx, const uint8_t *t, int64_t KB, float *y) {
     __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -1150,11 +1159,7 @@ INLINE void one_row(int bits, const float *xs, const float *sx, const uint8_t *t
             macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 144))),
                                    _mm256_broadcast_ss(sx + b), macc);
     }
-    __m256 a[2];  /* acc0 + acc1 and acc2 + acc3 of one_row */
-    for (int h = 0; h < 2; h++)
-        a[h] = _mm256_add_ps(_mm512_castps512_ps256(acc[h]),
-                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[h]), 1)));
-    _mm256_storeu_ps(y, _mm256_add_ps(_mm256_add_ps(a[0], a[1]), macc));
+    _mm256_storeu_ps(y, pair_sum(acc, macc));
 }
 #else
 /* one row of x through one tile: its 8 outputs into y, the sums held in registers */
@@ -1174,6 +1179,44 @@ INLINE void one_row(int bits, const float *xs, const float *sx, const uint8_t *t
 }
 #endif
 
+#ifdef __AVX512F__
+/* many_rows with two groups a vector, as one_row here: each lane's operations are the AVX2 path's */
+INLINE void many_rows(int bits, const float *xs, const float *sx, const uint8_t *t, int64_t K, int mn,
+                      float *y) {
+    const int64_t KB = K / 32;
+    __m512 acc[CHUNK][2];
+    __m256 macc[CHUNK];
+    __m512i lane[8];
+    for (int k = 0; k < 8; k++)
+        lane[k] = _mm512_add_epi32(_mm512_set1_epi32(k),
+                                   _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8));
+    for (int m = 0; m < mn; m++) {
+        macc[m] = _mm256_setzero_ps();
+        acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < KB; b++, t += tile_bytes(bits)) {
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 32 * bits)));
+        const __m512 d = _mm512_shuffle_f32x4(_mm512_castps256_ps512(d8), _mm512_castps256_ps512(d8), 0x44);
+        for (int h = 0; h < 2; h++) {
+            const __m512i v = bits == 4 ? _mm512_loadu_si512(t + 64 * h) : _mm512_setzero_si512();
+            __m512 c[8];
+            for (int k = 0; k < 8; k++) c[k] = code2(bits, t, v, 2 * h, k);
+            for (int m = 0; m < mn; m++) {
+                const __m512 x = _mm512_loadu_ps(xs + m * K + 32 * b + 16 * h);
+                __m512 s = _mm512_mul_ps(c[0], _mm512_permutexvar_ps(lane[0], x));
+                for (int k = 1; k < 8; k++) s = _mm512_fmadd_ps(c[k], _mm512_permutexvar_ps(lane[k], x), s);
+                acc[m][h] = _mm512_fmadd_ps(s, d, acc[m][h]);
+            }
+        }
+        if (bits == 4) {
+            const __m256 mb = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 144)));
+            for (int m = 0; m < mn; m++)
+                macc[m] = _mm256_fmadd_ps(mb, _mm256_broadcast_ss(sx + m * KB + b), macc[m]);
+        }
+    }
+    for (int m = 0; m < mn; m++) _mm256_storeu_ps(y + ROWS * m, pair_sum(acc[m], macc[m]));
+}
+#else
 /* rows 0 .. mn - 1 of x through one tile, each group's 8 codes converted once for them all and held in
    registers while the rows pass: for each row the operations of one_row, in its order */
 INLINE void many_rows(int bits, const float *xs, const float *sx, const uint8_t *t, int64_t K, int mn,
@@ -1204,6 +1247,7 @@ INLINE void many_rows(int bits, const float *xs, const float *sx, const uint8_t 
     }
     for (int m = 0; m < mn; m++) _mm256_storeu_ps(y + ROWS * m, row_sum(acc[m], macc[m]));
 }
+#endif
 
 /* tiles r0 .. r1 - 1 of w for the M rows of x prepared in xs and sx: out (M, N), N padded up to whole tiles
    in w, the padding left out of out */
