@@ -1105,6 +1105,13 @@ INLINE void block_dot(int bits, const uint8_t *t, const float *x, __m256 *s) {
             s[g] = _mm256_fmadd_ps(code(bits, t, 8 * g + k), _mm256_broadcast_ss(x + 8 * g + k), s[g]);
 }
 
+/* block b's m (the 8 rows' minimum, 4-bit codes) times its sum of x, into the running sums of rows 0 ..
+   mn - 1 (sx: KB sums a row) */
+INLINE void add_m(const uint8_t *t, const float *sx, int64_t KB, int64_t b, int mn, __m256 *macc) {
+    const __m256 mb = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 144)));
+    for (int m = 0; m < mn; m++) macc[m] = _mm256_fmadd_ps(mb, _mm256_broadcast_ss(sx + m * KB + b), macc[m]);
+}
+
 /* a row's running sums (acc: a group's, across blocks, each times its block's d; macc: m times the block's
    sum of x) -> its 8 outputs */
 INLINE __m256 row_sum(const __m256 *acc, __m256 macc) {
@@ -1125,6 +1132,20 @@ INLINE __m512 code2(int bits, const uint8_t *t, __m512i v, int h, int k) {
                                     : _mm512_srli_epi32(v, 28));
 }
 
+/* lane[k]: for each half's 8 lanes, the index of its group's input k in 16 inputs (groups 2h, 2h + 1) */
+INLINE void group_lanes(__m512i *lane) {
+    for (int k = 0; k < 8; k++)
+        lane[k] = _mm512_add_epi32(_mm512_set1_epi32(k),
+                                   _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8));
+}
+
+/* block t's d (the 8 rows' scales) in both halves of a vector */
+INLINE __m512 d_twice(int bits, const uint8_t *t) {
+    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 32 * bits)));
+    const __m512 d = _mm512_castps256_ps512(d8);
+    return _mm512_shuffle_f32x4(d, d, 0x44);
+}
+
 /* row_sum of sums held two groups a vector: (acc0 + acc1) + (acc2 + acc3), then + macc */
 INLINE __m256 pair_sum(const __m512 *acc, __m256 macc) {
     __m256 a[2];
@@ -1138,15 +1159,11 @@ INLINE __m256 pair_sum(const __m512 *acc, __m256 macc) {
 INLINE void one_row(int bits, const float *xs, const float *sx, const uint8_t *t, int64_t KB, float *y) {
     __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     __m256 macc = _mm256_setzero_ps();
-    __m512i lane[8];  /* input k of each half's group, for each of its 8 lanes */
-    for (int k = 0; k < 8; k++)
-        lane[k] = _mm512_add_epi32(_mm512_set1_epi32(k),
-                                   _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8));
+    __m512i lane[8];
+    group_lanes(lane);
     for (int64_t b = 0; b < KB; b++, t += tile_bytes(bits)) {
         for (int l = 0; l < tile_bytes(bits); l += 64) _mm_prefetch((const char *)t + AHEAD + l, _MM_HINT_T0);
-        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 32 * bits)));
-        const __m512 d = _mm512_shuffle_f32x4(_mm512_castps256_ps512(d8), _mm512_castps256_ps512(d8),
-                                              0x44);  /* the 8 rows' d in both halves */
+        const __m512 d = d_twice(bits, t);
         for (int h = 0; h < 2; h++) {  /* groups 2h and 2h + 1 */
             const __m512 x = _mm512_loadu_ps(xs + 32 * b + 16 * h);
             const __m512i v = bits == 4 ? _mm512_loadu_si512(t + 64 * h) : _mm512_setzero_si512();
@@ -1155,9 +1172,7 @@ INLINE void one_row(int bits, const float *xs, const float *sx, const uint8_t *t
                 s = _mm512_fmadd_ps(code2(bits, t, v, 2 * h, k), _mm512_permutexvar_ps(lane[k], x), s);
             acc[h] = _mm512_fmadd_ps(s, d, acc[h]);
         }
-        if (bits == 4)
-            macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 144))),
-                                   _mm256_broadcast_ss(sx + b), macc);
+        if (bits == 4) add_m(t, sx, KB, b, 1, &macc);
     }
     _mm256_storeu_ps(y, pair_sum(acc, macc));
 }
@@ -1171,9 +1186,7 @@ INLINE void one_row(int bits, const float *xs, const float *sx, const uint8_t *t
         block_dot(bits, t, xs + 32 * b, s);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 32 * bits)));
         for (int g = 0; g < 4; g++) acc[g] = _mm256_fmadd_ps(s[g], d, acc[g]);
-        if (bits == 4)
-            macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 144))),
-                                   _mm256_broadcast_ss(sx + b), macc);
+        if (bits == 4) add_m(t, sx, KB, b, 1, &macc);
     }
     _mm256_storeu_ps(y, row_sum(acc, macc));
 }
@@ -1187,16 +1200,13 @@ INLINE void many_rows(int bits, const float *xs, const float *sx, const uint8_t 
     __m512 acc[CHUNK][2];
     __m256 macc[CHUNK];
     __m512i lane[8];
-    for (int k = 0; k < 8; k++)
-        lane[k] = _mm512_add_epi32(_mm512_set1_epi32(k),
-                                   _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8));
+    group_lanes(lane);
     for (int m = 0; m < mn; m++) {
         macc[m] = _mm256_setzero_ps();
         acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     }
     for (int64_t b = 0; b < KB; b++, t += tile_bytes(bits)) {
-        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 32 * bits)));
-        const __m512 d = _mm512_shuffle_f32x4(_mm512_castps256_ps512(d8), _mm512_castps256_ps512(d8), 0x44);
+        const __m512 d = d_twice(bits, t);
         for (int h = 0; h < 2; h++) {
             const __m512i v = bits == 4 ? _mm512_loadu_si512(t + 64 * h) : _mm512_setzero_si512();
             __m512 c[8];
@@ -1208,11 +1218,7 @@ INLINE void many_rows(int bits, const float *xs, const float *sx, const uint8_t 
                 acc[m][h] = _mm512_fmadd_ps(s, d, acc[m][h]);
             }
         }
-        if (bits == 4) {
-            const __m256 mb = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 144)));
-            for (int m = 0; m < mn; m++)
-                macc[m] = _mm256_fmadd_ps(mb, _mm256_broadcast_ss(sx + m * KB + b), macc[m]);
-        }
+        if (bits == 4) add_m(t, sx, KB, b, mn, macc);
     }
     for (int m = 0; m < mn; m++) _mm256_storeu_ps(y + ROWS * m, pair_sum(acc[m], macc[m]));
 }
@@ -1239,11 +1245,7 @@ INLINE void many_rows(int bits, const float *xs, const float *sx, const uint8_t 
                 acc[m][g] = _mm256_fmadd_ps(s, d, acc[m][g]);
             }
         }
-        if (bits == 4) {
-            const __m256 mb = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t + 144)));
-            for (int m = 0; m < mn; m++)
-                macc[m] = _mm256_fmadd_ps(mb, _mm256_broadcast_ss(sx + m * KB + b), macc[m]);
-        }
+        if (bits == 4) add_m(t, sx, KB, b, mn, macc);
     }
     for (int m = 0; m < mn; m++) _mm256_storeu_ps(y + ROWS * m, row_sum(acc[m], macc[m]));
 }
@@ -1483,14 +1485,14 @@ int float_wide(void) {
 #endif
 }
 
-/* out (M, N) float32 = x (M, K) float32 times w, kernels.pack_float_tiles' tiles of float32 (bf16 0), bf16
+/* out (M, N) float32 = x (M, K) float32 times w, kernels.pack_float_tiles' tiles (mode): float32 (0), bf16
    (1), bf16 pairs (where float_pairs(): 2, or 3 with x and out in bf16) or wide float32 (4, float_wide()) */
-void float_matmul(const float *x, const void *w, int64_t M, int64_t N, int64_t K, int bf16, float *out,
+void float_matmul(const float *x, const void *w, int64_t M, int64_t N, int64_t K, int mode, float *out,
                   int threads) {
-    if (bf16 >= 2) {
+    if (mode >= 2) {
 #if defined(__AVX512F__)
-        if (bf16 == 4 || float_pairs()) {
-            wide_matmul(x, w, M, N, K, bf16, out, threads);
+        if (mode == 4 || float_pairs()) {
+            wide_matmul(x, w, M, N, K, mode, out, threads);
             return;
         }
 #endif
@@ -1501,7 +1503,7 @@ void float_matmul(const float *x, const void *w, int64_t M, int64_t N, int64_t K
     #pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
     for (int64_t mb = 0; mb < MB; mb++)
         for (int64_t g = 0; g < G; g++)
-            float_task(bf16, x, w, M, N, K, mb, g, out);
+            float_task(mode, x, w, M, N, K, mb, g, out);
 }
 
 /* -- one request's decode step, the whole model in one parallel region --
@@ -2088,7 +2090,7 @@ CPU_OPS_SRC = r"""
 
 typedef void (*q_matmul_fn)(const void *, const void *, int64_t, int64_t, int64_t, void *, int);
 typedef void (*gguf_matmul_fn)(const void *, const void *, int64_t, int64_t, int64_t, int, void *, int);
-typedef gguf_matmul_fn float_matmul_fn;  /* x, tiles, M, N, K, bf16 tiles, out, threads */
+typedef gguf_matmul_fn float_matmul_fn;  /* x, tiles, M, N, K, tiles' mode, out, threads */
 typedef void (*attention_fn)(const void *, const void *, const void *, const void *, const void *,
                              const void *, int64_t, int64_t, float, void *, int);
 typedef std::tuple<int, int64_t, int64_t, int64_t, int64_t> attention_key;  /* fp32 or bf16, D, Hkv, G, E */
