@@ -2247,13 +2247,14 @@ static std::tuple<at::Tensor, at::Tensor> row_add_rms_norm(const at::Tensor &x, 
     return {sum, out};
 }
 
-/* x (N, H, D) rotated: x * cos + rotate_half(x) * sin, cos and sin (N, 1, D) */
-template <typename T> static void rope_rows(const T *x, const T *cos, const T *sin, int64_t N, int64_t H,
-                                            int64_t D, T *out) {
+/* x (N, H, D), its rows xs apart (the q and k heads of a qkv row), rotated into out (N, H, D):
+   x * cos + rotate_half(x) * sin, cos and sin (N, 1, D) */
+template <typename T> static void rope_rows(const T *x, int64_t xs, const T *cos, const T *sin, int64_t N,
+                                            int64_t H, int64_t D, T *out) {
     at::parallel_for(0, N, 16, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; t++)
             for (int64_t h = 0; h < H; h++) {
-                const T *xr = x + (t * H + h) * D, *c = cos + t * D, *s = sin + t * D;
+                const T *xr = x + t * xs + h * D, *c = cos + t * D, *s = sin + t * D;
                 T *y = out + (t * H + h) * D;
                 const int64_t half = D / 2;  /* rotate_half: (-x2, x1) */
                 for (int64_t d = 0; d < half; d++)
@@ -2269,15 +2270,16 @@ static at::Tensor row_rope(const at::Tensor &x, const at::Tensor &cos, const at:
                 && cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type()
                 && cos.numel() == x.size(0) * x.size(2) && sin.numel() == cos.numel(),
                 "row_rope: x (N, H, D), cos and sin (N, 1, D), all of one dtype");
-    const at::Tensor xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
-    at::Tensor out = at::empty_like(xc);
-    const int64_t N = xc.size(0), H = xc.size(1), D = xc.size(2);
+    const int64_t N = x.size(0), H = x.size(1), D = x.size(2);
+    const bool heads_packed = x.stride(2) == 1 && x.stride(1) == D;  /* a view of qkv's rows: no copy */
+    const at::Tensor xc = heads_packed ? x : x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+    at::Tensor out = at::empty({N, H, D}, x.options());
     if (x.scalar_type() == at::kFloat)
-        rope_rows(xc.data_ptr<float>(), cc.data_ptr<float>(), sc.data_ptr<float>(), N, H, D,
+        rope_rows(xc.data_ptr<float>(), xc.stride(0), cc.data_ptr<float>(), sc.data_ptr<float>(), N, H, D,
                   out.data_ptr<float>());
     else
-        rope_rows(xc.data_ptr<at::BFloat16>(), cc.data_ptr<at::BFloat16>(), sc.data_ptr<at::BFloat16>(), N,
-                  H, D, out.data_ptr<at::BFloat16>());
+        rope_rows(xc.data_ptr<at::BFloat16>(), xc.stride(0), cc.data_ptr<at::BFloat16>(),
+                  sc.data_ptr<at::BFloat16>(), N, H, D, out.data_ptr<at::BFloat16>());
     return out;
 }
 

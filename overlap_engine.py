@@ -3089,10 +3089,13 @@ def build_worker(args: ServerArgs, cfg: ModelConfig, model: nn.Module, make_stre
     compile_max_bs = args.torch_compile_max_bs if args.enable_torch_compile else 0
     if args.enable_deterministic_inference:
         model = deterministic_model(model)
-        if compile_max_bs and not isinstance(model, RowInvariantModel):
+        if compile_max_bs and not isinstance(model, RowOpsModel):
             LOG.warning("enable_deterministic_inference runs eager here (int8 or int4 layers, float64, or no "
                         "C kernel): enable_torch_compile is ignored")
             compile_max_bs = 0
+    elif row_ops_serve(args):
+        model = RowOpsModel(model)
+    if args.enable_deterministic_inference:
         backend = RowInvariantAttnBackend(kv_pool, req_to_token_pool, cfg.num_attention_heads)
     elif args.attention_backend == "triton":
         backend = TritonAttnBackend(kv_pool, req_to_token_pool)
@@ -4599,10 +4602,11 @@ class GGUFDecode:
     KV write, attention, o, SwiGLU, down, the head: one parallel region), where the eager model dispatches
     some 30 torch ops a layer, each costing more than its arithmetic at one token. The step's inputs (the
     token from the FutureMap, its position, slot and length) it reads where the step holds them. Other
-    steps (prefill, batches, a verify) run the model as it is."""
+    steps (prefill, batches, a verify) run the model as it is (a RowOpsModel, where one serves)."""
 
     def __init__(self, model: nn.Module):
-        self.model, self.table, self.embed = model, None, None
+        self.eager, self.table, self.embed = model, None, None
+        model = self.model = model.model if isinstance(model, RowOpsModel) else model  # Part I's
         linears = [[layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                     layer.mlp.down_proj] for layer in model.model.layers]
         fits = (all(isinstance(m, GGUFLinear) and m.bias is None for ms in linears for m in ms)
@@ -4634,7 +4638,7 @@ class GGUFDecode:
     def __call__(self, input_ids, positions, attn, logit_rows) -> torch.Tensor:
         m, cfg = self.model, self.model.cfg
         if self.step is None or len(input_ids) != 1 or not getattr(attn, "in_c", False):
-            return m(input_ids, positions, attn, logit_rows)
+            return self.eager(input_ids, positions, attn, logit_rows)
         if self.table is None:
             self.table, self.embed = self.layer_table(attn.kv), self.embedding()
         inputs = (input_ids, positions, attn.loc, attn.rows, attn.lens)
@@ -4975,7 +4979,7 @@ def fused_gather_decode(q, kb, vb, slots, visible) -> torch.Tensor:
 # float32 linear layer runs kernels.float_matmul, where each output is one chain of fused multiply-adds over
 # the inputs in order, whatever the number of rows (the GGUF's blocks, gguf_matmul, are so already); and
 # every query attends as a decode of its own, over the keys up to its position in the C kernel's order.
-# RowInvariantModel runs the rest of a row's path (norms, rotary, SwiGLU) as ops that compute each row
+# RowOpsModel runs the rest of a row's path (norms, rotary, SwiGLU) as ops that compute each row
 # alone, which a compiled graph calls as they are: its decode steps may compile. Sampling and logprobs
 # are per row already.
 
@@ -5015,13 +5019,15 @@ def float_linear(x, tiles, N):
     return y.view(*x.shape[:-1], N).to(x.dtype)
 
 
-class RowInvariantModel(nn.Module):
-    """enable_deterministic_inference's model callable (as CompiledDecode is compile's), where float_matmul
-    builds: Part I's forward, its weights, with each step of a row one op (norm plus the residual add
-    before it, rotary, SwiGLU, the linear layers, attention): each computes a row alone, in one order,
-    and a compiled graph calls it as it is, so that a token computed in an eager prefill, a decode at any
-    batch or a compiled decode graph gets the same bits (Inductor's own code for a norm would sum in
-    another order, and its fused bf16 adds would skip a rounding)."""
+class RowOpsModel(nn.Module):
+    """A CPU's model callable where kernels.CPU_OPS_SRC builds (as CompiledDecode is compile's, which runs
+    it): Part I's forward, its weights, with each step of a row one op (norm plus the residual add before
+    it, rotary, SwiGLU, the linear layers, attention). Eager, Part I dispatches some ten torch ops for a
+    norm, each a pass over the batch's rows; one C++ loop does it in one (a step of 64 decodes in bf16 on
+    the Xeon with AMX: 0.70x the time). In enable_deterministic_inference each op computes a row alone, in
+    one order, and a compiled graph calls it as it is, so that a token computed in an eager prefill, a
+    decode at any batch or a compiled decode graph gets the same bits (Inductor's own code for a norm would
+    sum in another order, and its fused bf16 adds would skip a rounding)."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -5051,8 +5057,8 @@ class RowInvariantModel(nn.Module):
         return m.lm_head(h[logit_rows]).to(torch.promote_types(x.dtype, torch.float32))
 
 
-# RowInvariantModel's ops: the Python kernels are Part I's arithmetic; kernels.CPU_OPS_SRC's C++ kernels
-# replace them where it builds (RowInvariantModel is made after it has been loaded: one kind a process)
+# RowOpsModel's ops: the Python kernels are Part I's arithmetic; kernels.CPU_OPS_SRC's C++ kernels
+# replace them where it builds (RowOpsModel is made after it has been loaded: one kind a process)
 
 
 @cpu_op("row_rms_norm(Tensor x, Tensor w, float eps) -> Tensor", fake=lambda x, w, eps: torch.empty_like(x))
@@ -5107,12 +5113,19 @@ class RowBlockedLinear(nn.Module):
         return torch.cat([self.inner(x[i:i + R]) for i in range(0, len(x), R)])[:M]
 
 
+def row_ops_serve(args: ServerArgs) -> bool:
+    """Whether a model outside enable_deterministic_inference runs as a RowOpsModel: on a CPU, one rank, in
+    float32 or bf16 (the C++ row ops' dtypes), where kernels.CPU_OPS_SRC and the vectorized SwiGLU build."""
+    return (args.device == "cpu" and args.tp_size == 1 and args.dtype in ("float32", "bfloat16")
+            and gguf_matmul_builds())
+
+
 def deterministic_model(model: nn.Module) -> nn.Module:
-    """The mode's model callable: its linear layers made row-invariant, in a RowInvariantModel where none
+    """The mode's model callable: its linear layers made row-invariant, in a RowOpsModel where none
     had to be padded (bf16, float32 or GGUF weights, float_matmul built); else Part I's model (eager only)."""
     row_invariant_linears(model)
     padded = any(isinstance(m, RowBlockedLinear) for m in model.modules())
-    return model if padded else RowInvariantModel(model)
+    return model if padded else RowOpsModel(model)
 
 
 def row_invariant_linears(model: nn.Module):
