@@ -2250,9 +2250,9 @@ def causal_attention(q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
 # Part II: the plumbing. The Engine API and its argument checks, tensor parallelism, quantization,
 # compile, deterministic inference, checkpoint loading, CPU tuning, the CLI and the server. Each changes
 # Part I's objects from outside: apply_tp shards the built model, quantization swaps its nn.Linear modules,
-# compile wraps the model callable the worker is handed, deterministic inference swaps the linear layers,
-# wraps the model in its own forward and brings its attention backend, and the Engine sizes the pools and
-# times the loop it drives.
+# compile wraps the model callable the worker is handed, a CPU runs the model in a forward of one C++ op
+# a norm, rotary or SwiGLU (RowOpsModel), deterministic inference swaps the linear layers and brings its
+# attention backend, and the Engine sizes the pools and times the loop it drives.
 # Their imports sit here, so that Part I's list above shows what the lesson needs: torch alone.
 
 import _signal  # the C module under signal: see CtrlCHeld
@@ -5034,8 +5034,8 @@ class RowOpsModel(nn.Module):
     """A CPU's model callable where kernels.CPU_OPS_SRC builds (as CompiledDecode is compile's, which runs
     it): Part I's forward, its weights, with each step of a row one op (norm plus the residual add before
     it, rotary, SwiGLU, the linear layers, attention). Eager, Part I dispatches some ten torch ops for a
-    norm, each a pass over the batch's rows; one C++ loop does it in one (a step of 64 decodes in bf16 on
-    the Xeon with AMX: 0.70x the time). In enable_deterministic_inference each op computes a row alone, in
+    norm, each a pass over the batch's rows; one C++ loop does it in one pass (docs/results.md, bench.py
+    throughput on the Xeon). In enable_deterministic_inference each op computes a row alone, in
     one order, and a compiled graph calls it as it is, so that a token computed in an eager prefill, a
     decode at any batch or a compiled decode graph gets the same bits (Inductor's own code for a norm would
     sum in another order, and its fused bf16 adds would skip a rounding)."""

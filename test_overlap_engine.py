@@ -3956,7 +3956,8 @@ def test_default_model_in_bf16_is_as_close_to_float64_as_transformers_in_bf16(sm
     replies, the engine's logprobs are on average no further from a float64 run of the same weights than
     transformers' bf16 logprobs are (within a quarter), and each greedy token is the float64 run's except
     where the float64 run itself is a near-tie (a margin within 3x the error transformers' bf16 run makes
-    at that token: one hard token's error does not make every other token a tie). The overlap loop here; test_bf16_overlap_equals_serial holds the serial one to it.
+    at that token: one hard token's error does not make every other token a tie). The overlap loop here;
+    test_bf16_overlap_equals_serial holds the serial one to it.
     transformers runs with each of its two attention implementations, and the engine is held to the
     further of the two: on a CPU with bf16 arithmetic, swapping SDPA for eager attention alone moves
     transformers' mean error by a fifth over these replies."""
