@@ -406,7 +406,9 @@ def extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix
 # that share it. Keys go in chunks of 32: a chunk's scores, their maximum, the running sum rescaled
 # when the maximum grows (flash attention's online softmax), then the chunk's values. With AVX2 (and a
 # head_dim that is a multiple of 8) 8 keys' dot products are reduced together and the values pass keeps
-# its running sums in registers: half the instructions a token of the plain loops below. Its column slices
+# its running sums in registers: half the instructions a token of the plain loops below; with AVX512 (a
+# head_dim that is a multiple of 16) both passes take 16 floats a vector (on the Xeon with AMX, a layer of
+# 64 requests at context 442 in bf16: 0.79x the AVX2 path's time, docs/results.md). Its column slices
 # of V rows are a pattern the hardware prefetcher follows badly, so a chunk's V rows are first read whole,
 # in order (on an AVX2 EPYC: 4-7% off the op at batch 64; software prefetch changed nothing). OpenMP splits
 # the (request, kv head) pairs over torch's threads; the .so links the libgomp that torch has loaded.
@@ -436,9 +438,10 @@ static inline float load(const ELEM *p, int64_t i) {
 #if defined(__AVX2__) && defined(__FMA__) && D %% 8 == 0
 #include <immintrin.h>
 #define AVX2_PATH 1
-/* the values pass holds the sums of VR query rows over NV * 8 columns in registers (12 of AVX2's 16) */
+/* the values pass holds the sums of VR query rows over NV vectors of columns in registers (12 of AVX2's
+   16) */
 #define VR (QR %% 3 == 0 ? 3 : QR %% 2 == 0 ? 2 : 1)
-#define NV (D %% 32 == 0 ? 4 : D %% 16 == 0 ? 2 : 1)
+#define NV (D %% (4 * VW) == 0 ? 4 : D %% (2 * VW) == 0 ? 2 : 1)
 
 /* one load from each cache line of heads h0 .. h1 - 1 of a row: the values pass reads a chunk's V rows
    in column slices, which the hardware prefetcher follows badly; read whole rows in order first */
@@ -462,6 +465,40 @@ static inline __m256 sum8(const __m256 *a) {
     __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
 }
+
+/* the vectors both passes run on: AVX512's 16 floats where the CPU has them (half the instructions a
+   token), else AVX2's 8 */
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && D %% 16 == 0
+typedef __m512 vec;
+#define VW 16
+static inline vec vload(const ELEM *p) {
+#ifdef BF16
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#else
+    return _mm512_loadu_ps(p);
+#endif
+}
+#define vloadf _mm512_loadu_ps
+#define vstoref _mm512_storeu_ps
+#define vmul _mm512_mul_ps
+#define vfma _mm512_fmadd_ps
+#define vset1 _mm512_set1_ps
+/* a dot product's 16 lanes folded to 8 for sum8 */
+static inline __m256 fold8(vec v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+}
+#else
+typedef __m256 vec;
+#define VW 8
+#define vload load8
+#define vloadf _mm256_loadu_ps
+#define vstoref _mm256_storeu_ps
+#define vmul _mm256_mul_ps
+#define vfma _mm256_fmadd_ps
+#define vset1 _mm256_set1_ps
+#define fold8(v) (v)
+#endif
 #endif
 
 static inline ELEM store(float f) {
@@ -506,10 +543,10 @@ void decode_attention(const ELEM *q, const ELEM *kb, const ELEM *vb, const int32
                     const ELEM *k = kb + (int64_t)slots[l0 + j + i] * ROW;
                     for (int h = h0; h < h1; h++)
                         for (int g = 0; g < QR; g++) {
-                            __m256 x = _mm256_mul_ps(_mm256_loadu_ps(qf[h][g]), load8(k + h * D));
-                            for (int d = 8; d < D; d += 8)
-                                x = _mm256_fmadd_ps(_mm256_loadu_ps(qf[h][g] + d), load8(k + h * D + d), x);
-                            dots[h][g][i] = x;
+                            vec x = vmul(vloadf(qf[h][g]), vload(k + h * D));
+                            for (int d = VW; d < D; d += VW)
+                                x = vfma(vloadf(qf[h][g] + d), vload(k + h * D + d), x);
+                            dots[h][g][i] = fold8(x);
                         }
                 }
                 for (int h = h0; h < h1; h++)
@@ -545,24 +582,24 @@ void decode_attention(const ELEM *q, const ELEM *kb, const ELEM *vb, const int32
                     for (int d = 0; d < D; d++) acc[h][g][d] *= alpha;
                 }
 #ifdef AVX2_PATH
-            for (int h = h0; h < h1; h++)  /* the chunk's values, VR rows' sums on NV * 8 columns at a time */
+            for (int h = h0; h < h1; h++)  /* the chunk's values, VR rows' sums on NV vectors at a time */
                 for (int g0 = 0; g0 < QR; g0 += VR)
-                    for (int d0 = 0; d0 < D; d0 += NV * 8) {
-                        __m256 a[VR][NV];
+                    for (int d0 = 0; d0 < D; d0 += NV * VW) {
+                        vec a[VR][NV];
                         for (int r = 0; r < VR; r++)
                             for (int i = 0; i < NV; i++)
-                                a[r][i] = _mm256_loadu_ps(&acc[h][g0 + r][d0 + 8 * i]);
+                                a[r][i] = vloadf(&acc[h][g0 + r][d0 + VW * i]);
                         for (int j = 0; j < n; j++) {
                             const ELEM *v = vb + (int64_t)slots[l0 + j] * ROW + h * D + d0;
                             for (int i = 0; i < NV; i++) {
-                                __m256 x = load8(v + 8 * i);
+                                vec x = vload(v + VW * i);
                                 for (int r = 0; r < VR; r++)
-                                    a[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(s[h][g0 + r][j]), x, a[r][i]);
+                                    a[r][i] = vfma(vset1(s[h][g0 + r][j]), x, a[r][i]);
                             }
                         }
                         for (int r = 0; r < VR; r++)
                             for (int i = 0; i < NV; i++)
-                                _mm256_storeu_ps(&acc[h][g0 + r][d0 + 8 * i], a[r][i]);
+                                vstoref(&acc[h][g0 + r][d0 + VW * i], a[r][i]);
                     }
 #else
             for (int j = 0; j < n; j++) {  /* the chunk's values */
